@@ -1,0 +1,33 @@
+# make test: the whole suite against real servers; make demo: the example, no server needed;
+# make bench: benchmarks/ into benchmarks/results/.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: test demo bench lint servers clean
+
+$(STAMP): setup.cfg pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[all,test,bench]'
+	touch $(STAMP)
+
+servers:
+	bash scripts/ensure-servers.sh
+
+test: $(STAMP) servers
+	$(BIN)/ruff check celery_semaphore tests benchmarks example_project
+	$(BIN)/python -m pytest
+
+demo: $(STAMP)
+	$(BIN)/python -m example_project.demo
+
+bench: $(STAMP) servers
+	$(BIN)/python -m benchmarks
+
+lint: $(STAMP)
+	$(BIN)/ruff check celery_semaphore tests benchmarks example_project
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

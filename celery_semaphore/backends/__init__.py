@@ -1,0 +1,111 @@
+"""Backend registry: a URL scheme names a backend class.
+
+Built-in schemes are also declared in the ``celery_semaphore.backends`` entry point group, the
+group third parties add their schemes to. A backend may also be named by a dotted
+``"package.module:Class"`` path (it is then constructed with that string as its URL and its
+options as keywords), or registered at run time with :func:`register_backend`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import threading
+from typing import Any, Dict, Tuple, Type
+from urllib.parse import urlsplit
+
+from kombu.utils.url import maybe_sanitize_url
+
+from ..exceptions import UnknownBackend
+from .base import Backend
+
+ENTRY_POINT_GROUP = "celery_semaphore.backends"
+
+_BUILTIN = {
+    "redis": "celery_semaphore.backends.redis:RedisBackend",
+    "rediss": "celery_semaphore.backends.redis:RedisBackend",
+    "redis+socket": "celery_semaphore.backends.redis:RedisBackend",
+    "sqlite": "celery_semaphore.backends.sqlite:SQLiteBackend",
+    "memory": "celery_semaphore.backends.memory:MemoryBackend",
+}
+_registered: Dict[str, Any] = {}
+_instances: Dict[Tuple[int, str, Tuple[Tuple[str, Any], ...]], Backend] = {}
+_lock = threading.Lock()
+
+
+def register_backend(scheme: str, backend: "Type[Backend] | str") -> None:
+    """Serve URLs with ``scheme`` by ``backend`` (a class or a ``module:Class`` path)."""
+    _registered[scheme.lower()] = backend
+
+
+def _entry_points() -> Dict[str, Any]:
+    from importlib.metadata import entry_points
+
+    try:
+        eps = entry_points(group=ENTRY_POINT_GROUP)
+    except TypeError:  # Python 3.9
+        eps = entry_points().get(ENTRY_POINT_GROUP, [])
+    return {ep.name.lower(): ep for ep in eps}
+
+
+def known_schemes() -> Dict[str, Any]:
+    """Every scheme a URL may use, mapped to what serves it."""
+    schemes: Dict[str, Any] = dict(_BUILTIN)
+    schemes.update(_entry_points())
+    schemes.update(_registered)
+    return schemes
+
+
+def _load(target: Any) -> Type[Backend]:
+    if isinstance(target, str):
+        module, _, attr = target.partition(":")
+        return getattr(importlib.import_module(module), attr)
+    if hasattr(target, "load"):  # an entry point
+        return target.load()
+    return target
+
+
+def backend_class(url: str) -> Type[Backend]:
+    """The class serving ``url``; ``url`` may also be a dotted ``module:Class`` path."""
+    if ":" in url and "://" not in url:
+        try:
+            return _load(url)
+        except (ImportError, AttributeError) as exc:
+            raise UnknownBackend(f"cannot import semaphore backend {url!r}: {exc}") from exc
+    scheme = urlsplit(url).scheme.lower()
+    schemes = known_schemes()
+    if scheme not in schemes:
+        raise UnknownBackend(
+            f"no semaphore backend for URL {maybe_sanitize_url(url)!r}; "
+            f"known schemes: {', '.join(sorted(schemes))}"
+        )
+    return _load(schemes[scheme])
+
+
+def get_backend(url: "str | Backend", **options: Any) -> Backend:
+    """The process-wide backend instance for ``url`` and ``options`` (created on first use).
+
+    Instances are per process: a forked child gets its own connections and listener.
+    """
+    if isinstance(url, Backend):
+        return url
+    key = (os.getpid(), url, tuple(sorted(options.items())))
+    with _lock:
+        backend = _instances.get(key)
+        if backend is None:
+            backend = backend_class(url)(url, **options)
+            _instances[key] = backend
+        return backend
+
+
+def close_all() -> None:
+    """Close every backend instance this process created."""
+    with _lock:
+        instances = [b for (pid, _, _), b in _instances.items() if pid == os.getpid()]
+        _instances.clear()
+    for backend in instances:
+        backend.close()
+
+
+__all__ = ["Backend", "backend_class", "close_all", "get_backend", "known_schemes",
+           "register_backend"]

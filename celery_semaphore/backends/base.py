@@ -1,0 +1,275 @@
+"""The backend contract: the few atomic operations every semaphore backend provides.
+
+A backend stores, per semaphore name:
+
+* the **limit** (created with the first caller's declared limit, changed only by ``resize``),
+  and the limits callers have declared (for operators to spot a mismatch);
+* the **holders**: holder id -> slot, fencing epoch, since, absolute expiry, caller metadata;
+* the **waiters**: a FIFO queue of holder ids by ticket, each with an expiry that a live waiter
+  keeps pushing forward, so a crashed waiter stops blocking the queue after ``waiter_ttl``;
+* one fencing **epoch per slot**, strictly increasing.
+
+Every operation is atomic on the server and reads time from the server, never a client clock.
+Expired holders and waiters are pruned by every operation before it decides anything.
+
+Admission rule (FIFO): a caller is admitted when ``len(holders) + rank < limit`` where ``rank``
+is its place in the waiter queue (a caller that is not queued ranks behind every waiter). The
+admitted caller takes the lowest free slot ``s < limit`` and bumps ``epoch[s]``.
+
+Wake-ups: whenever an operation can make a waiter admissible (release, cancel, resize, pruning),
+the backend notifies the waiters whose rank is now below ``limit - len(holders)``, addressed to
+the process that queued them (its ``client_id``). A notification is only a hint: waiters also
+re-try after ``retry_after`` or their poll interval, because a notification can be lost and an
+expiring lease notifies nobody.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+import socket
+import threading
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
+
+Meta = Dict[str, Any]
+WakeCallback = Callable[[], None]
+
+#: Default seconds a waiter's queue entry lives without being refreshed.
+DEFAULT_WAITER_TTL = 5.0
+#: Default seconds an idle semaphore's state (limit included) is kept.
+DEFAULT_IDLE_TTL = 7 * 24 * 3600.0
+
+
+class FencingToken(NamedTuple):
+    """``(slot, epoch)``: the epoch strictly increases for each slot.
+
+    A protected resource remembers the highest epoch it has seen per slot and rejects writes
+    carrying a lower one, so a holder whose lease lapsed cannot overwrite its successor.
+    """
+
+    slot: int
+    epoch: int
+
+    def __str__(self) -> str:
+        return f"{self.slot}:{self.epoch}"
+
+
+@dataclass(frozen=True)
+class Grant:
+    """A slot granted to a holder. ``ttl`` is the lease length in seconds as granted."""
+
+    slot: int
+    epoch: int
+    expires_at: float
+    ttl: float
+
+    @property
+    def token(self) -> FencingToken:
+        return FencingToken(self.slot, self.epoch)
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """The outcome of one ``acquire`` call.
+
+    ``grant`` is set when admitted. Otherwise ``position`` is the caller's 0-based place in the
+    waiter queue (None when it did not queue) and ``retry_after`` the seconds until the earliest
+    holder lease expires (None when nobody holds), a hint for when to try again.
+    """
+
+    grant: Optional[Grant]
+    position: Optional[int] = None
+    retry_after: Optional[float] = None
+    limit: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class HolderInfo:
+    holder: str
+    slot: int
+    epoch: int
+    since: float
+    expires_at: float
+    meta: Meta = field(default_factory=dict)
+
+    @property
+    def token(self) -> FencingToken:
+        return FencingToken(self.slot, self.epoch)
+
+
+@dataclass(frozen=True)
+class WaiterInfo:
+    holder: str
+    ticket: int
+    since: float
+    meta: Meta = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SemaphoreStatus:
+    """A consistent snapshot of one semaphore, taken in one atomic read."""
+
+    name: str
+    limit: int
+    declared: Dict[int, float]
+    holders: Tuple[HolderInfo, ...]
+    waiters: Tuple[WaiterInfo, ...]
+
+    @property
+    def held(self) -> int:
+        return len(self.holders)
+
+    @property
+    def waiting(self) -> int:
+        return len(self.waiters)
+
+    def as_dict(self) -> Dict[str, Any]:
+        """A JSON-ready form, as the CLI prints it."""
+        return {
+            "name": self.name,
+            "limit": self.limit,
+            "declared": {str(k): v for k, v in sorted(self.declared.items())},
+            "held": self.held,
+            "waiting": self.waiting,
+            "holders": [
+                {
+                    "holder": h.holder,
+                    "token": str(h.token),
+                    "slot": h.slot,
+                    "epoch": h.epoch,
+                    "since": h.since,
+                    "expires_at": h.expires_at,
+                    "meta": h.meta,
+                }
+                for h in self.holders
+            ],
+            "waiters": [
+                {"holder": w.holder, "ticket": w.ticket, "since": w.since, "meta": w.meta}
+                for w in self.waiters
+            ],
+        }
+
+
+def new_holder_id() -> str:
+    """A random, unguessable holder id."""
+    return uuid.uuid4().hex
+
+
+class Backend(abc.ABC):
+    """Base class of semaphore backends. Subclasses implement the abstract operations.
+
+    One instance serves a whole process and is thread-safe. It owns the process's notification
+    endpoint (``client_id``); :meth:`watch` routes wake-ups for one waiter to a callback.
+    """
+
+    #: URL schemes this backend serves, for the registry's error messages.
+    schemes: Tuple[str, ...] = ()
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        key_prefix: str = "semaphore:",
+        waiter_ttl: float = DEFAULT_WAITER_TTL,
+        idle_ttl: float = DEFAULT_IDLE_TTL,
+    ) -> None:
+        self.url = url
+        self.key_prefix = key_prefix
+        self.waiter_ttl = float(waiter_ttl)
+        self.idle_ttl = float(idle_ttl)
+        self.client_id = f"{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+        self._watch_lock = threading.Lock()
+        self._watchers: Dict[Tuple[str, str], WakeCallback] = {}
+        self._pid = os.getpid()
+
+    # -- operations every backend implements ---------------------------------------------
+
+    @abc.abstractmethod
+    def acquire(
+        self, name: str, holder: str, *, limit: int, ttl: float, meta: Meta, wait: bool
+    ) -> Attempt:
+        """Admit ``holder`` if the FIFO rule allows, else (``wait``) queue or refresh it.
+
+        ``limit`` is the caller's declared limit: it creates the semaphore when new and is
+        recorded among the declared limits, but never changes an existing limit. A holder
+        that already holds gets its existing grant back unchanged.
+        """
+
+    @abc.abstractmethod
+    def release(self, name: str, holder: str) -> bool:
+        """Free the holder's slot. False when it was not held (expired, released, reset)."""
+
+    @abc.abstractmethod
+    def renew(self, name: str, holder: str, ttl: float) -> Optional[float]:
+        """Extend a live lease to ``now + ttl``; return the new expiry, or None if not held.
+
+        Never re-acquires: an expired or released lease stays gone.
+        """
+
+    @abc.abstractmethod
+    def verify(self, name: str, holder: str) -> bool:
+        """True while the holder holds an unexpired lease."""
+
+    @abc.abstractmethod
+    def cancel(self, name: str, holder: str) -> None:
+        """Leave the waiter queue (no-op when not queued)."""
+
+    @abc.abstractmethod
+    def resize(self, name: str, limit: int) -> bool:
+        """Set the limit, creating the semaphore if needed. True when it was created.
+
+        Growing wakes waiters at once; shrinking admits nobody until holders drop below it.
+        """
+
+    @abc.abstractmethod
+    def status(self, name: str) -> Optional[SemaphoreStatus]:
+        """A snapshot of the semaphore, or None when the backend does not know it."""
+
+    @abc.abstractmethod
+    def names(self) -> List[str]:
+        """Names of every semaphore the backend currently knows, sorted."""
+
+    @abc.abstractmethod
+    def reset(self, name: str) -> bool:
+        """Delete all state of the semaphore (holders lose their leases). False if unknown.
+
+        Fencing epochs survive where the backend can keep them, so tokens still increase.
+        """
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections and stop the notification listener."""
+
+    def ping(self) -> None:
+        """Raise BackendUnavailable unless the backend answers."""
+        self.names()
+
+    # -- notifications -------------------------------------------------------------------
+
+    def watch(self, name: str, holder: str, callback: WakeCallback) -> None:
+        """Call ``callback`` (from any thread) when the waiter may have become admissible."""
+        with self._watch_lock:
+            self._watchers[(name, holder)] = callback
+            first = len(self._watchers) == 1
+        if first:
+            self._start_listening()
+
+    def unwatch(self, name: str, holder: str) -> None:
+        with self._watch_lock:
+            self._watchers.pop((name, holder), None)
+
+    def _notify(self, name: str, holder: str) -> None:
+        """Deliver a wake-up received by this process to the waiter's callback, if any."""
+        with self._watch_lock:
+            callback = self._watchers.get((name, holder))
+        if callback is not None:
+            callback()
+
+    def _start_listening(self) -> None:  # noqa: B027 - optional hook
+        """Start receiving this process's wake-ups (idempotent). Default: nothing to start."""
+
+    def __repr__(self) -> str:
+        from kombu.utils.url import maybe_sanitize_url
+
+        return f"<{type(self).__name__} {maybe_sanitize_url(self.url)}>"

@@ -1,0 +1,181 @@
+"""``sqlite:///relative.db`` / ``sqlite:////absolute.db``: semaphores in a file on one host.
+
+Every process on the machine that opens the same file shares the semaphores. Each operation is
+one ``BEGIN IMMEDIATE`` transaction (SQLite's write lock) over the semaphore's state, so
+operations are atomic across processes. Time is the host's clock, which every process shares.
+
+Wake-ups travel as datagrams over Unix sockets, one per waiting process, in a directory under
+the system's temp dir named after the database file; waiters poll as well, so a lost datagram
+only delays a waiter by its poll interval. The file must be on a local disk: SQLite's locking
+is not reliable over network file systems, and the sockets reach only this host.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import socket
+import sqlite3
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator, List, Optional
+from urllib.parse import unquote, urlsplit
+
+from ..exceptions import BackendUnavailable, ConfigurationError
+from .model import Box, ModelBackend, State
+
+logger = logging.getLogger(__name__)
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS semaphores (
+    name TEXT PRIMARY KEY,
+    state TEXT NOT NULL,
+    expires REAL NOT NULL
+)
+"""
+
+
+def database_path(url: str) -> str:
+    """The file a ``sqlite://`` URL names, by SQLAlchemy's convention (3 slashes: relative)."""
+    parts = urlsplit(url)
+    path = unquote(parts.path)
+    if parts.netloc or not path.startswith("/") or path == "/":
+        raise ConfigurationError(
+            f"sqlite URL {url!r} names no file: use sqlite:///relative.db or "
+            "sqlite:////absolute/path.db"
+        )
+    return os.path.abspath(path[1:])
+
+
+class SQLiteBackend(ModelBackend):
+    """Semaphores in one SQLite file, shared by the processes of one host."""
+
+    schemes = ("sqlite",)
+
+    def __init__(self, url: str, *, busy_timeout: float = 30.0, **options: Any) -> None:
+        super().__init__(url, **options)
+        self.path = database_path(url)
+        self.busy_timeout = busy_timeout
+        digest = hashlib.sha1(self.path.encode()).hexdigest()[:12]
+        self._socket_dir = os.path.join(tempfile.gettempdir(), f"celery-semaphore-{digest}")
+        self._local = threading.local()
+        self._listener: Optional[socket.socket] = None
+        self._closed = threading.Event()
+        self._sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sender.setblocking(False)
+
+    # -- storage ---------------------------------------------------------------------------
+
+    def _connection(self) -> sqlite3.Connection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None or self._local.pid != os.getpid():
+            try:
+                conn = sqlite3.connect(
+                    self.path, timeout=self.busy_timeout, isolation_level=None,
+                    check_same_thread=False,
+                )
+                conn.execute("PRAGMA journal_mode=WAL")
+                conn.execute("PRAGMA synchronous=NORMAL")
+                conn.execute(_SCHEMA)
+            except sqlite3.Error as exc:
+                raise BackendUnavailable(
+                    f"cannot open semaphore database {self.path}: {exc}"
+                ) from exc
+            self._local.conn, self._local.pid = conn, os.getpid()
+        return conn
+
+    @contextmanager
+    def _transaction(self, name: str) -> Iterator[Box]:
+        conn = self._connection()
+        key = self.key_prefix + name
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as exc:
+            raise BackendUnavailable(f"semaphore database {self.path} is locked: {exc}") from exc
+        try:
+            now = time.time()
+            row = conn.execute(
+                "SELECT state FROM semaphores WHERE name = ? AND expires > ?", (key, now)
+            ).fetchone()
+            box = Box(State.loads(row[0]) if row else None, now)
+            yield box
+            if box.state is None:
+                conn.execute("DELETE FROM semaphores WHERE name = ?", (key,))
+            else:
+                conn.execute(
+                    "INSERT OR REPLACE INTO semaphores (name, state, expires) VALUES (?, ?, ?)",
+                    (key, box.state.dumps(), now + self.idle_ttl),
+                )
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+
+    def _stored_names(self) -> List[str]:
+        conn = self._connection()
+        conn.execute("DELETE FROM semaphores WHERE expires <= ?", (time.time(),))
+        rows = conn.execute(
+            "SELECT name FROM semaphores WHERE substr(name, 1, ?) = ?",
+            (len(self.key_prefix), self.key_prefix),
+        ).fetchall()
+        return [row[0][len(self.key_prefix):] for row in rows]
+
+    # -- wake-ups ----------------------------------------------------------------------------
+
+    def _socket_path(self, client: str) -> str:
+        return os.path.join(self._socket_dir, hashlib.sha1(client.encode()).hexdigest()[:16])
+
+    def _send_wakeup(self, client: str, name: str, holder: str) -> None:
+        try:
+            self._sender.sendto(json.dumps([name, holder]).encode(), self._socket_path(client))
+        except OSError:  # that process is gone or its buffer is full: it polls anyway
+            pass
+
+    def _start_listening(self) -> None:
+        if self._listener is not None:
+            return
+        os.makedirs(self._socket_dir, mode=0o700, exist_ok=True)
+        path = self._socket_path(self.client_id)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        if os.path.exists(path):
+            os.unlink(path)
+        listener.bind(path)
+        listener.settimeout(1.0)
+        self._listener = listener
+        threading.Thread(
+            target=self._listen, args=(listener,), name="celery-semaphore-sqlite-wake",
+            daemon=True,
+        ).start()
+
+    def _listen(self, listener: socket.socket) -> None:
+        while not self._closed.is_set():
+            try:
+                payload = listener.recv(65536)
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            try:
+                name, holder = json.loads(payload)
+            except ValueError:
+                continue
+            self._notify(name, holder)
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._listener is not None:
+            try:
+                os.unlink(self._socket_path(self.client_id))
+            except OSError:
+                pass
+            self._listener.close()
+            self._listener = None
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+            self._local.conn = None

@@ -1,0 +1,37 @@
+"""Errors raised by celery-semaphore. Every one derives from :class:`SemaphoreError`."""
+
+
+class SemaphoreError(Exception):
+    """Base class of every error this library raises."""
+
+
+class ConfigurationError(SemaphoreError, ValueError):
+    """A setting, option or argument is invalid. Nothing was changed."""
+
+
+class InvalidName(ConfigurationError):
+    """A semaphore name is empty, too long, or contains characters no backend can hold."""
+
+
+class InvalidLimit(ConfigurationError):
+    """A limit is not a positive integer."""
+
+
+class UnknownBackend(ConfigurationError):
+    """No backend is registered for a URL scheme."""
+
+
+class BackendUnavailable(SemaphoreError, ConnectionError):
+    """The backend server could not be reached. The message names the URL, password masked."""
+
+
+class SemaphoreTimeout(SemaphoreError, TimeoutError):
+    """No slot became free before the timeout passed."""
+
+
+class LeaseLost(SemaphoreError):
+    """A lease is no longer held: it expired, was force-released, or its connection dropped."""
+
+
+class UnknownSemaphore(SemaphoreError, LookupError):
+    """An administrative operation named a semaphore the backend has never seen."""

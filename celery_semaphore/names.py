@@ -1,0 +1,45 @@
+"""Validation of semaphore names and limits, shared by the client, the gate and the CLI."""
+
+from __future__ import annotations
+
+import re
+
+from .exceptions import InvalidLimit, InvalidName
+
+#: Longest name, in UTF-8 bytes. Leaves room for key prefixes within RabbitMQ's 255-byte
+#: queue names and Redis/Consul key conventions.
+MAX_NAME_BYTES = 200
+
+# Whitespace and control characters cannot be typed safely on a command line; braces would
+# break Redis Cluster hash tags; glob characters would break key scans; "/" would nest Consul
+# keys under another semaphore's prefix.
+_FORBIDDEN = re.compile(r"[\s{}\[\]*?\\/\x00-\x1f\x7f]")
+
+
+def validate_name(name: object) -> str:
+    """Return ``name`` if it can name a semaphore on every backend, else raise InvalidName."""
+    if not isinstance(name, str):
+        raise InvalidName(f"semaphore name must be a string, not {type(name).__name__}")
+    if not name:
+        raise InvalidName("semaphore name must not be empty")
+    size = len(name.encode("utf-8"))
+    if size > MAX_NAME_BYTES:
+        raise InvalidName(
+            f"semaphore name is {size} bytes long; the most is {MAX_NAME_BYTES}: {name[:40]!r}..."
+        )
+    bad = _FORBIDDEN.search(name)
+    if bad:
+        raise InvalidName(
+            f"semaphore name {name!r} contains {bad.group()!r}; names may not contain "
+            "whitespace, control characters or any of {{}}[]*?\\/"
+        )
+    return name
+
+
+def validate_limit(limit: object, what: str = "limit") -> int:
+    """Return ``limit`` if it is a positive int (bools rejected), else raise InvalidLimit."""
+    if isinstance(limit, bool) or not isinstance(limit, int):
+        raise InvalidLimit(f"{what} must be a positive integer, not {limit!r}")
+    if limit < 1:
+        raise InvalidLimit(f"{what} must be a positive integer, not {limit}")
+    return limit

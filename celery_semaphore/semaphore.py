@@ -1,0 +1,260 @@
+"""The client API: :class:`Semaphore` hands out :class:`Lease` objects.
+
+Guarantee: while every holder's lease is valid (not expired on the backend's clock), at most
+``limit`` leases of one semaphore are held. Nothing can stop a holder that lost its lease from
+running on (a partition, a paused process), so each lease carries a fencing token and a local
+deadline that ends before the backend can expire it: check :attr:`Lease.valid` or call
+:meth:`Lease.verify` before an action the semaphore protects, and pass :attr:`Lease.token`
+to the protected resource where it can reject stale tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from typing import Any, Callable, List, Optional, Union
+
+from .backends import get_backend
+from .backends.base import Backend, FencingToken, Grant, Meta, SemaphoreStatus, new_holder_id
+from .exceptions import ConfigurationError, SemaphoreTimeout
+from .names import validate_limit, validate_name
+
+DEFAULT_BACKEND = "redis://localhost:6379/0"
+DEFAULT_TTL = 60.0
+DEFAULT_POLL_INTERVAL = 1.0
+
+
+def _positive_seconds(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigurationError(f"{what} must be a positive number of seconds, not {value!r}")
+    if math.isinf(value):
+        raise ConfigurationError(f"{what} must be finite, not {value!r}")
+    return float(value)
+
+
+class Lease:
+    """A held slot. Release it exactly once: :meth:`release`, or leave the ``with`` block.
+
+    ``token`` is the fencing token ``(slot, epoch)``; ``holder`` the id the backend knows the
+    lease by (what ``celery semaphore release NAME HOLDER`` takes).
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        name: str,
+        holder: str,
+        grant: Grant,
+        requested_at: float,
+        *,
+        limit: Optional[int] = None,
+        meta: Optional[Meta] = None,
+    ) -> None:
+        self.backend = backend
+        self.name = name
+        self.holder = holder
+        self.token: FencingToken = grant.token
+        self.limit = limit
+        self.meta = dict(meta or {})
+        self.ttl = grant.ttl
+        # The local deadline counts from before the request was sent, so it ends no later
+        # than the backend's expiry whatever the network delay was.
+        self._deadline = requested_at + grant.ttl
+        self._released = False
+        self._lost = False
+        self._lost_callbacks: List[Callable[["Lease"], None]] = []
+        self._lock = threading.Lock()
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    @property
+    def lost(self) -> bool:
+        """True once a renewal found the lease gone or the local deadline passed unrenewed."""
+        return self._lost or (not self._released and time.monotonic() >= self._deadline)
+
+    @property
+    def valid(self) -> bool:
+        """Held as far as this process can tell without a round trip."""
+        return not self._released and not self.lost
+
+    @property
+    def remaining(self) -> float:
+        """Seconds until the local deadline (0 when passed)."""
+        return max(0.0, self._deadline - time.monotonic())
+
+    def on_lost(self, callback: Callable[["Lease"], None]) -> None:
+        """Call ``callback(lease)`` once when a renewal discovers the lease is gone."""
+        self._lost_callbacks.append(callback)
+
+    def mark_lost(self) -> None:
+        """Record that the lease is gone and run the ``on_lost`` callbacks (once)."""
+        with self._lock:
+            if self._lost or self._released:
+                return
+            self._lost = True
+        for callback in self._lost_callbacks:
+            callback(self)
+
+    def release(self) -> bool:
+        """Free the slot. True only for the call that freed it; False when it had expired.
+
+        Idempotent: later calls return False and touch nothing.
+        """
+        with self._lock:
+            if self._released:
+                return False
+            self._released = True
+        from .keeper import default_keeper
+
+        default_keeper.discard(self)
+        return self.backend.release(self.name, self.holder)
+
+    def renew(self, ttl: Optional[float] = None) -> bool:
+        """Extend the lease to ``ttl`` seconds from now. Never re-acquires a lost lease."""
+        ttl = self.ttl if ttl is None else _positive_seconds(ttl, "ttl")
+        if self._released or self._lost:
+            return False
+        started = time.monotonic()
+        if self.backend.renew(self.name, self.holder, ttl) is None:
+            self.mark_lost()
+            return False
+        self._deadline = started + ttl
+        self.ttl = ttl
+        return True
+
+    def verify(self) -> bool:
+        """Ask the backend (one round trip) whether the lease is still held."""
+        if self._released:
+            return False
+        held = self.backend.verify(self.name, self.holder)
+        if not held:
+            self.mark_lost()
+        return held
+
+    def __enter__(self) -> "Lease":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        state = "released" if self._released else ("lost" if self.lost else "held")
+        return f"<Lease {self.name!r} token={self.token} holder={self.holder} {state}>"
+
+
+class Semaphore:
+    """A named counting semaphore shared by every process that uses the same backend.
+
+    ``limit`` is the limit this caller declares: it creates the semaphore when the backend has
+    never seen the name; afterwards the stored limit rules (change it with :meth:`resize`).
+    Waiters are admitted in FIFO order, woken by the backend's notification, with a poll every
+    ``poll_interval`` seconds as the fallback for a lost notification or an expired lease.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        limit: int = 4,
+        backend: Union[str, Backend] = DEFAULT_BACKEND,
+        *,
+        ttl: float = DEFAULT_TTL,
+        poll_interval: float = DEFAULT_POLL_INTERVAL,
+        meta: Optional[Meta] = None,
+        auto_renew: bool = False,
+        **options: Any,
+    ) -> None:
+        self.name = validate_name(name)
+        self.limit = validate_limit(limit)
+        self.ttl = _positive_seconds(ttl, "ttl")
+        self.poll_interval = _positive_seconds(poll_interval, "poll_interval")
+        self.meta = dict(meta or {})
+        self.auto_renew = auto_renew
+        self.backend = get_backend(backend, **options)
+
+    def _lease(self, holder: str, grant: Grant, requested_at: float, meta: Meta, limit: Any):
+        lease = Lease(
+            self.backend, self.name, holder, grant, requested_at, limit=limit, meta=meta
+        )
+        if self.auto_renew:
+            from .keeper import default_keeper
+
+            default_keeper.add(lease)
+        return lease
+
+    def acquire(self, timeout: Optional[float] = None, *, meta: Optional[Meta] = None) -> Lease:
+        """Block until a slot is free and return its lease.
+
+        Raises :class:`SemaphoreTimeout` when ``timeout`` seconds pass first (the caller then
+        leaves the queue). ``meta`` (JSON-able) is shown to operators in ``status``.
+        """
+        if timeout is not None and (isinstance(timeout, bool) or timeout < 0):
+            raise ConfigurationError(f"timeout must be None or >= 0, not {timeout!r}")
+        meta = {**self.meta, **(meta or {})}
+        holder = new_holder_id()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        wake = threading.Event()
+        self.backend.watch(self.name, holder, wake.set)
+        granted = False
+        try:
+            while True:
+                wake.clear()
+                requested_at = time.monotonic()
+                attempt = self.backend.acquire(
+                    self.name, holder, limit=self.limit, ttl=self.ttl, meta=meta, wait=True
+                )
+                if attempt.grant is not None:
+                    granted = True
+                    return self._lease(holder, attempt.grant, requested_at, meta, attempt.limit)
+                # Re-try at least every third of waiter_ttl: each try keeps our place in line.
+                pause = min(self.poll_interval, self.backend.waiter_ttl / 3)
+                if attempt.retry_after is not None:
+                    pause = min(pause, attempt.retry_after + 0.001)
+                if deadline is not None:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise SemaphoreTimeout(
+                            f"no slot of semaphore {self.name!r} became free in {timeout}s"
+                        )
+                    pause = min(pause, remaining)
+                wake.wait(pause)
+        finally:
+            self.backend.unwatch(self.name, holder)
+            if not granted:
+                self._abandon(holder)
+
+    def _abandon(self, holder: str) -> None:
+        """Leave the queue; also release, in case a grant was lost with its reply."""
+        try:
+            self.backend.cancel(self.name, holder)
+            self.backend.release(self.name, holder)
+        except Exception:  # the queue entry expires by itself after waiter_ttl
+            pass
+
+    def try_acquire(self, *, meta: Optional[Meta] = None) -> Optional[Lease]:
+        """Take a slot if one is free and nobody is queued for it; never blocks."""
+        meta = {**self.meta, **(meta or {})}
+        holder = new_holder_id()
+        requested_at = time.monotonic()
+        attempt = self.backend.acquire(
+            self.name, holder, limit=self.limit, ttl=self.ttl, meta=meta, wait=False
+        )
+        if attempt.grant is None:
+            return None
+        return self._lease(holder, attempt.grant, requested_at, meta, attempt.limit)
+
+    def resize(self, limit: int) -> bool:
+        """Set the stored limit for everyone (creating the semaphore); True if created."""
+        return self.backend.resize(self.name, validate_limit(limit))
+
+    def status(self) -> SemaphoreStatus:
+        """Limit, holders and waiters. A semaphore never used shows this caller's limit."""
+        status = self.backend.status(self.name)
+        if status is None:
+            return SemaphoreStatus(self.name, self.limit, {}, (), ())
+        return status
+
+    def __repr__(self) -> str:
+        return f"<Semaphore {self.name!r} limit={self.limit} backend={self.backend!r}>"

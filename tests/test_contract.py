@@ -1,0 +1,442 @@
+"""The backend contract: every backend must pass this suite unchanged.
+
+Concurrency is checked by an external probe (a counter in shared memory that holders bump
+after acquiring and drop before releasing), never by the library's own bookkeeping.
+"""
+
+import multiprocessing
+import os
+import signal
+import statistics
+import threading
+import time
+
+import pytest
+
+from celery_semaphore import (
+    ConfigurationError,
+    InvalidLimit,
+    InvalidName,
+    Semaphore,
+    SemaphoreTimeout,
+    UnknownBackend,
+)
+
+FORK = multiprocessing.get_context("fork")
+
+
+class Probe:
+    """Counts holders from outside the library; remembers the highest count seen."""
+
+    def __init__(self):
+        self.lock = FORK.Lock()
+        self.current = FORK.Value("i", 0, lock=False)
+        self.highest = FORK.Value("i", 0, lock=False)
+
+    def enter(self):
+        with self.lock:
+            self.current.value += 1
+            self.highest.value = max(self.highest.value, self.current.value)
+
+    def leave(self):
+        with self.lock:
+            self.current.value -= 1
+
+
+def wait_until(predicate, timeout=5.0, interval=0.01):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+def start_waiter(sem, results, key, **kwargs):
+    def run():
+        lease = sem.acquire(**kwargs)
+        results.append((key, lease, time.monotonic()))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+# -- basics -------------------------------------------------------------------------------
+
+
+def test_acquire_release_and_lease_fields(spec):
+    sem = spec.semaphore("basic", 2)
+    with sem.acquire(timeout=5, meta={"task_id": "t-1"}) as lease:
+        assert lease.name == "basic"
+        assert lease.limit == 2
+        assert lease.valid and lease.verify()
+        assert isinstance(lease.holder, str) and lease.holder
+        assert lease.token.slot == 0
+        status = sem.status()
+        assert status.limit == 2 and status.held == 1 and status.waiting == 0
+        (info,) = status.holders
+        assert info.holder == lease.holder and info.token == lease.token
+        assert info.meta == {"task_id": "t-1"}
+        assert info.since <= time.time() + 1 and info.expires_at > info.since
+    assert lease.released and not lease.verify()
+    assert sem.status().held == 0
+    assert lease.release() is False  # idempotent
+
+
+def test_try_acquire_exactly_limit_of_20_simultaneous(spec):
+    sem = spec.semaphore("twenty", 5)
+    barrier = threading.Barrier(20)
+    leases = []
+
+    def attempt():
+        barrier.wait()
+        leases.append(sem.try_acquire())
+
+    threads = [threading.Thread(target=attempt) for _ in range(20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    held = [lease for lease in leases if lease is not None]
+    assert len(held) == 5
+    assert sorted(lease.token.slot for lease in held) == [0, 1, 2, 3, 4]
+    assert sem.status().held == 5
+
+
+def test_try_acquire_from_20_processes(spec):
+    if not spec.multiprocess:
+        pytest.skip("memory:// is one process by definition")
+    sem = spec.semaphore("twenty-procs", 3, ttl=30)
+    ready, go = FORK.Barrier(21), FORK.Event()
+    got = FORK.Value("i", 0)
+
+    def child():
+        ready.wait()
+        go.wait()
+        if spec.semaphore("twenty-procs", 3, ttl=30).try_acquire() is not None:
+            with got.get_lock():
+                got.value += 1
+
+    procs = [FORK.Process(target=child) for _ in range(20)]
+    for p in procs:
+        p.start()
+    ready.wait()
+    go.set()
+    for p in procs:
+        p.join(30)
+    assert got.value == 3
+    assert sem.status().held == 3
+
+
+def test_contention_storm_never_exceeds_limit(spec):
+    """32 contenders hammer a limit-3 semaphore; the external probe never sees more than 3."""
+    limit, workers, rounds = 3, 32, 6
+    probe = Probe()
+    errors = FORK.Value("i", 0)
+
+    def contender():
+        sem = spec.semaphore("storm", limit, ttl=30, poll_interval=0.5)
+        try:
+            for _ in range(rounds):
+                with sem.acquire(timeout=60):
+                    probe.enter()
+                    time.sleep(0.002)
+                    probe.leave()
+        except Exception:
+            with errors.get_lock():
+                errors.value += 1
+            raise
+
+    if spec.multiprocess:
+        runners = [FORK.Process(target=contender) for _ in range(workers)]
+    else:
+        runners = [threading.Thread(target=contender) for _ in range(workers)]
+    for r in runners:
+        r.start()
+    for r in runners:
+        r.join(120)
+    assert errors.value == 0
+    assert probe.highest.value == limit  # reached, never exceeded
+    status = spec.semaphore("storm", limit).status()
+    assert status.held == 0 and status.waiting == 0
+
+
+# -- waiting ------------------------------------------------------------------------------
+
+
+def test_waiters_are_admitted_in_fifo_order(spec):
+    sem = spec.semaphore("fifo", 1, poll_interval=5)
+    holder = sem.acquire()
+    results = []
+    threads = []
+    for key in range(5):
+        threads.append(start_waiter(sem, results, key, timeout=30))
+        assert wait_until(lambda k=key: sem.status().waiting == k + 1)
+    order = []
+    current = holder
+    for _ in range(5):
+        current.release()
+        assert wait_until(lambda n=len(order): len(results) > n)
+        key, current, _ = results[len(order)]
+        order.append(key)
+    current.release()
+    assert order == [0, 1, 2, 3, 4]
+
+
+def test_blocked_waiter_starts_on_release_not_on_poll(spec):
+    """Wake-ups come from the backend's notification: the poll interval here is 10 s."""
+    sem = spec.semaphore("handoff", 1, poll_interval=10)
+    gaps = []
+    for _ in range(8):
+        holder = sem.acquire()
+        results = []
+        thread = start_waiter(sem, results, "w", timeout=30)
+        assert wait_until(lambda: sem.status().waiting == 1)
+        released_at = time.monotonic()
+        holder.release()
+        thread.join(15)
+        assert results, "waiter was not admitted"
+        gaps.append(results[0][2] - released_at)
+        results[0][1].release()
+    # A few milliseconds on an idle machine; the bound only has to tell a wake-up from a poll.
+    assert statistics.median(gaps) < 0.05, gaps
+    assert max(gaps) < 1.0, gaps
+
+
+def test_acquire_timeout_raises_and_leaves_the_queue(spec):
+    sem = spec.semaphore("timeout", 1)
+    held = sem.acquire()
+    started = time.monotonic()
+    with pytest.raises(SemaphoreTimeout):
+        sem.acquire(timeout=0.3)
+    assert 0.25 <= time.monotonic() - started < 3
+    assert sem.status().waiting == 0
+    held.release()
+    assert sem.try_acquire() is not None
+
+
+def test_try_acquire_does_not_jump_the_queue(spec):
+    sem = spec.semaphore("nojump", 1, poll_interval=5)
+    held = sem.acquire()
+    results = []
+    start_waiter(sem, results, "w", timeout=30)
+    assert wait_until(lambda: sem.status().waiting == 1)
+    held.release()
+    assert wait_until(lambda: results)
+    assert sem.try_acquire() is None
+    results[0][1].release()
+
+
+def test_a_dead_waiter_stops_blocking_the_queue(spec):
+    if not spec.multiprocess:
+        pytest.skip("needs a process to kill")
+    sem = spec.semaphore("deadwaiter", 1, waiter_ttl=1.0)
+    held = sem.acquire()
+    child = FORK.Process(target=lambda: spec.semaphore("deadwaiter", 1, waiter_ttl=1.0).acquire())
+    child.start()
+    assert wait_until(lambda: sem.status().waiting == 1)
+    os.kill(child.pid, signal.SIGKILL)
+    child.join()
+    held.release()
+    assert sem.try_acquire() is None  # the dead waiter is still ahead...
+    assert wait_until(lambda: sem.try_acquire() is not None, timeout=5)  # ...until it expires
+
+
+# -- failure and expiry -------------------------------------------------------------------
+
+
+def _hold_forever(url, options, ready, ttl):
+    from celery_semaphore import Semaphore
+
+    Semaphore("crash", 1, url, ttl=ttl, **options).acquire()
+    ready.set()
+    time.sleep(600)
+
+
+def test_sigkilled_holder_slot_returns_after_ttl_not_before(spec):
+    if not spec.multiprocess:
+        pytest.skip("needs a process to kill")
+    ttl = 2.0
+    ready = FORK.Event()
+    child = FORK.Process(target=_hold_forever, args=(spec.url, spec.options, ready, ttl))
+    child.start()
+    assert ready.wait(15)
+    granted_about = time.monotonic()
+    os.kill(child.pid, signal.SIGKILL)
+    child.join()
+    sem = spec.semaphore("crash", 1)
+    while time.monotonic() - granted_about < ttl - 0.3:
+        assert sem.try_acquire() is None
+        time.sleep(0.1)
+    lease = sem.acquire(timeout=5)
+    assert time.monotonic() - granted_about < ttl + 1.5
+    lease.release()
+
+
+def test_renew_after_expiry_fails_and_does_not_reacquire(spec):
+    sem = spec.semaphore("renew", 1, ttl=0.3)
+    lease = sem.acquire()
+    assert lease.renew()
+    time.sleep(0.5)
+    assert not lease.valid
+    assert lease.renew() is False
+    assert lease.lost
+    assert sem.status().held == 0
+    assert not lease.verify()
+
+
+def test_renew_extends_a_live_lease(spec):
+    sem = spec.semaphore("extend", 1, ttl=0.6)
+    lease = sem.acquire()
+    for _ in range(4):
+        time.sleep(0.3)
+        assert lease.renew()
+    assert lease.verify() and sem.try_acquire() is None
+    assert lease.release() is True
+
+
+def test_release_after_expiry_returns_false_and_count_stays_right(spec):
+    sem = spec.semaphore("late", 1, ttl=0.3)
+    stale = sem.acquire()
+    time.sleep(0.5)
+    fresh = sem.acquire(timeout=2)
+    assert stale.release() is False
+    assert sem.status().held == 1
+    assert fresh.verify()
+    assert sem.try_acquire() is None
+    assert fresh.release() is True
+    assert sem.status().held == 0
+
+
+def test_auto_renew_keeps_the_lease_and_reports_loss(spec):
+    sem = spec.semaphore("auto", 1, ttl=0.6, auto_renew=True)
+    lease = sem.acquire()
+    lost = threading.Event()
+    lease.on_lost(lambda _lease: lost.set())
+    time.sleep(1.5)
+    assert lease.verify() and not lost.is_set()
+    spec.backend().reset("auto")  # an operator wipes the semaphore
+    assert lost.wait(2)
+    assert lease.lost and not lease.valid
+
+
+# -- limits -------------------------------------------------------------------------------
+
+
+def test_resize_up_wakes_waiters_at_once(spec):
+    sem = spec.semaphore("grow", 1, poll_interval=10)
+    held = sem.acquire()
+    results = []
+    start_waiter(sem, results, "w", timeout=30)
+    assert wait_until(lambda: sem.status().waiting == 1)
+    resized_at = time.monotonic()
+    sem.resize(2)
+    assert wait_until(lambda: results, timeout=5)
+    assert results[0][2] - resized_at < 1.0
+    assert sem.status().limit == 2
+    held.release()
+    results[0][1].release()
+
+
+def test_resize_down_admits_nobody_until_under_the_new_limit(spec):
+    sem = spec.semaphore("shrink", 3)
+    leases = [sem.acquire() for _ in range(3)]
+    sem.resize(1)
+    assert sem.status().limit == 1
+    leases[0].release()
+    assert sem.try_acquire() is None
+    leases[1].release()
+    assert sem.try_acquire() is None
+    leases[2].release()
+    lease = sem.try_acquire()
+    assert lease is not None and lease.token.slot == 0
+    assert sem.try_acquire() is None
+
+
+def test_stored_limit_wins_over_declared_limits(spec):
+    first = spec.semaphore("declared", 2)
+    second = spec.semaphore("declared", 5)
+    a, b = first.acquire(), second.acquire()
+    assert second.try_acquire() is None
+    status = first.status()
+    assert status.limit == 2
+    assert set(status.declared) == {2, 5}
+    a.release(), b.release()
+
+
+def test_resize_creates_an_unknown_semaphore(spec):
+    backend = spec.backend()
+    assert backend.status("fresh") is None
+    assert backend.resize("fresh", 7) is True
+    assert backend.resize("fresh", 8) is False
+    assert backend.status("fresh").limit == 8
+    assert "fresh" in backend.names()
+
+
+def test_fencing_epochs_strictly_increase_per_slot(spec):
+    sem = spec.semaphore("fence", 2)
+    seen = {0: [], 1: []}
+    for _ in range(10):
+        a, b = sem.acquire(), sem.acquire()
+        for lease in (a, b):
+            seen[lease.token.slot].append(lease.token.epoch)
+        a.release()
+        b.release()
+    spec.backend().reset("fence")  # even across a reset
+    c = sem.acquire()
+    seen[c.token.slot].append(c.token.epoch)
+    for epochs in seen.values():
+        assert epochs == sorted(set(epochs))  # strictly increasing
+        assert len(epochs) >= 10
+
+
+def test_reset_and_names(spec):
+    backend = spec.backend()
+    sem = spec.semaphore("gone", 1)
+    lease = sem.acquire()
+    assert "gone" in backend.names()
+    assert backend.reset("gone") is True
+    assert backend.status("gone") is None
+    assert backend.reset("gone") is False
+    assert not lease.verify()
+    assert lease.release() is False
+
+
+# -- bad input ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["", "x" * 201, "has space", "a{b}", "tab\t", "a/b", "ü" * 101, 7])
+def test_bad_names_are_refused(spec, name):
+    with pytest.raises(InvalidName):
+        spec.semaphore(name, 1)
+
+
+@pytest.mark.parametrize("limit", [0, -1, True, "3", 1.5, None])
+def test_bad_limits_are_refused_and_change_nothing(spec, limit):
+    sem = spec.semaphore("limits", 2)
+    with pytest.raises(InvalidLimit):
+        spec.semaphore("limits", limit)
+    with pytest.raises(InvalidLimit):
+        sem.resize(limit)
+    assert spec.backend().status("limits") is None
+
+
+@pytest.mark.parametrize("option", [{"ttl": 0}, {"ttl": -1}, {"poll_interval": "1"}])
+def test_bad_options_are_refused(spec, option):
+    with pytest.raises(ConfigurationError):
+        spec.semaphore("opts", 1, **option)
+
+
+def test_unknown_scheme_lists_known_ones():
+    with pytest.raises(UnknownBackend) as err:
+        Semaphore("x", 1, "nosuch://host/")
+    for scheme in ("redis", "sqlite", "memory"):
+        assert scheme in str(err.value)
+
+
+def test_meta_must_be_json():
+    sem = Semaphore("meta", 1, "memory://meta")
+    with pytest.raises(TypeError):
+        sem.acquire(meta={"x": object()})
+    assert sem.status().held == 0
