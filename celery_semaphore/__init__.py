@@ -13,6 +13,8 @@ from .exceptions import (
     UnknownSemaphore,
 )
 from .semaphore import Lease, Semaphore
+from .tasks import current_lease, task
+from .worker import install
 
 __version__ = "0.1.0"
 
@@ -30,4 +32,7 @@ __all__ = [
     "SemaphoreTimeout",
     "UnknownBackend",
     "UnknownSemaphore",
+    "current_lease",
+    "install",
+    "task",
 ]

@@ -79,7 +79,13 @@ def backend_class(url: str) -> Type[Backend]:
             f"no semaphore backend for URL {maybe_sanitize_url(url)!r}; "
             f"known schemes: {', '.join(sorted(schemes))}"
         )
-    return _load(schemes[scheme])
+    try:
+        return _load(schemes[scheme])
+    except ImportError as exc:
+        raise UnknownBackend(
+            f"the {scheme}:// semaphore backend cannot be loaded ({exc}); is its extra "
+            f"installed? pip install 'celery-semaphore[{scheme.split('+')[0].rstrip('s')}]'"
+        ) from exc
 
 
 def get_backend(url: "str | Backend", **options: Any) -> Backend:

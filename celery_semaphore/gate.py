@@ -1,0 +1,602 @@
+"""The worker gate: guarded requests wait for a slot in the worker's main process.
+
+Where it sits: Celery hands every request that is due (after ETA and rate limits) to
+``consumer.on_task_request``; the gate wraps that callable. An unguarded request passes straight
+through. A guarded one is held in the main process (never in a pool process) until the backend
+grants a slot, then handed to the pool with its lease.
+
+Threads: all gate state lives on the consumer's loop thread (``asynloop``; with ``synloop``
+the same code runs under one lock). Backend calls run on one I/O thread so that a slow or
+unreachable backend never stalls the event loop; their results come back to the loop through a
+pipe the hub watches, which wakes it at once.
+
+Local capacity: a request enters the backend's waiter queue only while a pool process is free
+for it (per semaphore name), so a granted slot never waits for a local pool process; a grant
+that finds the pool full after all is released and the request goes back to the local line.
+
+Release, exactly once, on every way a task ends (all in the main process):
+
+* success, failure, retry, time limits, a killed child (WorkerLostError), revoke with
+  terminate: the request's ``on_success``/``on_failure`` pool callbacks, which the gate wraps;
+* revoked or expired before running: the ``task_revoked`` signal;
+* warm or cold shutdown: the consumer step's ``shutdown`` releases what is left;
+* a whole worker dying: the lease's TTL.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import os
+import random
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+
+from celery import signals
+from celery.worker import state as worker_state
+
+from .backends.base import Backend, Grant, new_holder_id
+from .exceptions import SemaphoreError, SemaphoreTimeout
+from .keeper import default_keeper
+from .semaphore import Lease
+from .settings import Settings
+from .states import WAITING, WAITING_EVENT
+from .tasks import LEASE_KEY, Guard, Guards
+
+logger = logging.getLogger(__name__)
+
+#: Message headers the gate writes when it requeues a request.
+REQUEUES_HEADER = "semaphore_requeues"
+FIRST_WAIT_HEADER = "semaphore_first_wait"
+
+
+class IOThread:
+    """One daemon thread running callables at due times, in order."""
+
+    def __init__(self, name: str) -> None:
+        self._heap: List[Tuple[float, int, Callable[..., Any], tuple]] = []
+        self._counter = itertools.count()
+        self._cond = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def call(self, fn: Callable[..., Any], *args: Any, delay: float = 0.0) -> None:
+        with self._cond:
+            heapq.heappush(self._heap, (time.monotonic() + delay, next(self._counter), fn, args))
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while True:
+                    if self._stopped and not self._due_now():
+                        return
+                    if self._heap and self._heap[0][0] <= time.monotonic():
+                        _, _, fn, args = heapq.heappop(self._heap)
+                        break
+                    timeout = self._heap[0][0] - time.monotonic() if self._heap else None
+                    self._cond.wait(timeout)
+            try:
+                fn(*args)
+            except Exception:
+                logger.exception("celery-semaphore: %r failed", fn)
+
+    def _due_now(self) -> bool:
+        return bool(self._heap) and self._heap[0][0] <= time.monotonic()
+
+
+class LoopCaller:
+    """Runs callables on the consumer's loop thread, waking the hub through a pipe.
+
+    Without a hub (``synloop``) the callable runs at once in the calling thread, under the
+    gate's lock; Celery itself calls ``on_task_request`` from its timer thread there.
+    """
+
+    def __init__(self, hub: Any, lock: threading.RLock) -> None:
+        self.hub = hub
+        self.lock = lock
+        self._calls: Deque[Tuple[Callable[..., Any], tuple]] = deque()
+        self._rfd = self._wfd = -1
+
+    def start(self) -> None:
+        if self.hub is not None and self._rfd < 0:
+            self._rfd, self._wfd = os.pipe()
+            os.set_blocking(self._rfd, False)
+            os.set_blocking(self._wfd, False)
+            self.hub.add_reader(self._rfd, self._drain)
+
+    def stop(self) -> None:
+        if self._rfd >= 0:
+            try:
+                self.hub.remove_reader(self._rfd)
+            except Exception:
+                pass
+            os.close(self._rfd)
+            os.close(self._wfd)
+            self._rfd = self._wfd = -1
+        self._drain_calls()
+
+    def post(self, fn: Callable[..., Any], *args: Any) -> None:
+        if self._wfd < 0:
+            with self.lock:
+                self._run(fn, args)
+            return
+        self._calls.append((fn, args))
+        try:
+            os.write(self._wfd, b"\0")
+        except (BlockingIOError, OSError):  # a full pipe already wakes the hub
+            pass
+
+    def _drain(self) -> None:
+        try:
+            while os.read(self._rfd, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+        self._drain_calls()
+
+    def _drain_calls(self) -> None:
+        while self._calls:
+            fn, args = self._calls.popleft()
+            with self.lock:
+                self._run(fn, args)
+
+    @staticmethod
+    def _run(fn: Callable[..., Any], args: tuple) -> None:
+        try:
+            fn(*args)
+        except Exception:
+            logger.exception("celery-semaphore: %r failed on the loop thread", fn)
+
+
+@dataclass(eq=False)
+class Pending:
+    """A guarded request held in the main process until it gets a slot."""
+
+    request: Any
+    guard: Guard
+    holder: str = field(default_factory=new_holder_id)
+    entered: float = field(default_factory=time.monotonic)
+    attempts: int = 0
+    position: Optional[int] = None
+    queued: bool = False  # in the backend's waiter queue
+    done: bool = False
+    generation: int = 0
+    backend_down: bool = False
+    entered_wall: float = field(default_factory=time.time)
+
+    @property
+    def requeues(self) -> int:
+        return int(self.request.request_dict.get(REQUEUES_HEADER) or 0)
+
+    @property
+    def first_wait(self) -> float:
+        """Unix time this task first waited for a slot, across requeues."""
+        return float(self.request.request_dict.get(FIRST_WAIT_HEADER) or self.entered_wall)
+
+
+@dataclass(eq=False)
+class Held:
+    request: Any
+    lease: Lease
+    guard: Guard
+
+
+class Gate:
+    """Holds guarded requests until the semaphore admits them. See the module docstring."""
+
+    def __init__(self, consumer: Any, settings: Settings, backend: Backend) -> None:
+        self.consumer = consumer
+        self.app = consumer.app
+        self.settings = settings
+        self.guards = Guards(settings)
+        self.backend = backend
+        self.lock = threading.RLock()
+        self.loop = LoopCaller(consumer.hub, self.lock)
+        self.io = IOThread("celery-semaphore-gate")
+        self.pending: Dict[str, Pending] = {}  # holder -> Pending
+        self.line: Deque[Pending] = deque()  # waiting for a free local pool process
+        self.held: Dict[str, Held] = {}  # task id -> Held
+        self.original: Callable[[Any], Any] = consumer.on_task_request
+        consumer.on_task_request = self.on_task_request
+        self._running = False
+
+    # -- lifecycle (consumer bootstep) -------------------------------------------------------
+
+    def start(self) -> None:
+        self.loop.hub = self.consumer.hub
+        self.loop.start()
+        if not self._running:
+            self._running = True
+            self.io.start()
+            self.io.call(self._tick, delay=self.settings.poll_interval)
+            signals.task_revoked.connect(self._on_task_revoked, weak=False)
+
+    def stop(self) -> None:
+        """The consumer stops (shutdown or reconnect): give waiting requests back."""
+        with self.lock:
+            for pending in list(self.pending.values()):
+                self._drop(pending)
+                self.io.call(self._cancel_in_backend, pending)
+                try:
+                    pending.request.reject(requeue=True)
+                except Exception as exc:  # the channel may be gone; the broker redelivers
+                    logger.debug("celery-semaphore: reject on stop failed: %s", exc)
+                worker_state.task_ready(pending.request)
+        self.loop.stop()
+
+    def shutdown(self) -> None:
+        """The worker exits: release every lease still held, then stop the I/O thread."""
+        self.stop()
+        signals.task_revoked.disconnect(self._on_task_revoked)
+        with self.lock:
+            held = list(self.held.values())
+            self.held.clear()
+        for entry in held:
+            default_keeper.discard(entry.lease)
+            self.io.call(self._release, entry.lease)
+        self._running = False
+        self.io.stop()
+
+    # -- entry -------------------------------------------------------------------------------
+
+    def on_task_request(self, request: Any) -> Any:
+        with self.lock:
+            try:
+                guard = self.guards.resolve(request)
+            except SemaphoreError as exc:
+                return self._fail(request, exc)
+            if guard is None:
+                self._track(request)
+                return self.original(request)
+            pending = Pending(request, guard)
+            if len(self.pending) >= guard.settings.worker_max_waiting:
+                logger.debug("celery-semaphore: %s: worker holds %d waiting tasks, requeueing",
+                             request.id, len(self.pending))
+                self.pending[pending.holder] = pending
+                self.consumer.qos.increment_eventually()
+                return self._requeue(pending)
+            self.pending[pending.holder] = pending
+            self.consumer.qos.increment_eventually()
+            self.line.append(pending)
+            self._pump()
+
+    # -- waiting -----------------------------------------------------------------------------
+
+    def _free_processes(self) -> int:
+        pool = self.consumer.pool
+        size = getattr(pool, "num_processes", None) or getattr(pool, "limit", None) or 1
+        busy = len(worker_state.reserved_requests) - len(self.pending)
+        return size - busy
+
+    def _pump(self) -> None:
+        """Move requests from the local line into the backend's queue while processes are free."""
+        free = self._free_processes()
+        if free <= 0 or not self.line:
+            return
+        queued: Dict[str, int] = {}
+        for pending in self.pending.values():
+            if pending.queued:
+                queued[pending.guard.name] = queued.get(pending.guard.name, 0) + 1
+        for pending in list(self.line):
+            if queued.get(pending.guard.name, 0) >= free:
+                continue
+            queued[pending.guard.name] = queued.get(pending.guard.name, 0) + 1
+            self.line.remove(pending)
+            pending.queued = True
+            self.io.call(self._enqueue, pending)
+
+    def _enqueue(self, pending: Pending) -> None:  # I/O thread
+        self.backend.watch(
+            pending.guard.name, pending.holder, lambda: self.io.call(self._kick, pending)
+        )
+        self._kick(pending)
+
+    def _kick(self, pending: Pending) -> None:  # I/O thread
+        pending.generation += 1
+        self._attempt(pending, pending.generation)
+
+    def _attempt(self, pending: Pending, generation: int) -> None:  # I/O thread
+        if pending.done or generation != pending.generation:
+            return
+        guard = pending.guard
+        requested_at = time.monotonic()
+        try:
+            attempt = self.backend.acquire(
+                guard.name, pending.holder, limit=guard.limit, ttl=guard.settings.lease_ttl,
+                meta=self._meta(pending.request), wait=True,
+            )
+        except Exception as exc:
+            if not pending.backend_down:
+                logger.warning("celery-semaphore: %s waits: backend unavailable: %s",
+                               pending.request.id, exc)
+            pending.backend_down = True
+            self._schedule(pending, min(guard.settings.poll_interval, 1.0))
+            return
+        pending.backend_down = False
+        if attempt.grant is not None:
+            self.backend.unwatch(guard.name, pending.holder)
+            self.loop.post(self._granted, pending, attempt.grant, requested_at, attempt.limit)
+            return
+        pending.attempts += 1
+        if attempt.position != pending.position:
+            pending.position = attempt.position
+            self.loop.post(self._report_waiting, pending, attempt.position, attempt.limit)
+        pause = min(guard.settings.poll_interval, self.backend.waiter_ttl / 3)
+        if attempt.retry_after is not None:
+            pause = min(pause, attempt.retry_after + 0.001)
+        self._schedule(pending, pause)
+
+    def _schedule(self, pending: Pending, delay: float) -> None:  # I/O thread
+        pending.generation += 1
+        self.io.call(self._attempt, pending, pending.generation, delay=delay)
+
+    def _meta(self, request: Any) -> Dict[str, Any]:
+        return {"task_id": request.id, "task": request.name, "worker": self.consumer.hostname,
+                "pid": os.getpid()}
+
+    def _report_waiting(self, pending: Pending, position: Optional[int], limit: Any) -> None:
+        if pending.done:
+            return
+        fields = {"semaphore": pending.guard.name, "limit": limit, "position": position,
+                  "attempt": pending.requeues + 1}
+        pending.request.send_event(WAITING_EVENT, **fields)
+        if not pending.request.ignore_result:
+            self.io.call(self._store_waiting, pending.request, fields)
+
+    def _store_waiting(self, request: Any, fields: Dict[str, Any]) -> None:  # I/O thread
+        backend = request.task.backend
+        if getattr(backend, "persistent", True) and type(backend).__name__ != "DisabledBackend":
+            try:
+                backend.store_result(request.id, fields, WAITING, request=request._context)
+            except Exception as exc:
+                logger.debug("celery-semaphore: storing WAITING for %s failed: %s",
+                             request.id, exc)
+
+    # -- admission ---------------------------------------------------------------------------
+
+    def _granted(self, pending: Pending, grant: Grant, requested_at: float, limit: Any) -> None:
+        request, guard = pending.request, pending.guard
+        lease = Lease(self.backend, guard.name, pending.holder, grant, requested_at,
+                      limit=limit, meta=self._meta(request))
+        if pending.done:
+            self.io.call(self._release, lease)
+            return
+        if self._is_revoked(request):
+            self._drop(pending)
+            self.io.call(self._release, lease)
+            request.revoked()  # announces, acks, sends task_revoked
+            return
+        if self._free_processes() <= 0:
+            # The pool filled up meanwhile: never sit on a slot waiting for a process.
+            self.io.call(self._release, lease)
+            pending.queued = False
+            pending.position = None
+            self.line.appendleft(pending)
+            return
+        self._drop(pending)
+        self.held[request.id] = Held(request, lease, guard)
+        request.request_dict[LEASE_KEY] = {
+            "name": guard.name, "limit": limit, "holder": pending.holder,
+            "slot": grant.slot, "epoch": grant.epoch, "ttl": grant.ttl,
+            "backend": self.backend.url, "key_prefix": self.backend.key_prefix,
+        }
+        lease.on_lost(lambda lost: self.loop.post(self._lease_lost, request.id, lost))
+        default_keeper.add(lease)
+        self._track(request)
+        self.original(request)
+
+    def _drop(self, pending: Pending) -> None:
+        """Forget a pending request (it runs, is requeued, failed or revoked)."""
+        if pending.done:
+            return
+        pending.done = True
+        self.pending.pop(pending.holder, None)
+        try:
+            self.line.remove(pending)
+        except ValueError:
+            pass
+        self.backend.unwatch(pending.guard.name, pending.holder)
+        self.consumer.qos.decrement_eventually()
+
+    # -- completion --------------------------------------------------------------------------
+
+    def _track(self, request: Any) -> None:
+        """Wrap the request's pool callbacks: release its lease, and look for free processes."""
+        on_success, on_failure = request.on_success, request.on_failure
+
+        def success(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return on_success(*args, **kwargs)
+            finally:
+                self._finished(request)
+
+        def failure(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return on_failure(*args, **kwargs)
+            finally:
+                self._finished(request)
+
+        request.on_success, request.on_failure = success, failure
+
+    def _finished(self, request: Any) -> None:
+        with self.lock:
+            entry = self.held.pop(request.id, None)
+            if entry is not None and entry.request is request:
+                default_keeper.discard(entry.lease)
+                self.io.call(self._release, entry.lease)
+            elif entry is not None:  # another delivery of the same task id holds it
+                self.held[request.id] = entry
+            self._pump()
+
+    def _on_task_revoked(self, sender: Any = None, request: Any = None, **kwargs: Any) -> None:
+        task_id = getattr(request, "id", None)
+        if task_id is None:
+            return
+        self.loop.post(self._revoked, task_id)
+
+    def _revoked(self, task_id: str) -> None:
+        entry = self.held.get(task_id)
+        if entry is not None and entry.request.time_start is None:
+            # Revoked or expired before a pool process took it: no pool callback will come.
+            self._finished(entry.request)
+
+    def _release(self, lease: Lease) -> None:  # I/O thread
+        try:
+            if not lease.release() and not lease.lost:
+                logger.debug("celery-semaphore: lease %r had expired before release", lease)
+        except Exception as exc:
+            logger.warning("celery-semaphore: releasing %r failed (its TTL frees it): %s",
+                           lease, exc)
+
+    def _lease_lost(self, task_id: str, lease: Lease) -> None:
+        entry = self.held.get(task_id)
+        if entry is None or entry.lease is not lease:
+            return
+        policy = entry.guard.settings.on_lost_lease
+        logger.error("celery-semaphore: task %s lost its slot of %r (token %s); policy: %s",
+                     task_id, lease.name, lease.token, policy)
+        if policy == "terminate":
+            entry.request.terminate(self.consumer.pool, signal="SIGTERM")
+
+    # -- bounds, requeue, failure ------------------------------------------------------------
+
+    def _tick(self) -> None:  # I/O thread, every poll interval
+        if not self._running:
+            return
+        self.loop.post(self._check_bounds)
+        self.io.call(self._tick, delay=self.settings.poll_interval)
+
+    def _check_bounds(self) -> None:
+        now, wall = time.monotonic(), time.time()
+        for pending in list(self.pending.values()):
+            settings = pending.guard.settings
+            if self._is_revoked(pending.request):
+                self._drop(pending)
+                self.io.call(self._cancel_in_backend, pending)
+                pending.request.revoked()
+            elif settings.max_wait is not None and wall - pending.first_wait > settings.max_wait:
+                self._drop(pending)
+                self.io.call(self._cancel_in_backend, pending)
+                self._fail(pending.request, SemaphoreTimeout(
+                    f"no slot of semaphore {pending.guard.name!r} in {settings.max_wait}s "
+                    f"(semaphore_max_wait)"))
+            elif now - pending.entered > settings.worker_max_hold:
+                self._requeue(pending)
+        self._pump()
+
+    @staticmethod
+    def _is_revoked(request: Any) -> bool:
+        if request.id in worker_state.revoked:
+            return True
+        expires = request.expires
+        return expires is not None and datetime.now(
+            timezone.utc if expires.tzinfo else None) > expires
+
+    def _requeue(self, pending: Pending) -> None:
+        """Publish a copy of the message with a backoff ETA, then ack the original."""
+        self._drop(pending)
+        countdown = self._backoff(pending)
+        logger.debug("celery-semaphore: requeueing %s in %.2fs", pending.request.id, countdown)
+        self.io.call(self._republish, pending, countdown)
+
+    def _backoff(self, pending: Pending) -> float:
+        settings = pending.guard.settings
+        delay = min(settings.retry_backoff * 2 ** pending.requeues, settings.retry_backoff_max)
+        if settings.retry_jitter:
+            delay = random.uniform(delay / 2, delay)
+        return delay
+
+    def _republish(self, pending: Pending, countdown: float) -> None:  # I/O thread
+        self._cancel_in_backend(pending)
+        request = pending.request
+        message = request.message
+        headers = dict(message.headers)
+        headers[REQUEUES_HEADER] = pending.requeues + 1
+        headers[FIRST_WAIT_HEADER] = pending.first_wait
+        headers["eta"] = (datetime.now(timezone.utc) + timedelta(seconds=countdown)).isoformat()
+        properties = dict(message.properties or {})
+        delivery = request.delivery_info or {}
+        try:
+            with self.app.producer_or_acquire() as producer:
+                producer.publish(
+                    message.body,
+                    exchange=delivery.get("exchange") or "",
+                    routing_key=delivery.get("routing_key"),
+                    headers=headers,
+                    content_type=message.content_type,
+                    content_encoding=message.content_encoding,
+                    correlation_id=properties.get("correlation_id"),
+                    reply_to=properties.get("reply_to"),
+                    priority=delivery.get("priority"),
+                    delivery_mode=properties.get("delivery_mode", 2),
+                    retry=True,
+                    retry_policy={"max_retries": 3},
+                )
+        except Exception as exc:
+            logger.warning("celery-semaphore: requeue of %s failed, rejecting for redelivery: %s",
+                           request.id, exc)
+            self.loop.post(self._settle, request, False)
+            return
+        self.loop.post(self._settle, request, True)
+
+    def _settle(self, request: Any, republished: bool) -> None:
+        if republished:
+            request.acknowledge()
+        else:
+            request.reject(requeue=True)
+        worker_state.task_ready(request)
+
+    def _cancel_in_backend(self, pending: Pending) -> None:  # I/O thread
+        try:
+            self.backend.cancel(pending.guard.name, pending.holder)
+        except Exception as exc:  # the waiter entry expires after waiter_ttl
+            logger.debug("celery-semaphore: cancel failed: %s", exc)
+
+    def _fail(self, request: Any, exc: BaseException) -> None:
+        """Fail a request that may never run guarded (bad template, max wait passed)."""
+        logger.error("celery-semaphore: task %s[%s] failed: %s", request.name, request.id, exc)
+        try:
+            request.task.backend.mark_as_failure(
+                request.id, exc, request=request._context, store_result=request.store_errors
+            )
+        except Exception as store_exc:
+            logger.warning("celery-semaphore: storing the failure of %s failed: %s",
+                           request.id, store_exc)
+        request.send_event("task-failed", exception=repr(exc), traceback="")
+        request.acknowledge()
+        worker_state.task_ready(request)
+
+    # -- introspection (remote control) -----------------------------------------------------
+
+    def snapshot(self) -> Dict[str, List[Dict[str, Any]]]:
+        with self.lock:
+            return {
+                "waiting": [
+                    {"id": p.request.id, "task": p.request.name, "semaphore": p.guard.name,
+                     "position": p.position, "queued": p.queued,
+                     "waited": round(time.monotonic() - p.entered, 3),
+                     "requeues": p.requeues}
+                    for p in self.pending.values()
+                ],
+                "held": [
+                    {"id": task_id, "task": h.request.name, "semaphore": h.lease.name,
+                     "holder": h.lease.holder, "token": str(h.lease.token)}
+                    for task_id, h in self.held.items()
+                ],
+            }

@@ -1,0 +1,145 @@
+"""The ``semaphore_*`` Celery settings, read and validated once, at worker start.
+
+Each setting is a lowercase Celery setting; an app configured with a namespace (Django's
+``config_from_object(..., namespace="CELERY")``) reads it as ``CELERY_SEMAPHORE_*``. A task
+may override any of them with a task option of the same name:
+``@app.task(semaphore="x", semaphore_lease_ttl=600)``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Dict, Optional
+from urllib.parse import urlsplit
+
+from .exceptions import ConfigurationError, InvalidLimit, InvalidName
+from .names import validate_limit, validate_name
+
+LOST_LEASE_POLICIES = ("log", "terminate")
+
+
+def _seconds(key: str, value: Any, *, allow_none: bool = False, allow_zero: bool = False):
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise ConfigurationError(f"{key} must be a number of seconds, not {value!r}")
+    if value < 0 or (value == 0 and not allow_zero) or math.isinf(value):
+        raise ConfigurationError(f"{key} must be a positive, finite number of seconds, "
+                                 f"not {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Validated semaphore settings. Field names are the setting names without ``semaphore_``."""
+
+    backend: Optional[str] = None
+    limits: Dict[str, int] = field(default_factory=dict)
+    default_limit: int = 1
+    lease_ttl: float = 60.0
+    poll_interval: float = 1.0
+    retry_backoff: float = 1.0
+    retry_backoff_max: float = 60.0
+    retry_jitter: bool = True
+    max_wait: Optional[float] = None
+    key_prefix: str = "semaphore:"
+    on_lost_lease: str = "log"
+    worker_max_waiting: int = 100
+    worker_max_hold: float = 300.0
+
+    @classmethod
+    def from_app(cls, app: Any) -> "Settings":
+        """Read and validate every ``semaphore_*`` setting of ``app``; raise naming the bad one."""
+        values = {}
+        for f in fields(cls):
+            found, key, value = lookup(app.conf, f"semaphore_{f.name}")
+            if found:
+                values[f.name] = validate(key, f.name, value)
+        settings = cls(**values)
+        if settings.retry_backoff_max < settings.retry_backoff:
+            raise ConfigurationError(
+                "semaphore_retry_backoff_max must not be below semaphore_retry_backoff "
+                f"({settings.retry_backoff_max} < {settings.retry_backoff})"
+            )
+        return settings
+
+    def for_task(self, task: Any) -> "Settings":
+        """These settings with the task's own ``semaphore_*`` options applied."""
+        overrides = {}
+        for f in fields(self):
+            key = f"semaphore_{f.name}"
+            value = getattr(task, key, None)
+            if value is not None:
+                overrides[f.name] = validate(f"{task.name}: task option {key}", f.name, value)
+        return replace(self, **overrides) if overrides else self
+
+    def backend_url(self, app: Any) -> str:
+        """``semaphore_backend``, else the broker's Redis, else an SQLite file beside the app."""
+        if self.backend:
+            return self.backend
+        broker = app.conf.broker_url or ""
+        scheme = urlsplit(broker).scheme
+        if scheme in ("redis", "rediss", "redis+socket"):
+            return broker
+        if scheme in ("amqp", "amqps", "pyamqp"):
+            raise ConfigurationError(
+                "semaphore_backend is not set and the broker is RabbitMQ: the RabbitMQ "
+                "semaphore backends are not available yet; set semaphore_backend to a "
+                "redis:// or sqlite:// URL"
+            )
+        return "sqlite:///celery-semaphore.db"
+
+
+def lookup(conf: Any, name: str):
+    """(found, key as the user wrote it, value) for a setting, honouring a namespace."""
+    if name in conf:
+        return True, name, conf[name]
+    namespace = getattr(conf, "namespace", None) or "CELERY"
+    upper = f"{namespace}_{name.upper()}"
+    if upper in conf:
+        return True, upper, conf[upper]
+    return False, name, None
+
+
+def validate(key: str, field_name: str, value: Any) -> Any:
+    """Check one setting's value; ``key`` is how the error names it."""
+    if field_name in ("backend", "key_prefix"):
+        if value is None and field_name == "backend":
+            return None
+        if not isinstance(value, str) or not value:
+            raise ConfigurationError(f"{key} must be a non-empty string, not {value!r}")
+        if field_name == "backend":
+            from .backends import backend_class
+
+            try:
+                backend_class(value)
+            except ConfigurationError as exc:
+                raise ConfigurationError(f"{key}: {exc}") from None
+        return value
+    if field_name == "limits":
+        if not isinstance(value, dict):
+            raise ConfigurationError(f"{key} must be a dict of name -> limit, not {value!r}")
+        try:
+            return {validate_name(k): validate_limit(v, f"limit of {k!r}")
+                    for k, v in value.items()}
+        except (InvalidName, InvalidLimit) as exc:
+            raise ConfigurationError(f"{key}: {exc}") from None
+    if field_name in ("default_limit", "worker_max_waiting"):
+        try:
+            return validate_limit(value, key)
+        except InvalidLimit as exc:
+            raise ConfigurationError(str(exc)) from None
+    if field_name == "retry_jitter":
+        if not isinstance(value, bool):
+            raise ConfigurationError(f"{key} must be True or False, not {value!r}")
+        return value
+    if field_name == "on_lost_lease":
+        if value not in LOST_LEASE_POLICIES:
+            raise ConfigurationError(
+                f"{key} must be one of {', '.join(LOST_LEASE_POLICIES)}, not {value!r}"
+            )
+        return value
+    if field_name == "max_wait":
+        return _seconds(key, value, allow_none=True)
+    return _seconds(key, value)

@@ -1,0 +1,32 @@
+"""Task states and events celery-semaphore adds while a task waits for a slot.
+
+``WAITING``: the worker holds the task in its main process until a slot frees. The worker
+sends a ``task-waiting`` event (fields: ``semaphore``, ``limit``, ``position``, ``attempt``)
+that Flower shows as the state ``WAITING``, and stores ``WAITING`` in the result backend (with
+the same fields as the result's meta) unless the task ignores results. Once it runs, the task
+goes through ``STARTED``/``SUCCESS`` as usual.
+"""
+
+WAITING = "WAITING"
+WAITING_EVENT = "task-waiting"
+
+#: Where WAITING sits among Celery's states: after RECEIVED, before STARTED, so that a
+#: ``task-started`` or ``task-succeeded`` event replaces it in Flower and ``celery events``.
+PRECEDES = "STARTED"
+
+
+def register_precedence() -> None:
+    """Rank WAITING just below STARTED in ``celery.states`` (idempotent).
+
+    Celery ranks an unknown state above STARTED, so without this a ``task-started`` event would
+    not replace WAITING in Flower. Runs in every process that installs celery-semaphore,
+    Flower's included when it loads the app.
+    """
+    from celery import states
+
+    if WAITING in states.PRECEDENCE:
+        return
+    states.PRECEDENCE.insert(states.PRECEDENCE.index(PRECEDES) + 1, WAITING)
+    states.PRECEDENCE_LOOKUP.clear()
+    states.PRECEDENCE_LOOKUP.update(zip(states.PRECEDENCE, range(len(states.PRECEDENCE))))
+    states.NONE_PRECEDENCE = states.PRECEDENCE_LOOKUP[None]

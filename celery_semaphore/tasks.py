@@ -1,0 +1,164 @@
+"""Task-side API: the ``task`` decorator, which semaphore guards a request, ``current_lease()``.
+
+Task options (extra ``@app.task`` options become task class attributes):
+
+* ``semaphore``: a name, or a template filled from the call's arguments by parameter name
+  (``"api:{customer_id}"``); defaults of the task's signature count.
+* ``limit``: the limit the semaphore is created with.
+* any ``semaphore_*`` setting, to override it for this task.
+
+Per call, ``apply_async(headers={"semaphore": "name", "semaphore_limit": 3})`` overrides both.
+
+The limit a name is *declared* with is the first of: the ``semaphore_limit`` header,
+``semaphore_limits[name]``, ``semaphore_limits[template]``, the task's ``limit``,
+``semaphore_default_limit``. A declared limit only creates the semaphore; once it exists its
+stored limit rules, and only ``resize`` changes it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import string
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+from celery import current_task, shared_task
+
+from .backends import get_backend
+from .backends.base import FencingToken
+from .exceptions import ConfigurationError, LeaseLost
+from .names import validate_limit, validate_name
+from .settings import Settings
+
+LEASE_KEY = "semaphore_lease"
+
+
+@dataclass(frozen=True)
+class Guard:
+    """The semaphore one request must hold: resolved name, declared limit, task settings."""
+
+    name: str
+    limit: int
+    settings: Settings
+
+
+def task(*args: Any, **options: Any) -> Any:
+    """``shared_task`` that also accepts ``semaphore=``, ``limit=`` and ``semaphore_*`` options.
+
+    ``@task(semaphore="images", limit=4)`` works in any app that called
+    :func:`celery_semaphore.install`; the options are checked here, at decoration time.
+    """
+    if "semaphore" in options and options["semaphore"] is not None:
+        check_template(options["semaphore"], "semaphore")
+    if "limit" in options and options["limit"] is not None:
+        validate_limit(options["limit"])
+    return shared_task(*args, **options)
+
+
+def check_template(template: Any, what: str) -> str:
+    """Validate a name template by filling each field with a placeholder."""
+    if not isinstance(template, str):
+        raise ConfigurationError(f"{what} must be a string, not {template!r}")
+    try:
+        fields = [f for _, f, _, _ in string.Formatter().parse(template) if f]
+    except ValueError as exc:
+        raise ConfigurationError(f"{what} {template!r} is not a valid template: {exc}") from None
+    sample = template
+    for f in fields:
+        sample = sample.replace("{" + f + "}", "x")
+    if "{" in template and not fields:
+        raise ConfigurationError(f"{what} {template!r} is not a valid template")
+    validate_name(sample)
+    return template
+
+
+class Guards:
+    """Resolves the guard of each request; caches per-task settings and signatures."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._settings: Dict[str, Settings] = {}
+        self._signatures: Dict[str, inspect.Signature] = {}
+
+    def task_settings(self, task: Any) -> Settings:
+        cached = self._settings.get(task.name)
+        if cached is None:
+            cached = self._settings[task.name] = self.settings.for_task(task)
+        return cached
+
+    def resolve(self, request: Any) -> Optional[Guard]:
+        """The guard of a worker request, None when unguarded."""
+        return self.resolve_call(request.task, request.args, request.kwargs, request.request_dict)
+
+    def resolve_call(
+        self, task: Any, args: Any, kwargs: Any, headers: Optional[Dict[str, Any]]
+    ) -> Optional[Guard]:
+        """The guard of one call, None when unguarded; ConfigurationError when it cannot be
+        built (the template names an argument the call lacks, or fills in a bad name)."""
+        headers = headers or {}
+        template = headers.get("semaphore") or getattr(task, "semaphore", None)
+        if not template:
+            return None
+        name = validate_name(self.fill(template, task, args, kwargs))
+        settings = self.task_settings(task)
+        limit = (
+            headers.get("semaphore_limit")
+            or settings.limits.get(name)
+            or settings.limits.get(template)
+            or getattr(task, "limit", None)
+            or settings.default_limit
+        )
+        return Guard(name, validate_limit(limit, f"limit of semaphore {name!r}"), settings)
+
+    def fill(self, template: str, task: Any, args: Any, kwargs: Any) -> str:
+        if "{" not in template:
+            return template
+        signature = self._signatures.get(task.name)
+        if signature is None:
+            signature = self._signatures[task.name] = inspect.signature(task.run)
+        try:
+            bound = signature.bind_partial(*(args or ()), **(kwargs or {}))
+        except TypeError as exc:
+            raise ConfigurationError(f"task {task.name}: cannot fill semaphore template "
+                                     f"{template!r}: {exc}") from None
+        bound.apply_defaults()
+        try:
+            return template.format_map(bound.arguments)
+        except (KeyError, IndexError, AttributeError) as exc:
+            raise ConfigurationError(
+                f"task {task.name}: semaphore template {template!r} needs argument {exc}, "
+                "which the call does not provide"
+            ) from None
+
+
+class TaskLease:
+    """The slot the running task holds, as seen from inside the task body."""
+
+    def __init__(self, info: Dict[str, Any]) -> None:
+        self.name: str = info["name"]
+        self.limit: Optional[int] = info.get("limit")
+        self.holder: str = info["holder"]
+        self.token = FencingToken(info["slot"], info["epoch"])
+        self.ttl: float = info["ttl"]
+        self._backend_url: str = info["backend"]
+        self._key_prefix: str = info["key_prefix"]
+
+    def verify(self) -> bool:
+        """Ask the backend (one round trip) whether the slot is still held."""
+        backend = get_backend(self._backend_url, key_prefix=self._key_prefix)
+        return backend.verify(self.name, self.holder)
+
+    def ensure(self) -> None:
+        """Raise LeaseLost unless the slot is still held: call before a protected action."""
+        if not self.verify():
+            raise LeaseLost(f"the slot of semaphore {self.name!r} (token {self.token}) is lost")
+
+    def __repr__(self) -> str:
+        return f"<TaskLease {self.name!r} token={self.token} limit={self.limit}>"
+
+
+def current_lease() -> Optional[TaskLease]:
+    """The lease of the task running in this process, or None outside a guarded task."""
+    request = getattr(current_task, "request", None)
+    info = getattr(request, LEASE_KEY, None) if request is not None else None
+    return TaskLease(info) if info else None

@@ -1,0 +1,115 @@
+"""``install(app)``: the consumer bootstep that runs the gate, and its remote-control command."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+from celery import bootsteps, signals
+from celery.exceptions import ImproperlyConfigured
+from celery.worker.control import inspect_command
+
+from . import states
+from .backends import get_backend
+from .exceptions import ConfigurationError
+from .gate import Gate
+from .settings import Settings
+from .tasks import check_template
+
+logger = logging.getLogger(__name__)
+
+_INSTALLED = "_celery_semaphore_installed"
+
+
+class SemaphoreStep(bootsteps.StartStopStep):
+    """Consumer step: validates the settings at worker start and runs the :class:`Gate`.
+
+    It wraps ``consumer.on_task_request`` in ``__init__``: the consumer sets that callable
+    before it applies its steps, and the Tasks step reads it only when it starts, so every path
+    to the pool (direct, ETA, rate limit) goes through the gate.
+    """
+
+    label = "Semaphore gate"
+    name = "celery_semaphore.worker.SemaphoreStep"
+
+    def __init__(self, consumer: Any, **kwargs: Any) -> None:
+        super().__init__(consumer, **kwargs)
+        app = consumer.app
+        try:
+            settings = Settings.from_app(app)
+            check_tasks(app, settings)
+            url = settings.backend_url(app)
+        except ConfigurationError as exc:
+            raise ImproperlyConfigured(f"celery-semaphore: {exc}") from None
+        self.gate = Gate(consumer, settings, get_backend(url, key_prefix=settings.key_prefix))
+        consumer.semaphore_gate = self.gate
+
+    def start(self, consumer: Any) -> None:
+        try:
+            self.gate.backend.ping()
+        except Exception as exc:
+            logger.warning("celery-semaphore: backend %r unreachable at start (guarded tasks "
+                           "wait until it answers): %s", self.gate.backend, exc)
+        self.gate.start()
+
+    def stop(self, consumer: Any) -> None:
+        self.gate.stop()
+
+    def shutdown(self, consumer: Any) -> None:
+        self.gate.shutdown()
+
+
+def check_tasks(app: Any, settings: Settings) -> None:
+    """Fail worker start on a task whose semaphore options are wrong, naming the task."""
+    for name, task in list(app.tasks.items()):
+        template = getattr(task, "semaphore", None)
+        if template is None:
+            continue
+        try:
+            check_template(template, "semaphore")
+            limit = getattr(task, "limit", None)
+            if limit is not None:
+                from .names import validate_limit
+
+                validate_limit(limit)
+            settings.for_task(task)
+        except ConfigurationError as exc:
+            raise ConfigurationError(f"task {name}: {exc}") from None
+
+
+@inspect_command(alias="semaphores")
+def semaphore_requests(state: Any, **kwargs: Any) -> Any:
+    """Requests this worker holds for a slot ("waiting") and runs with one ("held")."""
+    gate: Optional[Gate] = getattr(state.consumer, "semaphore_gate", None)
+    if gate is None:
+        return {"error": "celery-semaphore is not installed on this worker"}
+    return gate.snapshot()
+
+
+def install(app: Any) -> Any:
+    """Install celery-semaphore into ``app`` (idempotent); returns ``app``.
+
+    Adds the consumer step (the gate) and makes ``WAITING`` rank between ``RECEIVED`` and
+    ``STARTED`` for Celery's event state (Flower).
+    """
+    if getattr(app, _INSTALLED, False):
+        return app
+    states.register_precedence()
+    app.steps["consumer"].add(SemaphoreStep)
+    signals.task_prerun.connect(_eager_acquire, weak=False, dispatch_uid="celery_semaphore_pre")
+    signals.task_postrun.connect(_eager_release, weak=False, dispatch_uid="celery_semaphore_post")
+    setattr(app, _INSTALLED, True)
+    return app
+
+
+def _eager_acquire(sender: Any = None, task: Any = None, **kwargs: Any) -> None:
+    """Eager calls (``task.apply()``, ``task_always_eager``) hold the semaphore in-process."""
+    from .eager import acquire_for_eager
+
+    acquire_for_eager(task)
+
+
+def _eager_release(sender: Any = None, task: Any = None, **kwargs: Any) -> None:
+    from .eager import release_for_eager
+
+    release_for_eager(task)
