@@ -38,6 +38,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from celery import signals
+from celery.exceptions import Terminated, TimeLimitExceeded
 from celery.worker import state as worker_state
 
 from .backends.base import Backend, Grant, new_holder_id
@@ -53,6 +54,26 @@ logger = logging.getLogger(__name__)
 #: Message headers the gate writes when it requeues a request.
 REQUEUES_HEADER = "semaphore_requeues"
 FIRST_WAIT_HEADER = "semaphore_first_wait"
+#: Seconds to wait for a timed-out or terminated pool child to exit before releasing anyway.
+CHILD_EXIT_WAIT = 30.0
+
+
+def process_alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie has stopped running and counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 class IOThread:
@@ -426,23 +447,37 @@ class Gate:
             finally:
                 self._finished(request)
 
-        def failure(*args: Any, **kwargs: Any) -> Any:
+        def failure(exc_info: Any, *args: Any, **kwargs: Any) -> Any:
             try:
-                return on_failure(*args, **kwargs)
+                return on_failure(exc_info, *args, **kwargs)
             finally:
-                self._finished(request)
+                self._finished(request, getattr(exc_info, "exception", None))
 
         request.on_success, request.on_failure = success, failure
 
-    def _finished(self, request: Any) -> None:
+    def _finished(self, request: Any, exc: Optional[BaseException] = None) -> None:
         with self.lock:
             entry = self.held.pop(request.id, None)
-            if entry is not None and entry.request is request:
-                default_keeper.discard(entry.lease)
-                self.io.call(self._release, entry.lease)
-            elif entry is not None:  # another delivery of the same task id holds it
-                self.held[request.id] = entry
+            if entry is not None and entry.request is not request:
+                self.held[request.id] = entry  # another delivery of the same task id holds it
+            elif entry is not None:
+                pid = request.worker_pid
+                if isinstance(exc, (TimeLimitExceeded, Terminated)) and pid:
+                    # Celery reports these before the pool child has died; the body may
+                    # still run (a finally block, a handler): keep the slot until it exits.
+                    self.io.call(self._release_after_exit, entry.lease, pid,
+                                 time.monotonic() + CHILD_EXIT_WAIT)
+                else:
+                    default_keeper.discard(entry.lease)
+                    self.io.call(self._release, entry.lease)
             self._pump()
+
+    def _release_after_exit(self, lease: Lease, pid: int, deadline: float) -> None:  # I/O
+        if process_alive(pid) and time.monotonic() < deadline:
+            self.io.call(self._release_after_exit, lease, pid, deadline, delay=0.005)
+            return
+        default_keeper.discard(lease)
+        self._release(lease)
 
     def _on_task_revoked(self, sender: Any = None, request: Any = None, **kwargs: Any) -> None:
         task_id = getattr(request, "id", None)

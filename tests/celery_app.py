@@ -1,94 +1,107 @@
 """The Celery app the worker tests run in real ``celery worker`` subprocesses.
 
-Configured by environment variables so that each test can point its workers at its own broker,
-semaphore backend, key prefix and probe file.
+Configured from environment variables (``CS_*``) so that each test cluster points its workers at
+its own broker, queue, semaphore backend, key prefix and probe file; the test process builds
+the same app from the same variables to send tasks.
 """
 
+import json
 import os
 import time
 
 from celery import Celery
+from celery.exceptions import SoftTimeLimitExceeded
 
 import celery_semaphore
 from tests.probe import Probe
 
-app = Celery("tests.celery_app")
-app.conf.update(
-    broker_url=os.environ.get("CS_BROKER_URL", "redis://127.0.0.1:6379/14"),
-    result_backend=os.environ.get("CS_RESULT_BACKEND") or None,
-    semaphore_backend=os.environ.get("CS_SEMAPHORE_BACKEND") or None,
-    semaphore_key_prefix=os.environ.get("CS_KEY_PREFIX", "semaphore:"),
-    semaphore_lease_ttl=float(os.environ.get("CS_LEASE_TTL", "60")),
-    semaphore_retry_backoff=0.2,
-    semaphore_retry_backoff_max=1.0,
-    task_default_queue=os.environ.get("CS_QUEUE", "celery"),
-    worker_prefetch_multiplier=int(os.environ.get("CS_PREFETCH", "4")),
-    broker_transport_options={"polling_interval": 0.05},
-    worker_hijack_root_logger=False,
-)
-if os.environ.get("CS_SETTINGS"):
-    import json
 
-    app.conf.update(json.loads(os.environ["CS_SETTINGS"]))
-celery_semaphore.install(app)
+def create_app(env):
+    app = Celery("tests.celery_app", set_as_current=False)
+    app.conf.update(
+        broker_url=env.get("CS_BROKER_URL", "redis://127.0.0.1:6379/14"),
+        result_backend=env.get("CS_RESULT_BACKEND") or None,
+        semaphore_backend=env.get("CS_SEMAPHORE_BACKEND") or None,
+        semaphore_key_prefix=env.get("CS_KEY_PREFIX", "semaphore:"),
+        semaphore_lease_ttl=float(env.get("CS_LEASE_TTL", "60")),
+        semaphore_retry_backoff=0.2,
+        semaphore_retry_backoff_max=1.0,
+        task_default_queue=env.get("CS_QUEUE", "celery"),
+        worker_prefetch_multiplier=int(env.get("CS_PREFETCH", "4")),
+        broker_transport_options={"polling_interval": 0.05},
+        worker_hijack_root_logger=False,
+        broker_connection_retry_on_startup=True,
+    )
+    if env.get("CS_SETTINGS"):
+        app.conf.update(json.loads(env["CS_SETTINGS"]))
+    celery_semaphore.install(app)
+    probe = Probe(env.get("CS_PROBE", "/tmp/celery-semaphore-probe.log"))
 
-probe = Probe(os.environ.get("CS_PROBE", "/tmp/celery-semaphore-probe.log"))
+    def body(key, hold):
+        probe.mark("start", key)
+        try:
+            time.sleep(hold)
+        finally:
+            probe.mark("end", key)
+
+    def task(**options):
+        def register(fun):
+            return app.task(name=f"tests.celery_app.{fun.__name__}", shared=False,
+                            **options)(fun)
+        return register
+
+    @task(semaphore="images", limit=2)
+    def guarded(key, hold=0.05):
+        body(f"guarded:{key}", hold)
+        return key
+
+    @task(semaphore="api:{customer_id}", limit=1)
+    def per_customer(customer_id, key, hold=0.05):
+        body(f"customer-{customer_id}:{key}", hold)
+        return key
+
+    @task()
+    def unguarded(key, hold=0.01):
+        body(f"free:{key}", hold)
+        return key
+
+    @task(semaphore="slow", limit=1)
+    def slow(key, hold=30.0):
+        body(f"slow:{key}", hold)
+        return key
+
+    @task(semaphore="limited", limit=1, soft_time_limit=0.5, time_limit=1.0)
+    def time_limited(key, hold=5.0, obey_soft_limit=True):
+        probe.mark("start", f"limited:{key}")
+        try:
+            time.sleep(hold)
+        except SoftTimeLimitExceeded:
+            if obey_soft_limit:
+                raise
+            time.sleep(hold)  # ignore it: the hard limit kills the process
+        finally:
+            probe.mark("end", f"limited:{key}")
+
+    @task(semaphore="fails", limit=1)
+    def fails(key):
+        body(f"fails:{key}", 0.01)
+        raise ValueError(key)
+
+    @task(semaphore="retrying", limit=1, bind=True, max_retries=2)
+    def retrying(self, key):
+        body(f"retrying:{key}:{self.request.retries}", 0.01)
+        if self.request.retries < 2:
+            raise self.retry(countdown=0.1)
+        return self.request.retries
+
+    @task(semaphore="lease", limit=3)
+    def lease_info():
+        lease = celery_semaphore.current_lease()
+        return {"name": lease.name, "limit": lease.limit, "slot": lease.token.slot,
+                "epoch": lease.token.epoch, "holder": lease.holder, "verified": lease.verify()}
+
+    app.probe = probe
+    return app
 
 
-def body(key, hold):
-    probe.mark("start", key)
-    try:
-        time.sleep(hold)
-    finally:
-        probe.mark("end", key)
-
-
-@app.task(semaphore="images", limit=2)
-def guarded(key, hold=0.05):
-    body(f"guarded:{key}", hold)
-    return key
-
-
-@app.task(semaphore="api:{customer_id}", limit=1)
-def per_customer(customer_id, key, hold=0.05):
-    body(f"customer-{customer_id}:{key}", hold)
-    return key
-
-
-@app.task
-def unguarded(key, hold=0.01):
-    body(f"free:{key}", hold)
-    return key
-
-
-@app.task(semaphore="slow", limit=1, bind=True)
-def slow(self, key, hold=30.0):
-    body(f"slow:{key}", hold)
-    return key
-
-
-@app.task(semaphore="limited", limit=1, soft_time_limit=0.5, time_limit=1.0)
-def time_limited(key, hold=5.0):
-    body(f"limited:{key}", hold)
-    return key
-
-
-@app.task(semaphore="fails", limit=1)
-def fails(key):
-    body(f"fails:{key}", 0.01)
-    raise ValueError(key)
-
-
-@app.task(semaphore="retrying", limit=1, bind=True, max_retries=2)
-def retrying(self, key):
-    body(f"retrying:{key}:{self.request.retries}", 0.01)
-    if self.request.retries < 2:
-        raise self.retry(countdown=0.1)
-    return self.request.retries
-
-
-@app.task(semaphore="lease", limit=3)
-def lease_info():
-    lease = celery_semaphore.current_lease()
-    return {"name": lease.name, "limit": lease.limit, "slot": lease.token.slot,
-            "epoch": lease.token.epoch, "holder": lease.holder, "verified": lease.verify()}
+app = create_app(os.environ)

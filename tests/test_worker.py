@@ -1,0 +1,242 @@
+"""The gate with real prefork workers (2 workers x 4 processes), real brokers, real backends.
+
+Concurrency is read from the probe file the task bodies write, never from the library.
+"""
+
+import json
+import os
+import signal
+import time
+
+import pytest
+from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
+
+from celery_semaphore import SemaphoreTimeout
+from celery_semaphore.backends import get_backend
+from tests.celery_app import create_app
+from tests.probe import Probe
+from tests.workers import Worker, cluster_env
+
+pytestmark = pytest.mark.slow
+
+COMBOS = ["redis-redis", "redis-sqlite", "amqp-redis", "amqp-sqlite"]
+RESULTS = "redis://127.0.0.1:6379/13"
+
+
+def wait_until(predicate, timeout=10.0, interval=0.02):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+class Cluster:
+    def __init__(self, tmp_dir, broker, backend, workers=2, concurrency=4, **env_extra):
+        self.env = cluster_env(tmp_dir, broker, backend, RESULTS, **env_extra)
+        self.app = create_app(self.env)
+        self.probe = Probe(self.env["CS_PROBE"])
+        self.backend = get_backend(backend, key_prefix=self.env["CS_KEY_PREFIX"])
+        self.workers = [Worker(self.env, f"w{i}", concurrency) for i in range(workers)]
+        for worker in self.workers:
+            worker.wait_ready()
+
+    def task(self, name):
+        return self.app.tasks[f"tests.celery_app.{name}"]
+
+    def stop(self):
+        for worker in self.workers:
+            worker.stop()
+        self.app.close()
+
+    def held(self, name):
+        status = self.backend.status(name)
+        return 0 if status is None else status.held
+
+    def started(self, key):
+        return key in self.probe.intervals()
+
+
+def urls(combo, redis_url, amqp_url, tmp_dir):
+    broker_kind, backend_kind = combo.split("-")
+    broker = redis_url.rsplit("/", 1)[0] + "/14" if broker_kind == "redis" else amqp_url
+    backend = redis_url if backend_kind == "redis" else f"sqlite:///{tmp_dir}/sem.db"
+    return broker, backend
+
+
+@pytest.fixture(scope="module", params=COMBOS)
+def cluster(request, redis_url, amqp_url, tmp_path_factory):
+    tmp_dir = str(tmp_path_factory.mktemp(request.param))
+    broker, backend = urls(request.param, redis_url, amqp_url, tmp_dir)
+    cluster = Cluster(tmp_dir, broker, backend)
+    yield cluster
+    cluster.stop()
+
+
+def test_limit_holds_and_every_task_runs_once(cluster):
+    guarded, per_customer, unguarded = (cluster.task(n) for n in
+                                        ("guarded", "per_customer", "unguarded"))
+    results = [guarded.delay(f"a{i}", 0.05) for i in range(30)]
+    results += [per_customer.delay(c, f"a{i}", 0.05) for i in range(8) for c in (1, 2, 3)]
+    results += [unguarded.delay(f"a{i}") for i in range(20)]
+    for result in results:
+        result.get(timeout=60)
+    assert cluster.probe.max_concurrent("guarded:a") == 2
+    for customer in (1, 2, 3):
+        assert cluster.probe.max_concurrent(f"customer-{customer}:a") == 1
+    # three customers ran side by side: the template made three semaphores
+    assert cluster.probe.max_concurrent("customer-") > 1
+    completed = cluster.probe.completed()
+    keys = [k for k in completed if k.split(":")[1].startswith("a")]
+    assert len(keys) == 30 + 24 + 20
+    assert all(completed[k] == 1 for k in keys)
+    assert cluster.held("images") == 0
+    assert cluster.held("api:2") == 0
+
+
+def test_unguarded_tasks_flow_while_guarded_ones_wait(cluster):
+    slow, unguarded = cluster.task("slow"), cluster.task("unguarded")
+    first = slow.delay("x0", 30)
+    assert wait_until(lambda: cluster.started("slow:x0"))
+    waiting = [slow.delay(f"b{i}", 0.05) for i in range(1, 13)]
+    time.sleep(0.5)
+    started = time.monotonic()
+    free = [unguarded.delay(f"b{i}") for i in range(24)]
+    for result in free:
+        result.get(timeout=15)
+    assert time.monotonic() - started < 10
+    assert not any(cluster.started(f"slow:b{i}") for i in range(1, 13))
+    assert cluster.held("slow") == 1
+    # A waiting request shows WAITING in the result backend.
+    assert wait_until(lambda: waiting[0].state == "WAITING", timeout=5)
+    # Revoking a waiting task: it never runs.
+    waiting[0].revoke()
+    assert wait_until(lambda: waiting[0].state == "REVOKED", timeout=5)
+    # Revoke with terminate frees the slot at once: the waiters run, one at a time.
+    terminated_at = time.monotonic_ns()
+    first.revoke(terminate=True)
+    for result in waiting[1:]:
+        result.get(timeout=30)
+    assert not cluster.started("slow:b1")
+    assert cluster.probe.max_concurrent("slow:b") == 1
+    b_starts = [runs[0][0] for key, runs in cluster.probe.intervals().items()
+                if key.startswith("slow:b")]
+    assert min(b_starts) > terminated_at
+    assert wait_until(lambda: cluster.held("slow") == 0)
+
+
+def test_sigkilled_pool_child_frees_its_slot_at_once(cluster):
+    slow = cluster.task("slow")
+    slow.delay("c0", 30)
+    assert wait_until(lambda: cluster.started("slow:c0"))
+    nxt = slow.delay("c1", 0.05)
+    time.sleep(0.3)
+    assert not cluster.started("slow:c1")
+    (pid,) = [e[3] for e in cluster.probe.events() if e[1] == "slow:c0"]
+    killed_at = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    nxt.get(timeout=20)
+    assert time.monotonic() - killed_at < 10  # the lease TTL is 60 s
+    assert wait_until(lambda: cluster.held("slow") == 0)
+
+
+def test_time_limits_free_the_slot(cluster):
+    limited = cluster.task("time_limited")
+    soft = limited.delay("d0", 5.0)  # soft limit 0.5 s: raises in the body
+    hard = limited.delay("d1", 5.0, obey_soft_limit=False)  # hard limit 1 s: child killed
+    after = limited.delay("d2", 0.01)
+    after.get(timeout=30)
+    with pytest.raises(SoftTimeLimitExceeded):
+        soft.get(timeout=5)
+    with pytest.raises(TimeLimitExceeded):
+        hard.get(timeout=5)
+    runs = {key: spans[0] for key, spans in cluster.probe.intervals().items()
+            if key.startswith("limited:d")}
+    # The hard-killed body never wrote its end; one at a time all the same, and each slot
+    # came back when the limit struck, long before the 5 s the bodies wanted.
+    order = sorted(runs, key=lambda k: runs[k][0])
+    for previous, current in zip(order, order[1:]):
+        prev_start, prev_end = runs[previous]
+        limit_ns = 0.5e9 if previous == "limited:d0" else 1.0e9
+        assert runs[current][0] >= (prev_end or prev_start + limit_ns)
+        assert runs[current][0] - prev_start < 4e9
+    assert wait_until(lambda: cluster.held("limited") == 0)
+
+
+def test_failure_and_retry_release(cluster):
+    fails, retrying = cluster.task("fails"), cluster.task("retrying")
+    failures = [fails.delay(f"e{i}") for i in range(3)]
+    for result in failures:
+        with pytest.raises(ValueError):
+            result.get(timeout=20)
+    assert retrying.delay("e").get(timeout=30) == 2
+    assert wait_until(lambda: cluster.held("fails") == 0 and cluster.held("retrying") == 0)
+
+
+def test_current_lease_inside_the_task(cluster):
+    info = cluster.task("lease_info").delay().get(timeout=20)
+    assert info["name"] == "lease" and info["limit"] == 3
+    assert info["verified"] is True
+    assert info["slot"] in (0, 1, 2) and info["epoch"] > 0
+
+
+# -- scenarios with a cluster of their own ------------------------------------------------
+
+
+def test_sigkilled_worker_frees_its_slot_within_the_lease_ttl(redis_url, tmp_path):
+    ttl = 3.0
+    cluster = Cluster(str(tmp_path), redis_url.rsplit("/", 1)[0] + "/14", redis_url,
+                      workers=1, CS_LEASE_TTL=str(ttl))
+    try:
+        slow = cluster.task("slow")
+        slow.delay("f0", 60)
+        assert wait_until(lambda: cluster.started("slow:f0"))
+        spare = Worker(cluster.env, "spare", 2)
+        spare.wait_ready()
+        cluster.workers.append(spare)
+        killed_at = time.monotonic()
+        cluster.workers[0].kill()
+        nxt = slow.delay("f1", 0.01)
+        nxt.get(timeout=ttl + 15)
+        waited = time.monotonic() - killed_at
+        assert 0.5 * ttl < waited < ttl + 5, waited
+    finally:
+        cluster.stop()
+
+
+def test_bad_settings_stop_the_worker_naming_the_setting(redis_url, tmp_path):
+    env = cluster_env(str(tmp_path), redis_url.rsplit("/", 1)[0] + "/14", redis_url, RESULTS,
+                      CS_SETTINGS=json.dumps({"semaphore_lease_ttl": -5}))
+    worker = Worker(env, "bad", 1)
+    assert worker.proc.wait(30) != 0
+    assert "semaphore_lease_ttl" in worker.output()
+
+
+def test_requeue_past_the_per_worker_bound_loses_nothing(redis_url, tmp_path):
+    cluster = Cluster(str(tmp_path), redis_url.rsplit("/", 1)[0] + "/14", redis_url,
+                      workers=1, CS_SETTINGS=json.dumps({"semaphore_worker_max_waiting": 2}))
+    try:
+        guarded = cluster.task("guarded")
+        results = [guarded.delay(f"g{i}", 0.1) for i in range(12)]
+        assert sorted(r.get(timeout=60) for r in results) == sorted(f"g{i}" for i in range(12))
+        assert cluster.probe.max_concurrent("guarded:g") == 2
+        assert all(n == 1 for n in cluster.probe.completed("guarded:g").values())
+    finally:
+        cluster.stop()
+
+
+def test_max_wait_fails_the_task_with_a_clear_error(redis_url, tmp_path):
+    cluster = Cluster(str(tmp_path), redis_url.rsplit("/", 1)[0] + "/14", redis_url,
+                      workers=1, CS_SETTINGS=json.dumps({"semaphore_max_wait": 1.0}))
+    try:
+        slow = cluster.task("slow")
+        slow.delay("h0", 5)
+        assert wait_until(lambda: cluster.started("slow:h0"))
+        late = slow.delay("h1", 0.01)
+        with pytest.raises(SemaphoreTimeout) as err:
+            late.get(timeout=15)
+        assert "semaphore_max_wait" in str(err.value)
+        assert not cluster.started("slow:h1")
+    finally:
+        cluster.stop()

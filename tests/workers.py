@@ -1,0 +1,94 @@
+"""Real ``celery worker`` subprocesses for the integration tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from typing import Dict, List, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def children(pid: int) -> List[int]:
+    """Direct child pids of ``pid`` (Linux /proc)."""
+    found = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                found.extend(int(c) for c in f.read().split())
+    except FileNotFoundError:
+        pass
+    return found
+
+
+class Worker:
+    """One ``celery -A tests.celery_app worker`` process with its environment."""
+
+    def __init__(self, env: Dict[str, str], name: str, concurrency: int = 4,
+                 pool: str = "prefork", extra: Optional[List[str]] = None) -> None:
+        self.env = env
+        self.name = name
+        self.log = os.path.join(env["CS_DIR"], f"{name}.log")
+        args = [sys.executable, "-m", "celery", "-A", "tests.celery_app", "worker",
+                "-c", str(concurrency), "-P", pool, "-n", f"{name}@%h", "-E",
+                "-l", "info", "-Q", env["CS_QUEUE"], "--without-gossip", "--without-mingle"]
+        self.proc = subprocess.Popen(args + (extra or []), cwd=ROOT, env=env,
+                                     stdout=open(self.log, "ab"), stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"worker {self.name} exited: {self.output()[-3000:]}")
+            if " ready." in self.output():
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"worker {self.name} not ready: {self.output()[-3000:]}")
+
+    def output(self) -> str:
+        with open(self.log, errors="replace") as f:
+            return f.read()
+
+    def pool_pids(self) -> List[int]:
+        return children(self.proc.pid)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def kill(self) -> None:
+        pids = self.pool_pids()
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def cluster_env(tmp_dir: str, broker: str, backend: str, result: str,
+                **extra: str) -> Dict[str, str]:
+    tag = uuid.uuid4().hex[:8]
+    env = dict(os.environ)
+    env.update(
+        CS_DIR=tmp_dir,
+        CS_BROKER_URL=broker,
+        CS_SEMAPHORE_BACKEND=backend,
+        CS_RESULT_BACKEND=result,
+        CS_KEY_PREFIX=f"it{tag}:",
+        CS_QUEUE=f"q{tag}",
+        CS_PROBE=os.path.join(tmp_dir, "probe.log"),
+        PYTHONPATH=ROOT,
+    )
+    env.update(extra)
+    return env
