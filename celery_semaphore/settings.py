@@ -53,7 +53,7 @@ class Settings:
         """Read and validate every ``semaphore_*`` setting of ``app``; raise naming the bad one."""
         values = {}
         for f in fields(cls):
-            found, key, value = lookup(app.conf, f"semaphore_{f.name}")
+            found, key, value = lookup(app, f"semaphore_{f.name}")
             if found:
                 values[f.name] = validate(key, f.name, value)
         settings = cls(**values)
@@ -91,15 +91,16 @@ class Settings:
         return "sqlite:///celery-semaphore.db"
 
 
-def lookup(conf: Any, name: str):
+def lookup(app: Any, name: str):
     """(found, key as the user wrote it, value) for a setting, honouring a namespace."""
-    if name in conf:
-        return True, name, conf[name]
-    namespace = getattr(conf, "namespace", None) or "CELERY"
-    upper = f"{namespace}_{name.upper()}"
-    if upper in conf:
-        return True, upper, conf[upper]
-    return False, name, None
+    namespace = getattr(app, "namespace", None)
+    written = f"{namespace}_{name.upper()}" if namespace else name
+    missing = object()
+    for key in (name, f"{namespace or 'CELERY'}_{name.upper()}"):
+        value = app.conf.get(key, missing)
+        if value is not missing:
+            return True, written, value
+    return False, written, None
 
 
 def validate(key: str, field_name: str, value: Any) -> Any:

@@ -171,6 +171,7 @@ class SQLiteBackend(ModelBackend):
         if self._listener is not None:
             try:
                 os.unlink(self._socket_path(self.client_id))
+                os.rmdir(self._socket_dir)  # only when no other process listens here
             except OSError:
                 pass
             self._listener.close()

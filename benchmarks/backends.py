@@ -1,0 +1,70 @@
+"""Acquire+release pairs per second and acquire latency, per backend, from 1 and 8 processes.
+
+Each process loops ``Semaphore.acquire()`` / ``Lease.release()`` on a semaphore whose limit is
+above the number of processes, so the figures measure the backend's round trips, not waiting.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import statistics
+import tempfile
+import time
+import uuid
+from typing import Any, Dict, List
+
+FORK = multiprocessing.get_context("fork")
+
+
+def _loop(url: str, prefix: str, seconds: float, start: Any, out: Any) -> None:
+    from celery_semaphore import Semaphore
+
+    sem = Semaphore("bench", 64, url, key_prefix=prefix)
+    for _ in range(50):  # warm up connections and scripts
+        sem.acquire().release()
+    latencies: List[float] = []
+    start.wait()
+    deadline = time.perf_counter() + seconds
+    pairs = 0
+    while time.perf_counter() < deadline:
+        t0 = time.perf_counter()
+        lease = sem.acquire()
+        latencies.append(time.perf_counter() - t0)
+        lease.release()
+        pairs += 1
+    out.put((pairs, latencies))
+
+
+def measure(url: str, processes: int, seconds: float = 3.0) -> Dict[str, Any]:
+    prefix = f"bench{uuid.uuid4().hex[:6]}:"
+    start, out = FORK.Event(), FORK.Queue()
+    procs = [FORK.Process(target=_loop, args=(url, prefix, seconds, start, out))
+             for _ in range(processes)]
+    for p in procs:
+        p.start()
+    time.sleep(0.5)
+    start.set()
+    results = [out.get(timeout=seconds + 60) for _ in procs]
+    for p in procs:
+        p.join()
+    pairs = sum(r[0] for r in results)
+    latencies = sorted(x for r in results for x in r[1])
+    return {
+        "processes": processes,
+        "pairs_per_s": round(pairs / seconds),
+        "acquire_p50_ms": round(statistics.median(latencies) * 1000, 3),
+        "acquire_p99_ms": round(latencies[int(len(latencies) * 0.99)] * 1000, 3),
+    }
+
+
+def run(redis_url: str) -> List[Dict[str, Any]]:
+    sqlite = f"sqlite:///{tempfile.mkdtemp(prefix='bench-')}/bench.db"
+    rows = []
+    for name, url, counts in (("memory", "memory://bench", (1,)),
+                              ("sqlite", sqlite, (1, 8)),
+                              ("redis", redis_url, (1, 8))):
+        for processes in counts:
+            row = {"backend": name, **measure(url, processes)}
+            print(f"  {row}", flush=True)
+            rows.append(row)
+    return rows

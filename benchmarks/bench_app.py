@@ -1,0 +1,51 @@
+"""The Celery app of the workload benchmark (run by real ``celery worker`` subprocesses)."""
+
+import os
+import time
+
+from celery import Celery
+
+import celery_semaphore
+from tests.probe import Probe
+
+LIMIT = 4
+
+app = Celery("benchmarks.bench_app")
+app.conf.update(
+    broker_url=os.environ.get("BENCH_BROKER", "redis://127.0.0.1:6379/12"),
+    semaphore_backend=os.environ.get("BENCH_SEMAPHORE_BACKEND") or None,
+    semaphore_key_prefix=os.environ.get("BENCH_PREFIX", "bench:"),
+    task_default_queue=os.environ.get("BENCH_QUEUE", "bench"),
+    worker_hijack_root_logger=False,
+    broker_connection_retry_on_startup=True,
+)
+celery_semaphore.install(app)
+probe = Probe(os.environ.get("BENCH_PROBE", "/tmp/bench-probe.log"))
+
+
+def body(key, hold):
+    probe.mark("start", key)
+    time.sleep(hold)
+    probe.mark("end", key)
+
+
+@app.task(semaphore="bench", limit=LIMIT)
+def gated(key, hold):
+    body(key, hold)
+
+
+@app.task
+def plain(key, hold):
+    body(key, hold)
+
+
+@app.task(bind=True, max_retries=None)
+def diy(self, key, hold):
+    """What users write today: a Redis semaphore taken in the body, retry in 1 s when full."""
+    sem = celery_semaphore.Semaphore("diy", LIMIT, os.environ["BENCH_SEMAPHORE_BACKEND"],
+                                     key_prefix=os.environ.get("BENCH_PREFIX", "bench:"))
+    lease = sem.try_acquire()
+    if lease is None:
+        raise self.retry(countdown=1)
+    with lease:
+        body(key, hold)

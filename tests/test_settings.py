@@ -1,0 +1,136 @@
+"""Settings validation, task options and name templates (no server needed)."""
+
+import pytest
+from celery import Celery
+
+from celery_semaphore import ConfigurationError, InvalidName, install, task
+from celery_semaphore.settings import Settings
+from celery_semaphore.tasks import Guards
+
+
+def make_app(**conf):
+    app = Celery("settings_test", set_as_current=False)
+    app.conf.update({"broker_url": "memory://", **conf})
+    return app
+
+
+@pytest.mark.parametrize("key,value", [
+    ("semaphore_lease_ttl", -1), ("semaphore_lease_ttl", "60"), ("semaphore_lease_ttl", True),
+    ("semaphore_poll_interval", 0), ("semaphore_retry_backoff", float("inf")),
+    ("semaphore_max_wait", -3), ("semaphore_default_limit", 0),
+    ("semaphore_default_limit", 2.5), ("semaphore_limits", {"a": 0}),
+    ("semaphore_limits", {"bad name": 2}), ("semaphore_limits", [("a", 1)]),
+    ("semaphore_on_lost_lease", "explode"), ("semaphore_retry_jitter", "yes"),
+    ("semaphore_backend", "nosuch://x"), ("semaphore_key_prefix", ""),
+    ("semaphore_worker_max_waiting", -1), ("semaphore_worker_max_hold", 0),
+])
+def test_each_bad_setting_is_named(key, value):
+    with pytest.raises(ConfigurationError) as err:
+        Settings.from_app(make_app(**{key: value}))
+    assert key in str(err.value)
+
+
+def test_backoff_max_below_backoff_is_refused():
+    with pytest.raises(ConfigurationError, match="semaphore_retry_backoff_max"):
+        Settings.from_app(make_app(semaphore_retry_backoff=5, semaphore_retry_backoff_max=1))
+
+
+def test_django_namespace_names_the_setting_as_written():
+    app = Celery("ns", set_as_current=False)
+    app.config_from_object({"CELERY_BROKER_URL": "memory://", "CELERY_SEMAPHORE_LEASE_TTL": 5,
+                            "CELERY_SEMAPHORE_MAX_WAIT": "soon"}, namespace="CELERY")
+    with pytest.raises(ConfigurationError, match="CELERY_SEMAPHORE_MAX_WAIT"):
+        Settings.from_app(app)
+
+
+def test_django_namespace_reads_values():
+    app = Celery("ns2", set_as_current=False)
+    app.config_from_object({"CELERY_BROKER_URL": "memory://",
+                            "CELERY_SEMAPHORE_LEASE_TTL": 5}, namespace="CELERY")
+    assert Settings.from_app(app).lease_ttl == 5.0
+
+
+def test_default_backend_follows_the_broker():
+    assert Settings().backend_url(make_app(broker_url="redis://h:1/2")) == "redis://h:1/2"
+    assert Settings().backend_url(make_app(broker_url="filesystem://")).startswith("sqlite://")
+    assert Settings(backend="memory://x").backend_url(make_app()) == "memory://x"
+
+
+class FakeRequest:
+    def __init__(self, task, args=(), kwargs=None, headers=None):
+        self.task, self.args, self.kwargs = task, args, kwargs or {}
+        self.request_dict = headers or {}
+
+
+def test_templates_fill_from_arguments_and_defaults():
+    app = make_app(semaphore_limits={"api:7": 9})
+    install(app)
+
+    @app.task(semaphore="api:{customer_id}:{region}", limit=2, shared=False)
+    def call(customer_id, region="eu"):
+        pass
+
+    guards = Guards(Settings.from_app(app))
+    guard = guards.resolve(FakeRequest(call, (3,)))
+    assert (guard.name, guard.limit) == ("api:3:eu", 2)
+    assert guards.resolve(FakeRequest(call, (), {"customer_id": 4, "region": "us"})).name \
+        == "api:4:us"
+    with pytest.raises(ConfigurationError, match="customer_id"):
+        guards.resolve(FakeRequest(call, ()))
+    with pytest.raises(InvalidName):
+        guards.resolve(FakeRequest(call, ("a b",)))
+    # per-call header override, and semaphore_limits by resolved name
+    assert guards.resolve(FakeRequest(call, (1,), headers={"semaphore": "other"})).name \
+        == "other"
+    assert guards.resolve(FakeRequest(call, (7,), headers={"semaphore": "api:7"})).limit == 9
+
+
+def test_unguarded_task_has_no_guard():
+    app = make_app()
+
+    @app.task(shared=False)
+    def plain():
+        pass
+
+    assert Guards(Settings.from_app(app)).resolve(FakeRequest(plain)) is None
+
+
+def test_task_decorator_checks_options():
+    with pytest.raises(ConfigurationError):
+        task(semaphore="has space", limit=1)(lambda: None)
+    with pytest.raises(ConfigurationError):
+        task(semaphore="x", limit=0)(lambda: None)
+    with pytest.raises(ConfigurationError):
+        task(semaphore="x:{unclosed", limit=1)(lambda: None)
+
+
+def test_task_overrides_settings():
+    app = make_app(semaphore_lease_ttl=30)
+
+    @app.task(semaphore="x", semaphore_lease_ttl=300, shared=False)
+    def long():
+        pass
+
+    assert Settings.from_app(app).for_task(long).lease_ttl == 300
+    with pytest.raises(ConfigurationError, match="semaphore_lease_ttl"):
+        Settings.from_app(app).for_task(type("T", (), {"name": "t", "semaphore_lease_ttl": -1}))
+
+
+def test_eager_calls_hold_the_semaphore():
+    app = make_app(semaphore_backend="memory://eager", task_always_eager=True)
+    install(app)
+    from celery_semaphore import current_lease
+
+    seen = []
+
+    @app.task(semaphore="eager", limit=1, shared=False)
+    def body():
+        lease = current_lease()
+        seen.append((lease.name, lease.limit, lease.verify()))
+        return lease.token.slot
+
+    assert body.delay().get() == 0
+    assert seen == [("eager", 1, True)]
+    from celery_semaphore.backends import get_backend
+
+    assert get_backend("memory://eager", key_prefix="semaphore:").status("eager").held == 0
