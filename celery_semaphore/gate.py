@@ -232,7 +232,7 @@ class Gate:
         self.io = IOThread("celery-semaphore-gate")
         self.pending: Dict[str, Pending] = {}  # holder -> Pending
         self.line: Deque[Pending] = deque()  # waiting for a free local pool process
-        self.held: Dict[str, Held] = {}  # task id -> Held
+        self.held: Dict[str, Held] = {}  # lease holder -> Held
         self.original: Callable[[Any], Any] = consumer.on_task_request
         consumer.on_task_request = self.on_task_request
         self._running = False
@@ -411,13 +411,14 @@ class Gate:
             self.line.appendleft(pending)
             return
         self._drop(pending)
-        self.held[request.id] = Held(request, lease, guard)
+        entry = self.held[pending.holder] = Held(request, lease, guard)
+        request.semaphore_held = entry
         request.request_dict[LEASE_KEY] = {
             "name": guard.name, "limit": limit, "holder": pending.holder,
             "slot": grant.slot, "epoch": grant.epoch, "ttl": grant.ttl,
             "backend": self.backend.url, "key_prefix": self.backend.key_prefix,
         }
-        lease.on_lost(lambda lost: self.loop.post(self._lease_lost, request.id, lost))
+        lease.on_lost(lambda lost: self.loop.post(self._lease_lost, entry))
         default_keeper.add(lease)
         self._track(request)
         self.original(request)
@@ -457,10 +458,8 @@ class Gate:
 
     def _finished(self, request: Any, exc: Optional[BaseException] = None) -> None:
         with self.lock:
-            entry = self.held.pop(request.id, None)
-            if entry is not None and entry.request is not request:
-                self.held[request.id] = entry  # another delivery of the same task id holds it
-            elif entry is not None:
+            entry: Optional[Held] = getattr(request, "semaphore_held", None)
+            if entry is not None and self.held.pop(entry.lease.holder, None) is not None:
                 pid = request.worker_pid
                 if isinstance(exc, (TimeLimitExceeded, Terminated)) and pid:
                     # Celery reports these before the pool child has died; the body may
@@ -486,10 +485,10 @@ class Gate:
         self.loop.post(self._revoked, task_id)
 
     def _revoked(self, task_id: str) -> None:
-        entry = self.held.get(task_id)
-        if entry is not None and entry.request.time_start is None:
-            # Revoked or expired before a pool process took it: no pool callback will come.
-            self._finished(entry.request)
+        for entry in list(self.held.values()):
+            if entry.request.id == task_id and entry.request.time_start is None:
+                # Revoked or expired before a pool process took it: no pool callback comes.
+                self._finished(entry.request)
 
     def _release(self, lease: Lease) -> None:  # I/O thread
         try:
@@ -499,13 +498,12 @@ class Gate:
             logger.warning("celery-semaphore: releasing %r failed (its TTL frees it): %s",
                            lease, exc)
 
-    def _lease_lost(self, task_id: str, lease: Lease) -> None:
-        entry = self.held.get(task_id)
-        if entry is None or entry.lease is not lease:
+    def _lease_lost(self, entry: Held) -> None:
+        if self.held.get(entry.lease.holder) is not entry:
             return
         policy = entry.guard.settings.on_lost_lease
         logger.error("celery-semaphore: task %s lost its slot of %r (token %s); policy: %s",
-                     task_id, lease.name, lease.token, policy)
+                     entry.request.id, entry.lease.name, entry.lease.token, policy)
         if policy == "terminate":
             entry.request.terminate(self.consumer.pool, signal="SIGTERM")
 
@@ -630,8 +628,8 @@ class Gate:
                     for p in self.pending.values()
                 ],
                 "held": [
-                    {"id": task_id, "task": h.request.name, "semaphore": h.lease.name,
+                    {"id": h.request.id, "task": h.request.name, "semaphore": h.lease.name,
                      "holder": h.lease.holder, "token": str(h.lease.token)}
-                    for task_id, h in self.held.items()
+                    for h in self.held.values()
                 ],
             }
