@@ -30,6 +30,15 @@ from .model import Box, ModelBackend, State
 
 logger = logging.getLogger(__name__)
 
+# SQLite keeps per-process lock bookkeeping that a forked child inherits: a child forked while
+# another thread is inside a transaction believes it holds that lock forever, and its own
+# connections then fail with "database is locked" (SQLite: "do not carry an open database
+# across fork()"). Prefork pools fork all the time, so no transaction may be in flight at a fork.
+_no_fork = threading.Lock()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_no_fork.acquire, after_in_parent=_no_fork.release,
+                        after_in_child=_no_fork.release)
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS semaphores (
     name TEXT PRIMARY KEY,
@@ -90,6 +99,12 @@ class SQLiteBackend(ModelBackend):
 
     @contextmanager
     def _transaction(self, name: str) -> Iterator[Box]:
+        with _no_fork:
+            with self._unforked_transaction(name) as box:
+                yield box
+
+    @contextmanager
+    def _unforked_transaction(self, name: str) -> Iterator[Box]:
         conn = self._connection()
         key = self.key_prefix + name
         try:
@@ -117,12 +132,13 @@ class SQLiteBackend(ModelBackend):
             raise
 
     def _stored_names(self) -> List[str]:
-        conn = self._connection()
-        conn.execute("DELETE FROM semaphores WHERE expires <= ?", (time.time(),))
-        rows = conn.execute(
-            "SELECT name FROM semaphores WHERE substr(name, 1, ?) = ?",
-            (len(self.key_prefix), self.key_prefix),
-        ).fetchall()
+        with _no_fork:
+            conn = self._connection()
+            conn.execute("DELETE FROM semaphores WHERE expires <= ?", (time.time(),))
+            rows = conn.execute(
+                "SELECT name FROM semaphores WHERE substr(name, 1, ?) = ?",
+                (len(self.key_prefix), self.key_prefix),
+            ).fetchall()
         return [row[0][len(self.key_prefix):] for row in rows]
 
     # -- wake-ups ----------------------------------------------------------------------------
