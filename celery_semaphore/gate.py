@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
+from billiard.exceptions import WorkerLostError
 from celery import signals
 from celery.exceptions import Terminated, TimeLimitExceeded
 from celery.worker import state as worker_state
@@ -54,6 +55,8 @@ logger = logging.getLogger(__name__)
 #: Message headers the gate writes when it requeues a request.
 REQUEUES_HEADER = "semaphore_requeues"
 FIRST_WAIT_HEADER = "semaphore_first_wait"
+#: Endings the pool reports before the child process has exited.
+CHILD_KILLED = (TimeLimitExceeded, Terminated, WorkerLostError, SystemExit, KeyboardInterrupt)
 #: Seconds to wait for a timed-out or terminated pool child to exit before releasing anyway.
 CHILD_EXIT_WAIT = 30.0
 
@@ -196,6 +199,7 @@ class Pending:
     attempts: int = 0
     position: Optional[int] = None
     queued: bool = False  # in the backend's waiter queue
+    granted: bool = False  # a grant is on its way to the loop: ignore further attempts
     done: bool = False
     generation: int = 0
     backend_down: bool = False
@@ -333,7 +337,7 @@ class Gate:
         self._attempt(pending, pending.generation)
 
     def _attempt(self, pending: Pending, generation: int) -> None:  # I/O thread
-        if pending.done or generation != pending.generation:
+        if pending.done or pending.granted or generation != pending.generation:
             return
         guard = pending.guard
         requested_at = time.monotonic()
@@ -351,6 +355,7 @@ class Gate:
             return
         pending.backend_down = False
         if attempt.grant is not None:
+            pending.granted = True
             self.backend.unwatch(guard.name, pending.holder)
             self.loop.post(self._granted, pending, attempt.grant, requested_at, attempt.limit)
             return
@@ -406,7 +411,7 @@ class Gate:
         if self._free_processes() <= 0:
             # The pool filled up meanwhile: never sit on a slot waiting for a process.
             self.io.call(self._release, lease)
-            pending.queued = False
+            pending.queued = pending.granted = False
             pending.position = None
             self.line.appendleft(pending)
             return
@@ -461,7 +466,8 @@ class Gate:
             entry: Optional[Held] = getattr(request, "semaphore_held", None)
             if entry is not None and self.held.pop(entry.lease.holder, None) is not None:
                 pid = request.worker_pid
-                if isinstance(exc, (TimeLimitExceeded, Terminated)) and pid:
+                exc = getattr(exc, "exc", exc)  # billiard's ExceptionWithTraceback
+                if isinstance(exc, CHILD_KILLED) and pid:
                     # Celery reports these before the pool child has died; the body may
                     # still run (a finally block, a handler): keep the slot until it exits.
                     self.io.call(self._release_after_exit, entry.lease, pid,

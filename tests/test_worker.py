@@ -159,7 +159,7 @@ def test_time_limits_free_the_slot(cluster):
     for previous, current in zip(order, order[1:]):
         prev_start, prev_end = runs[previous]
         limit_ns = 0.5e9 if previous == "limited:d0" else 1.0e9
-        assert runs[current][0] >= (prev_end or prev_start + limit_ns)
+        assert runs[current][0] >= (prev_end or prev_start + limit_ns), (order, runs)
         assert runs[current][0] - prev_start < 4e9
     assert wait_until(lambda: cluster.held("limited") == 0)
 
