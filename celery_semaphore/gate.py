@@ -131,9 +131,10 @@ class LoopCaller:
     gate's lock; Celery itself calls ``on_task_request`` from its timer thread there.
     """
 
-    def __init__(self, hub: Any, lock: threading.RLock) -> None:
+    def __init__(self, hub: Any, lock: threading.RLock, after: Callable[[], None]) -> None:
         self.hub = hub
         self.lock = lock
+        self.after = after  # runs after each call, outside the lock
         self._calls: Deque[Tuple[Callable[..., Any], tuple]] = deque()
         self._rfd = self._wfd = -1
 
@@ -157,8 +158,7 @@ class LoopCaller:
 
     def post(self, fn: Callable[..., Any], *args: Any) -> None:
         if self._wfd < 0:
-            with self.lock:
-                self._run(fn, args)
+            self._run(fn, args)
             return
         self._calls.append((fn, args))
         try:
@@ -177,15 +177,15 @@ class LoopCaller:
     def _drain_calls(self) -> None:
         while self._calls:
             fn, args = self._calls.popleft()
-            with self.lock:
-                self._run(fn, args)
+            self._run(fn, args)
 
-    @staticmethod
-    def _run(fn: Callable[..., Any], args: tuple) -> None:
+    def _run(self, fn: Callable[..., Any], args: tuple) -> None:
         try:
-            fn(*args)
+            with self.lock:
+                fn(*args)
         except Exception:
             logger.exception("celery-semaphore: %r failed on the loop thread", fn)
+        self.after()
 
 
 @dataclass(eq=False)
@@ -232,7 +232,11 @@ class Gate:
         self.guards = Guards(settings)
         self.backend = backend
         self.lock = threading.RLock()
-        self.loop = LoopCaller(consumer.hub, self.lock)
+        # Requests to hand to the pool once the lock is released: with prefork's putlocks the
+        # pool can block in apply_async until its result thread, which needs the lock to run
+        # our completion callbacks, frees a process.
+        self.handoffs: Deque[Any] = deque()
+        self.loop = LoopCaller(consumer.hub, self.lock, self._flush_handoffs)
         self.io = IOThread("celery-semaphore-gate")
         self.pending: Dict[str, Pending] = {}  # holder -> Pending
         self.line: Deque[Pending] = deque()  # waiting for a free local pool process
@@ -280,26 +284,40 @@ class Gate:
 
     # -- entry -------------------------------------------------------------------------------
 
-    def on_task_request(self, request: Any) -> Any:
+    def on_task_request(self, request: Any) -> None:
         with self.lock:
-            try:
-                guard = self.guards.resolve(request)
-            except SemaphoreError as exc:
-                return self._fail(request, exc)
-            if guard is None:
-                self._track(request)
-                return self.original(request)
-            pending = Pending(request, guard)
-            if len(self.pending) >= guard.settings.worker_max_waiting:
-                logger.debug("celery-semaphore: %s: worker holds %d waiting tasks, requeueing",
-                             request.id, len(self.pending))
-                self.pending[pending.holder] = pending
-                self.consumer.qos.increment_eventually()
-                return self._requeue(pending)
+            self._admit(request)
+        self._flush_handoffs()
+
+    def _admit(self, request: Any) -> None:
+        try:
+            guard = self.guards.resolve(request)
+        except SemaphoreError as exc:
+            return self._fail(request, exc)
+        if guard is None:
+            self._track(request)
+            self.handoffs.append(request)
+            return
+        pending = Pending(request, guard)
+        if len(self.pending) >= guard.settings.worker_max_waiting:
+            logger.debug("celery-semaphore: %s: worker holds %d waiting tasks, requeueing",
+                         request.id, len(self.pending))
             self.pending[pending.holder] = pending
             self.consumer.qos.increment_eventually()
-            self.line.append(pending)
-            self._pump()
+            return self._requeue(pending)
+        self.pending[pending.holder] = pending
+        self.consumer.qos.increment_eventually()
+        self.line.append(pending)
+        self._pump()
+
+    def _flush_handoffs(self) -> None:
+        """Hand granted and unguarded requests to the pool, outside the lock."""
+        while self.handoffs:
+            try:
+                request = self.handoffs.popleft()
+            except IndexError:
+                return
+            self.original(request)
 
     # -- waiting -----------------------------------------------------------------------------
 
@@ -426,7 +444,7 @@ class Gate:
         lease.on_lost(lambda lost: self.loop.post(self._lease_lost, entry))
         default_keeper.add(lease)
         self._track(request)
-        self.original(request)
+        self.handoffs.append(request)
 
     def _drop(self, pending: Pending) -> None:
         """Forget a pending request (it runs, is requeued, failed or revoked)."""
