@@ -31,7 +31,7 @@ def validate_name(name: object) -> str:
     if bad:
         raise InvalidName(
             f"semaphore name {name!r} contains {bad.group()!r}; names may not contain "
-            "whitespace, control characters or any of {{}}[]*?\\/"
+            "whitespace, control characters or any of {}[]*?\\/"
         )
     return name
 
@@ -43,3 +43,22 @@ def validate_limit(limit: object, what: str = "limit") -> int:
     if limit < 1:
         raise InvalidLimit(f"{what} must be a positive integer, not {limit}")
     return limit
+
+
+def validate_template(template: object, what: str = "semaphore") -> str:
+    """Return a name template (``"api:{customer_id}"``) whose filled-in names could be valid."""
+    import string
+
+    if not isinstance(template, str):
+        raise InvalidName(f"{what} must be a string, not {template!r}")
+    try:
+        fields = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+    except ValueError as exc:
+        raise InvalidName(f"{what} {template!r} is not a valid template: {exc}") from None
+    if any(not f for f in fields):
+        raise InvalidName(f"{what} {template!r}: a template field needs a parameter name")
+    sample = template
+    for f in fields:
+        sample = sample.replace("{" + f + "}", "x")
+    validate_name(sample)
+    return template

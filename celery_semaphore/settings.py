@@ -14,7 +14,7 @@ from typing import Any, Dict, Optional
 from urllib.parse import urlsplit
 
 from .exceptions import ConfigurationError, InvalidLimit, InvalidName
-from .names import validate_limit, validate_name
+from .names import validate_limit, validate_template
 
 LOST_LEASE_POLICIES = ("log", "terminate")
 
@@ -122,7 +122,7 @@ def validate(key: str, field_name: str, value: Any) -> Any:
         if not isinstance(value, dict):
             raise ConfigurationError(f"{key} must be a dict of name -> limit, not {value!r}")
         try:
-            return {validate_name(k): validate_limit(v, f"limit of {k!r}")
+            return {validate_template(k, "name"): validate_limit(v, f"limit of {k!r}")
                     for k, v in value.items()}
         except (InvalidName, InvalidLimit) as exc:
             raise ConfigurationError(f"{key}: {exc}") from None

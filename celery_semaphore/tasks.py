@@ -18,7 +18,6 @@ stored limit rules, and only ``resize`` changes it.
 from __future__ import annotations
 
 import inspect
-import string
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
@@ -27,7 +26,7 @@ from celery import current_task, shared_task
 from .backends import get_backend
 from .backends.base import FencingToken
 from .exceptions import ConfigurationError, LeaseLost
-from .names import validate_limit, validate_name
+from .names import validate_limit, validate_name, validate_template
 from .settings import Settings
 
 LEASE_KEY = "semaphore_lease"
@@ -56,20 +55,8 @@ def task(*args: Any, **options: Any) -> Any:
 
 
 def check_template(template: Any, what: str) -> str:
-    """Validate a name template by filling each field with a placeholder."""
-    if not isinstance(template, str):
-        raise ConfigurationError(f"{what} must be a string, not {template!r}")
-    try:
-        fields = [f for _, f, _, _ in string.Formatter().parse(template) if f]
-    except ValueError as exc:
-        raise ConfigurationError(f"{what} {template!r} is not a valid template: {exc}") from None
-    sample = template
-    for f in fields:
-        sample = sample.replace("{" + f + "}", "x")
-    if "{" in template and not fields:
-        raise ConfigurationError(f"{what} {template!r} is not a valid template")
-    validate_name(sample)
-    return template
+    """Validate a name template; ConfigurationError (InvalidName) when no name could fill it."""
+    return validate_template(template, what)
 
 
 class Guards:
