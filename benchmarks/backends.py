@@ -57,6 +57,26 @@ def measure(url: str, processes: int, seconds: float = 3.0) -> Dict[str, Any]:
     }
 
 
+def redis_server_cost(url: str) -> Dict[str, Any]:
+    """Redis's own time per script call during an 8-process run (INFO commandstats).
+
+    Tells whether a throughput figure is bound by the server or by the Python clients, which
+    share this machine's cores with it.
+    """
+    import redis
+
+    client = redis.Redis.from_url(url)
+    client.config_resetstat()
+    row = measure(url, 8)
+    stats = client.info("commandstats")["cmdstat_evalsha"]
+    usec = stats["usec_per_call"]
+    return {"backend": "redis (server only)", "processes": 8,
+            "pairs_per_s": round(1e6 / (2 * usec)),
+            "acquire_p50_ms": "", "acquire_p99_ms": "",
+            "note": f"{usec:.1f} us per script call in Redis; client-bound run: "
+                    f"{row['pairs_per_s']} pairs/s"}
+
+
 def run(redis_url: str) -> List[Dict[str, Any]]:
     sqlite = f"sqlite:///{tempfile.mkdtemp(prefix='bench-')}/bench.db"
     rows = []
@@ -67,4 +87,7 @@ def run(redis_url: str) -> List[Dict[str, Any]]:
             row = {"backend": name, **measure(url, processes)}
             print(f"  {row}", flush=True)
             rows.append(row)
+    row = redis_server_cost(redis_url)
+    print(f"  {row}", flush=True)
+    rows.append(row)
     return rows

@@ -101,8 +101,10 @@ def running_at(probe, prefix, t_ns):
 
 
 @pytest.mark.slow
-def test_live_resize_under_load(redis_url, tmp_path):
-    cluster = Cluster(str(tmp_path), redis_url.rsplit("/", 1)[0] + "/14", redis_url)
+@pytest.mark.parametrize("broker", ["redis", "amqp"])
+def test_live_resize_under_load(broker, redis_url, amqp_url, tmp_path):
+    broker_url = redis_url.rsplit("/", 1)[0] + "/14" if broker == "redis" else amqp_url
+    cluster = Cluster(str(tmp_path), broker_url, redis_url)
     env = dict(cluster.env)
 
     def cli(*args):
