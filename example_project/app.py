@@ -15,7 +15,8 @@ for folder in ("broker", "processed"):
 
 app = Celery("example_project", include=["example_project.tasks"])
 app.conf.update(
-    broker_url="filesystem://",
+    # EXAMPLE_BROKER_URL=redis://localhost:6379/0 runs the same app on Redis (and with Flower).
+    broker_url=os.environ.get("EXAMPLE_BROKER_URL", "filesystem://"),
     broker_transport_options={
         "data_folder_in": os.path.join(VAR, "broker"),
         "data_folder_out": os.path.join(VAR, "broker"),

@@ -152,6 +152,10 @@ def main() -> int:
     makespan = max(e["t"] for e in events) - min(e["t"] for e in events)
     span = max(e["t"] for e in uploads) - min(e["t"] for e in uploads)
     concurrency = ", ".join(f"{n} max {best[n]}/{limits[n]}" for n in names)
+    cli = subprocess.run([sys.executable, "-m", "celery", "-A", "example_project.app",
+                          "semaphore", "list"], cwd=ROOT, env=env, capture_output=True,
+                         text=True)
+    print("$ celery -A example_project.app semaphore list\n" + cli.stdout.rstrip())
     print(f"summary: {concurrency}; uploads utilization "
           f"{busy / (limits['uploads'] * span):.2f}; makespan {makespan:.1f}s; timeline {png}")
     ok = all(best[n] <= limits[n] for n in names)

@@ -142,3 +142,14 @@ def test_live_resize_under_load(broker, redis_url, amqp_url, tmp_path):
         assert cluster.probe.max_concurrent("guarded:r") == 4
     finally:
         cluster.stop()
+
+
+def test_no_app_and_no_backend_is_a_usage_error(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "celery", "semaphore", "list"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "no app" in done.stderr
+    with_backend = subprocess.run(
+        [sys.executable, "-m", "celery", "semaphore", "--backend",
+         f"sqlite:///{tmp_path}/s.db", "list", "--json"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert with_backend.returncode == 0 and json.loads(with_backend.stdout) == []
