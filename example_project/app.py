@@ -10,7 +10,7 @@ import celery_semaphore
 
 VAR = os.path.abspath(os.environ.get("EXAMPLE_VAR_DIR",
                                      os.path.join(os.path.dirname(__file__), "var")))
-for folder in ("broker", "processed"):
+for folder in ("broker", "processed", "control"):
     os.makedirs(os.path.join(VAR, folder), exist_ok=True)
 
 app = Celery("example_project", include=["example_project.tasks"])
@@ -21,6 +21,7 @@ app.conf.update(
         "data_folder_in": os.path.join(VAR, "broker"),
         "data_folder_out": os.path.join(VAR, "broker"),
         "processed_folder": os.path.join(VAR, "processed"),
+        "control_folder": os.path.join(VAR, "control"),
         "store_processed": False,
         "polling_interval": 0.02,
     },
