@@ -13,7 +13,6 @@ import time
 from typing import Any, Dict, List, Optional
 
 import click
-from celery import _state as celery_state
 
 from .backends import get_backend
 from .backends.base import Backend, SemaphoreStatus
@@ -109,7 +108,7 @@ def semaphore(ctx: click.Context, backend_url: Optional[str]) -> None:
     """Inspect, resize and reset celery-semaphore semaphores."""
     obj = ctx.obj
     app = getattr(obj, "app", None) if obj is not None else None
-    if app is not None and app is celery_state.default_app:
+    if app is not None and getattr(app, "main", None) == "default":
         app = None  # no -A/--app: Celery's placeholder app has no settings to read
     ctx.obj = Context(app, backend_url)
 
