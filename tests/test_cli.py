@@ -114,7 +114,7 @@ def test_live_resize_under_load(broker, redis_url, amqp_url, tmp_path):
 
     try:
         guarded = cluster.task("guarded")  # semaphore "images", limit 2
-        results = [guarded.delay(f"r{i}", 0.25) for i in range(70)]
+        results = [guarded.delay(f"r{i}", 0.25) for i in range(100)]
         assert wait_until(lambda: cluster.started("guarded:r3"), timeout=20)
         assert cluster.probe.max_concurrent("guarded:r") == 2
         # The workers list what they hold and what waits.
@@ -128,10 +128,11 @@ def test_live_resize_under_load(broker, redis_url, amqp_url, tmp_path):
         assert running_at(cluster.probe, "guarded:r", grown + 1_000_000_000) == 4
         assert cli("resize", "images", "1").returncode == 0
         shrunk = time.monotonic_ns()
+        results += [guarded.delay(f"s{i}", 0.1) for i in range(8)]  # a backlog after the shrink
         for result in results:
             result.get(timeout=90)
-        after = [(s, e) for runs in cluster.probe.intervals().values() for s, e in runs
-                 if s > shrunk + 1_000_000_000]
+        after = [(s, e) for key, runs in cluster.probe.intervals().items() for s, e in runs
+                 if key.startswith("guarded:") and s > shrunk + 1_000_000_000]
         assert after, "nothing ran after the shrink"
         points = sorted([(s, 1) for s, _ in after] + [(e, -1) for _, e in after])
         level = peak = 0
