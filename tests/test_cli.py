@@ -10,7 +10,8 @@ import uuid
 import pytest
 
 from celery_semaphore import Semaphore
-from tests.test_worker import Cluster, wait_until
+from tests.test_worker import Cluster
+from tests.util import wait_until
 from tests.workers import ROOT
 
 

@@ -21,6 +21,7 @@ from celery_semaphore import (
     SemaphoreTimeout,
     UnknownBackend,
 )
+from tests.util import wait_until
 
 FORK = multiprocessing.get_context("fork")
 
@@ -41,15 +42,6 @@ class Probe:
     def leave(self):
         with self.lock:
             self.current.value -= 1
-
-
-def wait_until(predicate, timeout=5.0, interval=0.01):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
 
 
 def start_waiter(sem, results, key, **kwargs):

@@ -9,7 +9,8 @@ import pytest
 import requests
 
 from tests.servers import free_port
-from tests.test_worker import Cluster, wait_until
+from tests.test_worker import Cluster
+from tests.util import wait_until
 from tests.workers import ROOT
 
 pytestmark = pytest.mark.slow

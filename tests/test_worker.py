@@ -15,21 +15,13 @@ from celery_semaphore import SemaphoreTimeout
 from celery_semaphore.backends import get_backend
 from tests.celery_app import create_app
 from tests.probe import Probe
+from tests.util import wait_until
 from tests.workers import Worker, cluster_env
 
 pytestmark = pytest.mark.slow
 
 COMBOS = ["redis-redis", "redis-sqlite", "amqp-redis", "amqp-sqlite"]
 RESULTS = "redis://127.0.0.1:6379/13"
-
-
-def wait_until(predicate, timeout=10.0, interval=0.02):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
 
 
 class Cluster:
