@@ -232,3 +232,34 @@ def test_max_wait_fails_the_task_with_a_clear_error(redis_url, tmp_path):
         assert not cluster.started("slow:h1")
     finally:
         cluster.stop()
+
+
+@pytest.mark.parametrize("how", ["warm", "cold"])
+def test_worker_shutdown_releases_and_loses_nothing(how, redis_url, tmp_path):
+    """Warm: the running task finishes, then its slot is freed. Cold: the task dies with the
+    pool and the slot is freed at exit, not after the lease TTL. Requests that waited in the
+    stopped worker run later on another worker."""
+    cluster = Cluster(str(tmp_path), redis_url.rsplit("/", 1)[0] + "/14", redis_url, workers=1)
+    try:
+        slow = cluster.task("slow")
+        running = slow.delay("k0", 1.5)
+        assert wait_until(lambda: cluster.started("slow:k0"))
+        waiting = [slow.delay(f"k{i}", 0.05) for i in range(1, 4)]
+        assert wait_until(lambda: cluster.backend.status("slow").waiting >= 1, timeout=5)
+        worker = cluster.workers[0]
+        stopped_at = time.monotonic()
+        worker.stop(signal.SIGTERM if how == "warm" else signal.SIGQUIT)
+        assert worker.proc.returncode is not None
+        if how == "warm":
+            assert running.get(timeout=5) == "k0"
+        assert cluster.held("slow") == 0  # freed by the worker itself, not by the 60 s TTL
+        assert time.monotonic() - stopped_at < 20
+        status = cluster.backend.status("slow")
+        assert status is None or status.waiting == 0
+        spare = Worker(cluster.env, "spare", 2)
+        spare.wait_ready()
+        cluster.workers.append(spare)
+        assert [r.get(timeout=30) for r in waiting] == ["k1", "k2", "k3"]
+        assert all(n == 1 for k, n in cluster.probe.completed("slow:k").items() if k != "slow:k0")
+    finally:
+        cluster.stop()
