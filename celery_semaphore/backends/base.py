@@ -182,7 +182,6 @@ class Backend(abc.ABC):
         self.client_id = f"{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
         self._watch_lock = threading.Lock()
         self._watchers: Dict[Tuple[str, str], WakeCallback] = {}
-        self._pid = os.getpid()
 
     # -- operations every backend implements ---------------------------------------------
 

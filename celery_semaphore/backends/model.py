@@ -82,9 +82,6 @@ class State:
             return None
         return max(0.0, min(h.expires for h in self.holders.values()) - now)
 
-    def is_idle(self) -> bool:
-        return not self.holders and not self.waiters
-
     # -- operations ----------------------------------------------------------------------
 
     def prune(self, now: float, idle_ttl: float) -> None:
