@@ -240,6 +240,7 @@ class Gate:
         self.io = IOThread("celery-semaphore-gate")
         self.pending: Dict[str, Pending] = {}  # holder -> Pending
         self.line: Deque[Pending] = deque()  # waiting for a free local pool process
+        self.queued: Dict[str, int] = {}  # semaphore name -> requests in the backend's queue
         self.held: Dict[str, Held] = {}  # lease holder -> Held
         self.original: Callable[[Any], Any] = consumer.on_task_request
         consumer.on_task_request = self.on_task_request
@@ -332,17 +333,20 @@ class Gate:
         free = self._free_processes()
         if free <= 0 or not self.line:
             return
-        queued: Dict[str, int] = {}
-        for pending in self.pending.values():
-            if pending.queued:
-                queued[pending.guard.name] = queued.get(pending.guard.name, 0) + 1
-        for pending in list(self.line):
-            if queued.get(pending.guard.name, 0) >= free:
-                continue
-            queued[pending.guard.name] = queued.get(pending.guard.name, 0) + 1
+        moved = []
+        for pending in self.line:
+            if self.queued.get(pending.guard.name, 0) < free:
+                self._set_queued(pending, True)
+                moved.append(pending)
+        for pending in moved:
             self.line.remove(pending)
-            pending.queued = True
             self.io.call(self._enqueue, pending)
+
+    def _set_queued(self, pending: Pending, queued: bool) -> None:
+        if pending.queued != queued:
+            pending.queued = queued
+            self.queued[pending.guard.name] = (
+                self.queued.get(pending.guard.name, 0) + (1 if queued else -1))
 
     def _enqueue(self, pending: Pending) -> None:  # I/O thread
         self.backend.watch(
@@ -429,7 +433,8 @@ class Gate:
         if self._free_processes() <= 0:
             # The pool filled up meanwhile: never sit on a slot waiting for a process.
             self.io.call(self._release, lease)
-            pending.queued = pending.granted = False
+            self._set_queued(pending, False)
+            pending.granted = False
             pending.position = None
             self.line.appendleft(pending)
             return
@@ -451,6 +456,7 @@ class Gate:
         if pending.done:
             return
         pending.done = True
+        self._set_queued(pending, False)
         self.pending.pop(pending.holder, None)
         try:
             self.line.remove(pending)
