@@ -42,6 +42,7 @@ from celery import signals
 from celery.exceptions import Terminated, TimeLimitExceeded
 from celery.worker import state as worker_state
 
+from .backends import close_all
 from .backends.base import Backend, Grant, new_holder_id
 from .exceptions import SemaphoreError, SemaphoreTimeout
 from .keeper import default_keeper
@@ -282,6 +283,7 @@ class Gate:
             self.io.call(self._release, entry.lease)
         self._running = False
         self.io.stop()
+        close_all()  # this process's backends: wake-up listeners, connections, socket files
 
     # -- entry -------------------------------------------------------------------------------
 
