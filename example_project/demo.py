@@ -1,14 +1,17 @@
-"""``make demo``: run the example with no server at all and show the semaphores at work.
+"""``make demo``: run the example with no server at all and watch the semaphores work.
 
-Starts 2 ``celery worker`` processes (3 pool processes each) on kombu's filesystem transport and
-the SQLite semaphore backend, enqueues 24 thumbnails (each then uploads under the "uploads"
-semaphore, limit 4) and 18 calls to a customer API (limit 2 per customer), shows running and
-waiting tasks per semaphore live, then writes a PNG timeline of slot occupancy and a summary.
+Starts 2 ``celery worker`` processes with 4 pool processes each (8 tasks could run at once,
+twice the "uploads" limit of 4) on kombu's filesystem transport and the SQLite semaphore
+backend. Sends 24 thumbnails, each of which sends its upload (limit 4 across both workers), and
+18 calls to a partner API for 3 customers (limit 2 per customer, 1 for customer 3). While they
+run it shows, per semaphore, which worker holds each slot and how many tasks run, wait and are
+done; at the end it writes ``var/timeline.png`` and a one-line summary.
+
+``EXAMPLE_VAR_DIR`` moves var/ (broker files, the SQLite file, worker logs, the timeline).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -18,147 +21,279 @@ import time
 from collections import defaultdict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-THUMBNAILS, CUSTOMERS, CALLS_PER_CUSTOMER = 24, (1, 2, 3), 6
+WORKERS, CONCURRENCY = 2, 4
+IMAGES, CUSTOMERS, CALLS = 24, (1, 2, 3), 6  # CALLS per customer
+NAMES = ["uploads"] + [f"api:{c}" for c in CUSTOMERS]
+TOTAL = {"uploads": IMAGES, **{name: CALLS for name in NAMES[1:]}}
+DEADLINE = 90.0  # seconds for the tasks to finish
+COLORS = ["#4c72b0", "#dd8452", "#55a868", "#8172b3"]  # one per worker
 
 
-def start_workers(env):
-    workers = []
-    for n in (1, 2):
-        log = open(os.path.join(env["EXAMPLE_VAR_DIR"], f"worker{n}.log"), "wb")
-        workers.append(subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "example_project.app", "worker", "-P",
-             "prefork", "-c", "3", "-n", f"demo{n}@%h", "-l", "info", "--without-gossip",
-             "--without-mingle", "--without-heartbeat"],
-            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
-    return workers
+# -- workers ---------------------------------------------------------------------------------
+
+def start_worker(n: int, var: str, env: dict) -> subprocess.Popen:
+    log = open(os.path.join(var, f"worker{n}.log"), "wb")
+    return subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "example_project.app", "worker",
+         "-n", f"demo{n}@%h", "-c", str(CONCURRENCY), "-l", "info",
+         "--without-gossip", "--without-mingle", "--without-heartbeat"],
+        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+        start_new_session=True,  # Ctrl-C reaches the demo only; it stops the workers itself
+    )
 
 
-def read_timeline(path):
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+def wait_ready(workers: list, var: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    for n, worker in enumerate(workers, 1):
+        path = os.path.join(var, f"worker{n}.log")
+        while True:
+            with open(path, errors="replace") as f:
+                if " ready." in f.read():
+                    break
+            if worker.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"worker demo{n} did not start; see {path}")
+            time.sleep(0.05)
 
 
-def occupancy(events):
-    """{semaphore: [(time, running)]} and the most running at once per semaphore."""
-    steps, best, running = defaultdict(list), defaultdict(int), defaultdict(int)
-    for e in sorted(events, key=lambda e: (e["t"], e["kind"] == "start")):
-        running[e["semaphore"]] += 1 if e["kind"] == "start" else -1
-        steps[e["semaphore"]].append((e["t"], running[e["semaphore"]]))
-        best[e["semaphore"]] = max(best[e["semaphore"]], running[e["semaphore"]])
-    return steps, best
+def shut_down(workers: list) -> None:
+    """Start a warm shutdown: each worker finishes its running tasks, then exits.
+
+    Idempotent: another SIGTERM only asks a worker again for the same warm shutdown.
+    """
+    for worker in workers:
+        if worker.poll() is None:
+            worker.send_signal(signal.SIGTERM)
 
 
-def display(backend, names, events, tty):
-    done = defaultdict(int)
+def stop_workers(workers: list, timeout: float = 20.0) -> None:
+    """Warm shutdown, then kill whatever is left after ``timeout`` seconds."""
+    shut_down(workers)
+    deadline = time.monotonic() + timeout
+    for worker in workers:
+        try:
+            worker.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            print(f"worker pid {worker.pid} still runs {timeout:.0f}s after SIGTERM: killing it")
+            os.killpg(worker.pid, signal.SIGKILL)  # the worker and its pool processes
+            worker.wait()
+
+
+# -- what happened -----------------------------------------------------------------------------
+
+def worker_no(hostname: str) -> str:
+    """``demo2@host`` -> ``2``."""
+    return hostname.split("@")[0].replace("demo", "") if hostname else "?"
+
+
+def runs(events: list) -> dict:
+    """{semaphore: [(start, end, slot, worker, token)]} of the guarded tasks that ended."""
+    starts = {e["id"]: e for e in events if e["kind"] == "start"}
+    found = defaultdict(list)
     for e in events:
-        if e["kind"] == "end":
-            done[e["semaphore"]] += 1
-    lines = []
-    for name in names:
-        status = backend.status(name)
-        limit, held, waiting = ((status.limit, status.held, status.waiting) if status
-                                else ("-", 0, 0))
-        lines.append(f"  {name:<8} limit {limit}  running {'#' * held:<4} {held}  "
-                     f"waiting {waiting:>2}  done {done[name]:>2}")
-    if tty:
-        sys.stdout.write(f"\x1b[{len(lines)}A" if display.drawn else "")
-        display.drawn = True
-    sys.stdout.write("\n".join(lines) + "\n")
-    sys.stdout.flush()
+        if e["kind"] == "end" and e["semaphore"] and e["id"] in starts:
+            s = starts[e["id"]]
+            found[e["semaphore"]].append(
+                (s["t"], e["t"], s["slot"], worker_no(s["worker"]), s["token"]))
+    return found
 
 
-display.drawn = False
+def steps(ups: list, downs: list) -> list:
+    """[(time, count)]: +1 at each time in ``ups``, -1 at each in ``downs`` (downs first)."""
+    edges = sorted([(t, -1) for t in downs] + [(t, 1) for t in ups])
+    found, count = [], 0
+    for t, delta in edges:
+        count += delta
+        found.append((t, count))
+    return found
 
 
-def plot(events, limits, path):
+def running(spans: list) -> list:
+    return steps([s for s, *_ in spans], [e for _, e, *_ in spans])
+
+
+# -- the live display ------------------------------------------------------------------------
+
+class Display:
+    """Per semaphore: the worker holding each slot, running/limit, waiting, done."""
+
+    def __init__(self, backend, tty: bool) -> None:
+        self.backend, self.tty, self.lines = backend, tty, 0
+
+    def show(self, events: list, elapsed: float) -> None:
+        started, ended = defaultdict(int), defaultdict(int)
+        for e in events:
+            (started if e["kind"] == "start" else ended)[e["semaphore"] or e["task"]] += 1
+        sent = {"uploads": ended["make_thumbnail"], **{name: CALLS for name in NAMES[1:]}}
+        lines = [f"  {elapsed:4.1f}s  thumbnails (no semaphore) done "
+                 f"{ended['make_thumbnail']}/{IMAGES}",
+                 f"  {'semaphore':<9}  {'slots':<9}  {'running':>7}  {'waiting':>7}  {'done':>6}"]
+        for name in NAMES:
+            status = self.backend.status(name)  # None until a task first asks for a slot
+            owners = {h.slot: worker_no(h.meta.get("worker")) for h in
+                      (status.holders if status else ())}
+            width = max([status.limit if status else 0, *(s + 1 for s in owners)])
+            slots = "[" + " ".join(owners.get(s, ".") for s in range(width)) + "]"
+            held = f"{len(owners)}/{status.limit if status else '-'}"
+            waiting = max(0, sent[name] - started[name])
+            done = f"{ended[name]}/{TOTAL[name]}"
+            lines.append(f"  {name:<9}  {slots:<9}  {held:>7}  {waiting:>7}  {done:>6}")
+        if self.tty and self.lines:
+            sys.stdout.write(f"\x1b[{self.lines}F")  # back up and draw over the last frame
+        end = "\x1b[K\n" if self.tty else "\n"
+        sys.stdout.write("".join(line + end for line in lines))
+        sys.stdout.flush()
+        self.lines = len(lines)
+
+
+# -- the picture -----------------------------------------------------------------------------
+
+def plot(events: list, found: dict, limits: dict, t0: float, path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
-    steps, _ = occupancy(events)
-    t0 = min(e["t"] for e in events)
-    names = sorted(steps)
-    fig, axes = plt.subplots(len(names), 1, figsize=(9, 1.6 * len(names) + 0.6), sharex=True)
-    for ax, name in zip(axes, names):
-        xs = [t - t0 for t, _ in steps[name]]
-        ys = [n for _, n in steps[name]]
-        ax.step(xs, ys, where="post", color="#4c72b0")
-        ax.fill_between(xs, ys, step="post", alpha=0.3, color="#4c72b0")
-        ax.axhline(limits[name], color="#c44e52", linestyle="--", linewidth=1)
-        ax.set_ylim(0, max(limits.values()) + 1)
-        ax.set_ylabel(name, rotation=0, ha="right", va="center")
-        ax.text(1.0, limits[name], f" limit {limits[name]}", color="#c44e52", va="center",
-                transform=ax.get_yaxis_transform())
-    axes[-1].set_xlabel("seconds")
-    axes[0].set_title("Tasks holding a slot, per semaphore")
+    lanes = [(name, slot) for name in NAMES for slot in range(limits[name])]
+    fig, (top, bottom) = plt.subplots(
+        2, 1, figsize=(11, 8), sharex=True, gridspec_kw={"height_ratios": [len(lanes), 4]})
+
+    workers = sorted({span[3] for spans in found.values() for span in spans})
+    color = {w: COLORS[i % len(COLORS)] for i, w in enumerate(workers)}
+    for y, (name, slot) in enumerate(lanes):
+        mine = [span for span in found[name] if span[2] == slot]
+        top.broken_barh([(s - t0, e - s) for s, e, *_ in mine], (y - 0.4, 0.8),
+                        facecolors=[color[span[3]] for span in mine], edgecolor="white", lw=1)
+        if slot == 0 and y:
+            top.axhline(y - 0.5, color="black", lw=0.8)
+    top.set_yticks(range(len(lanes)), [f"{name}  slot {slot}" for name, slot in lanes])
+    top.set_ylim(len(lanes) - 0.5, -0.5)
+    top.set_title("Slot occupancy: one bar per task, from start to end", loc="left",
+                  fontsize=11)
+    top.legend(handles=[Patch(color=color[w], label=f"worker demo{w}") for w in workers],
+               loc="lower right", bbox_to_anchor=(1, 1), ncol=len(workers), frameon=False,
+               fontsize=9)
+    top.grid(axis="x", alpha=0.3)
+
+    uploads = found["uploads"]
+    thumbnails = {"start": [], "end": []}
+    for e in events:
+        if e["task"] == "make_thumbnail":
+            thumbnails[e["kind"]].append(e["t"])
+    waiting = steps(thumbnails["end"], [s for s, *_ in uploads])  # each thumbnail sends one
+    for series, label, style, shade in (
+            (running(uploads), "uploads running (holding a slot)", "-", "#4c72b0"),
+            (waiting, "uploads waiting (sent, not started)", ":", "#dd8452"),
+            (steps(thumbnails["start"], thumbnails["end"]),
+             "thumbnails running (no semaphore)", "-", "#aaaaaa")):
+        xs = [0.0] + [t - t0 for t, _ in series]
+        ys = [0] + [n for _, n in series]
+        bottom.step(xs, ys, where="post", ls=style, lw=1.8, color=shade, label=label)
+        if label.startswith("uploads running"):
+            bottom.fill_between(xs, ys, step="post", alpha=0.2, color=shade)
+    limit = limits["uploads"]
+    bottom.axhline(limit, color="#c44e52", ls="--", lw=1, label=f"uploads limit ({limit})")
+    bottom.set_ylim(0, max(n for _, n in waiting + [(0, limit)]) + 1)
+    bottom.set_ylabel("tasks")
+    bottom.set_title(f"Never more than {limit} uploads at once, however many wait", loc="left",
+                     fontsize=11)
+    bottom.set_xlabel("seconds since the first task was sent")
+    bottom.legend(loc="upper right", fontsize=9)
+    bottom.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# -- main --------------------------------------------------------------------------------------
+
+def clean(var: str) -> None:
+    """Remove what an earlier run left (only what the demo writes: var may be any folder)."""
+    for entry in ("broker", "processed", "control", "store"):
+        shutil.rmtree(os.path.join(var, entry), ignore_errors=True)
+    for entry in os.listdir(var):
+        if entry.startswith(("semaphores.db", "timeline.", "worker")):
+            os.remove(os.path.join(var, entry))
 
 
 def main() -> int:
-    var = os.path.abspath(os.environ.get("EXAMPLE_VAR_DIR",
-                                         os.path.join(ROOT, "example_project", "var")))
-    shutil.rmtree(var, ignore_errors=True)
-    os.makedirs(var)
-    os.environ["EXAMPLE_VAR_DIR"] = var
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    var = os.path.abspath(os.environ.get("EXAMPLE_VAR_DIR")
+                          or os.path.join(ROOT, "example_project", "var"))
+    os.makedirs(var, exist_ok=True)
+    clean(var)
+    os.environ["EXAMPLE_VAR_DIR"] = var  # set before the app is imported: it reads them
+    os.environ.pop("EXAMPLE_BROKER_URL", None)  # the demo needs no server
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `finally` stops workers
+
+    from celery_semaphore import FencingToken
     from celery_semaphore.backends import get_backend
-    from example_project import tasks
+    from example_project import tasks, timeline
     from example_project.app import app
+    from example_project.store import StaleToken
 
-    backend = get_backend(app.conf.semaphore_backend, key_prefix="semaphore:")
-    names = ["uploads"] + [f"api:{c}" for c in CUSTOMERS]
-    limits = {"uploads": 4, **{f"api:{c}": 2 for c in CUSTOMERS}}
-    expected = THUMBNAILS + len(CUSTOMERS) * CALLS_PER_CUSTOMER
-
-    print("celery-semaphore demo: 2 workers x 3 processes, filesystem broker, SQLite backend")
-    workers = start_workers(env)
+    backend = get_backend(app.conf.semaphore_backend)
+    display = Display(backend, sys.stdout.isatty())
+    print(f"celery-semaphore demo: {WORKERS} workers x {CONCURRENCY} pool processes, "
+          f"filesystem broker, SQLite semaphores; files in {var}")
+    print("slots: the worker holding each slot ([1 2 . .]: demo1 holds slot 0, demo2 slot 1)")
+    workers = [start_worker(n, var, env) for n in range(1, WORKERS + 1)]
     try:
-        for image_id in range(THUMBNAILS):
+        wait_ready(workers, var)
+        t0 = time.time()
+        for image_id in range(IMAGES):
             tasks.make_thumbnail.delay(image_id)
-        for n in range(CALLS_PER_CUSTOMER):
+        for page in range(1, CALLS + 1):
             for customer in CUSTOMERS:
-                tasks.call_customer_api.delay(customer, n)
-        deadline = time.monotonic() + 120
-        tty = sys.stdout.isatty()
+                tasks.call_customer_api.delay(customer, "invoices", page=page)
+        expected = IMAGES + sum(TOTAL.values())  # thumbnails, uploads, API calls
         while True:
-            events = read_timeline(tasks.TIMELINE)
-            display(backend, names, events, tty)
+            events = timeline.read()
+            display.show(events, time.time() - t0)
             if sum(e["kind"] == "end" for e in events) >= expected:
                 break
-            if time.monotonic() > deadline or any(w.poll() is not None for w in workers):
-                print("the demo did not finish; see the worker logs in", var)
+            dead = [n for n, w in enumerate(workers, 1) if w.poll() is not None]
+            if dead or time.time() - t0 > DEADLINE:
+                why = (f"worker demo{dead[0]} exited" if dead
+                       else f"the tasks did not finish in {DEADLINE:.0f}s")
+                print(f"{why}; see the worker logs in {var}")
                 return 1
-            time.sleep(0.25 if tty else 1.0)
-    finally:
-        for w in workers:
-            w.send_signal(signal.SIGTERM)
-        for w in workers:
-            try:
-                w.wait(15)
-            except subprocess.TimeoutExpired:
-                w.kill()
+            time.sleep(0.2 if display.tty else 1.0)
+        shut_down(workers)  # they take a few seconds: draw and report meanwhile
 
-    events = read_timeline(tasks.TIMELINE)
-    _, best = occupancy(events)
-    png = os.path.join(var, "timeline.png")
-    plot(events, limits, png)
-    uploads = [e for e in events if e["semaphore"] == "uploads"]
-    starts = {e["key"]: e["t"] for e in uploads if e["kind"] == "start"}
-    busy = sum(e["t"] - starts[e["key"]] for e in uploads if e["kind"] == "end")
-    makespan = max(e["t"] for e in events) - min(e["t"] for e in events)
-    span = max(e["t"] for e in uploads) - min(e["t"] for e in uploads)
-    concurrency = ", ".join(f"{n} max {best[n]}/{limits[n]}" for n in names)
-    cli = subprocess.run([sys.executable, "-m", "celery", "-A", "example_project.app",
-                          "semaphore", "list"], cwd=ROOT, env=env, capture_output=True,
-                         text=True)
-    print("$ celery -A example_project.app semaphore list\n" + cli.stdout.rstrip())
-    print(f"summary: {concurrency}; uploads utilization "
-          f"{busy / (limits['uploads'] * span):.2f}; makespan {makespan:.1f}s; timeline {png}")
-    ok = all(best[n] <= limits[n] for n in names)
+        found = runs(events)
+        limits = {name: backend.status(name).limit for name in NAMES}
+        makespan = max(e["t"] for e in events) - t0
+        png = os.path.join(var, "timeline.png")
+        plot(events, found, limits, t0, png)
+
+        cli = subprocess.run([sys.executable, "-m", "celery", "-A", "example_project.app",
+                              "semaphore", "list"], cwd=ROOT, env=env, capture_output=True,
+                             text=True)
+        print("\n$ celery -A example_project.app semaphore list\n" + cli.stdout.rstrip())
+
+        # Fencing: the first upload on slot 0 comes back late, its lease long gone.
+        old = min(span for span in found["uploads"] if span[2] == 0)[4]
+        try:
+            tasks.store.put("thumbs/0.raw", b"late", token=FencingToken(*map(int, old.split(":"))))
+            fencing = f"the store ACCEPTED the stale token {old}"
+        except StaleToken:
+            fencing = f"the store rejected a late write with the stale token {old}"
+        print(f"\nfencing: {fencing}\ntimeline: {png}")
+
+        parts, ok = [], "rejected" in fencing
+        for name in NAMES:
+            spans = found[name]
+            most = max(n for _, n in running(spans))
+            window = max(e for _, e, *_ in spans) - min(s for s, *_ in spans)
+            busy = sum(e - s for s, e, *_ in spans)
+            parts.append(f"{name} max {most}/{limits[name]} "
+                         f"util {busy / (limits[name] * window):.2f} over {window:.1f}s")
+            ok = ok and most <= limits[name] and len(spans) == TOTAL[name]
+        print(f"summary: {', '.join(parts)}; makespan {makespan:.1f}s")
+    finally:
+        stop_workers(workers)
     return 0 if ok else 1
 
 
