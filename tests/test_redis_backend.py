@@ -1,5 +1,7 @@
-"""Redis-specific guarantees: key layout and expiry, server time, errors, wake-up recovery."""
+"""Redis-specific guarantees: key layout and expiry, server time, errors, wake-up recovery,
+the listener thread across a server restart and a fork."""
 
+import multiprocessing
 import threading
 import time
 import uuid
@@ -9,7 +11,10 @@ import redis
 
 from celery_semaphore import BackendUnavailable, Semaphore
 from celery_semaphore.backends import get_backend
+from celery_semaphore.backends.redis import KEY_SUFFIXES, RedisBackend, _redis_url
 from tests.util import wait_until
+
+FORK = multiprocessing.get_context("fork")
 
 
 @pytest.fixture
@@ -82,3 +87,206 @@ def test_wake_ups_survive_a_killed_pubsub_connection(redis_url, prefix):
     second.join(10)
     assert len(got) == 2 and time.monotonic() - released_at < 5
     got[1].release()
+
+
+# -- key layout and expiry, in detail --------------------------------------------------------------
+
+
+@pytest.fixture
+def backends(redis_url, prefix):
+    """Make RedisBackends on the test server with a key prefix unique to the test."""
+    made = []
+
+    def make(**options):
+        backend = RedisBackend(redis_url, key_prefix=prefix, **options)
+        made.append(backend)
+        return backend
+
+    yield make
+    for backend in made:
+        backend.close()
+
+
+@pytest.fixture
+def server(redis_url, prefix):
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    yield client
+    for key in client.scan_iter(match=f"{prefix}*"):
+        client.delete(key)
+    client.close()
+
+
+def our_keys(server, prefix):
+    return sorted(server.scan_iter(match=f"{prefix}*"))
+
+
+def test_all_keys_share_the_prefix_and_hash_tag(backends, server, prefix):
+    backend = backends()
+    assert backend.acquire("images", "a", limit=1, ttl=30, meta={}, wait=True).grant
+    assert backend.acquire("images", "b", limit=1, ttl=30, meta={}, wait=True).position == 0
+    keys = our_keys(server, prefix)
+    assert keys == sorted(f"{prefix}{{images}}:{suffix}" for suffix in KEY_SUFFIXES)
+    assert keys == sorted(backend.key_names("images").values())
+    assert backend.names() == ["images"]
+
+
+def test_every_key_has_a_ttl_after_every_operation(backends, server, prefix):
+    idle_ttl = 3600.0
+    one, two = backends(idle_ttl=idle_ttl), backends(idle_ttl=idle_ttl)
+
+    def check(step):
+        keys = our_keys(server, prefix)
+        assert keys, step
+        for key in keys:
+            assert 0 < server.pttl(key) <= idle_ttl * 1000, (step, key, server.pttl(key))
+
+    one.resize("ttl", 2)
+    check("resize")
+    for holder in ("a", "b"):
+        assert one.acquire("ttl", holder, limit=2, ttl=30, meta={}, wait=True).grant
+        check(f"acquire {holder}")
+    assert two.acquire("ttl", "w1", limit=2, ttl=30, meta={}, wait=True).position == 0
+    check("queue w1")
+    assert two.acquire("ttl", "w2", limit=2, ttl=30, meta={"x": 1}, wait=True).position == 1
+    check("queue w2")
+    assert one.renew("ttl", "a", 60) is not None
+    check("renew")
+    assert one.release("ttl", "a")
+    check("release")
+    assert two.acquire("ttl", "w1", limit=2, ttl=30, meta={}, wait=True).grant
+    check("admit w1")
+    two.cancel("ttl", "w2")
+    check("cancel")
+    assert one.release("ttl", "b") and two.release("ttl", "w1")
+    check("release all")  # only config is left, and it keeps the limit until idle
+    assert our_keys(server, prefix) == [one.key_names("ttl")["config"]]
+
+
+def test_an_idle_semaphore_leaves_nothing_behind(backends, server, prefix):
+    backend = backends(idle_ttl=1.0, waiter_ttl=30.0)
+    assert backend.acquire("idle", "a", limit=1, ttl=0.5, meta={}, wait=True).grant
+    assert backend.acquire("idle", "b", limit=1, ttl=0.5, meta={}, wait=True).position == 0
+    # In use, the keys outlive idle_ttl: each operation keeps them.
+    for _ in range(6):
+        time.sleep(0.3)
+        backend.acquire("idle", "b", limit=1, ttl=0.5, meta={}, wait=True)
+    assert backend.status("idle").limit == 1
+    assert wait_until(lambda: not our_keys(server, prefix), timeout=3.0)
+    assert backend.status("idle") is None and backend.names() == []
+
+
+# -- the client and the wake-up listener -----------------------------------------------------------
+
+
+def test_every_operation_raises_backend_unavailable_when_unreachable():
+    backend = RedisBackend("redis://:secret@127.0.0.1:1/0", socket_connect_timeout=1.0)
+    try:
+        for call in (backend.ping, backend.names, lambda: backend.status("x"),
+                     lambda: backend.acquire("x", "h", limit=1, ttl=1, meta={}, wait=False)):
+            with pytest.raises(BackendUnavailable) as err:
+                call()
+            assert "127.0.0.1:1" in str(err.value)
+            assert "secret" not in str(err.value)
+    finally:
+        backend.close()
+
+
+def test_construction_does_not_connect():
+    RedisBackend("redis://127.0.0.1:1/0").close()
+
+
+def test_socket_urls_become_unix_urls():
+    assert _redis_url("redis+socket:///run/redis.sock?virtual_host=2") == (
+        "unix:///run/redis.sock?db=2")
+    assert _redis_url("rediss://:pw@host:6380/1") == "rediss://:pw@host:6380/1"
+
+
+def test_a_broken_callback_does_not_stop_the_listener(backends):
+    backend = backends()
+    woken = threading.Event()
+
+    def broken():
+        raise RuntimeError("boom")
+
+    backend.acquire("cb", "a", limit=1, ttl=30, meta={}, wait=True)
+    backend.watch("cb", "b", broken)
+    backend.watch("cb", "c", woken.set)
+    backend.acquire("cb", "b", limit=1, ttl=30, meta={}, wait=True)
+    backend.acquire("cb", "c", limit=1, ttl=30, meta={}, wait=True)
+    backend.resize("cb", 3)  # b and c become admissible: b's callback raises, c's must run
+    assert woken.wait(5)
+    assert backend._listener.is_alive()
+    backend.close()
+    assert wait_until(lambda: not backend._listener.is_alive(), timeout=5)
+
+
+def _wait_in_child(backend, admitted_after):
+    # The parent's backend instance, used after fork: it needs its own wake-up channel.
+    sem = Semaphore("forked", 1, backend, poll_interval=30)
+    started = time.monotonic()
+    sem.acquire(timeout=20).release()
+    admitted_after.value = time.monotonic() - started
+
+
+def test_a_forked_child_gets_its_own_wakeups(backends):
+    backend = backends()
+    backend.watch("other", "x", lambda: None)  # the parent's listener is running
+    held = Semaphore("forked", 1, backend).acquire()
+    admitted_after = FORK.Value("d", -1.0)
+    child = FORK.Process(target=_wait_in_child, args=(backend, admitted_after))
+    child.start()
+    assert wait_until(lambda: backend.status("forked").waiting == 1)
+    time.sleep(0.2)
+    held.release()
+    child.join(25)
+    assert child.exitcode == 0
+    assert 0 <= admitted_after.value < 5  # woken, not the 30 s poll
+
+
+def _start_redis(port, workdir):
+    import shutil
+    import subprocess
+
+    proc = subprocess.Popen(
+        [shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind",
+         "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(workdir)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    client = redis.Redis(port=port)
+    assert wait_until(lambda: _answers(client)), "private redis-server did not start"
+    return proc, client
+
+
+def _answers(client):
+    try:
+        return client.ping()
+    except redis.ConnectionError:
+        return False
+
+
+def test_the_listener_outlives_a_server_restart(tmp_path, caplog):
+    from tests.servers import free_port
+
+    port = free_port()
+    proc, client = _start_redis(port, tmp_path)
+    url = f"redis://127.0.0.1:{port}/0"
+    waiter, holder = RedisBackend(url), RedisBackend(url)
+    woken = threading.Event()
+    try:
+        waiter.watch("restart", "b", woken.set)
+        proc.terminate()
+        proc.wait(10)
+        time.sleep(1.0)  # the listener notices, logs, and keeps retrying with backoff
+        proc, client = _start_redis(port, tmp_path)
+        assert wait_until(lambda: client.pubsub_numsub(f"semaphore:wake:{waiter.client_id}")
+                          [0][1] == 1)
+        assert holder.acquire("restart", "a", limit=1, ttl=30, meta={}, wait=True).grant
+        assert waiter.acquire("restart", "b", limit=1, ttl=30, meta={}, wait=True).position == 0
+        holder.release("restart", "a")
+        assert woken.wait(5), "no wake-up after the server came back"
+        assert "wake-up channel" in caplog.text and "lost" in caplog.text
+    finally:
+        waiter.close()
+        holder.close()
+        proc.terminate()
+        proc.wait(10)

@@ -1,55 +1,102 @@
 """``redis://``, ``rediss://``, ``redis+socket://``: the fair semaphore of "Redis in Action",
 done atomically.
 
-Every operation is one Lua script (``redis_*.lua`` beside this file, each prefixed with
-``redis_prelude.lua``), so no client can steal a slot between two steps; time comes from the
-server's ``TIME``, never a client clock; holders' and waiters' scores are absolute expiries.
-The eight keys of a semaphore share the hash tag ``{name}`` (``<prefix>{name}:holders`` ...),
-so one script touches one Redis Cluster slot, and all expire after ``idle_ttl`` without use.
+Guarantees:
 
-Wake-ups: a script that makes waiters admissible publishes ``name\\nholder`` on the channel
-``<prefix>wake:<client id>`` of each waiter's process; one thread per process listens.
+* Every operation is one Lua script (``redis_<op>.lua`` beside this file, each prefixed with
+  ``redis_prelude.lua``) run with one EVALSHA: no client can steal a slot between two steps.
+* Time comes from the server's ``TIME``, never a client clock; leases and waiter entries are
+  stored as absolute expiries (microseconds), so client clock skew changes nothing.
+* The six keys of a semaphore share the hash tag ``{name}`` (``<prefix>{name}:holders`` ...):
+  one script touches one Redis Cluster slot. Every key has a TTL: none expires while the
+  semaphore is used, and an idle semaphore leaves nothing behind after ``idle_ttl``.
+* Wake-ups: a script that makes waiters admissible publishes ``name\\nholder`` on the channel
+  ``<prefix>wake:<client id>`` of each waiter's process; one daemon thread per backend instance
+  listens, resubscribing after connection loss. A wake-up is a hint: waiters also poll.
 
-Replication is asynchronous: after a failover the new primary may not have seen the latest
-grants, so a slot can be granted twice. Fencing tokens are the defence (see the README).
+Not guaranteed: replication is asynchronous, so after a failover the new primary may not have
+seen the latest grants and a slot can be granted twice. Fencing tokens are the defence.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
+import socket
 import threading
 import time
-from typing import Any, Dict, List, Optional
+import uuid
+import weakref
+from typing import Any, Dict, List, NoReturn, Optional
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import redis
 from kombu.utils.url import maybe_sanitize_url
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from ..exceptions import BackendUnavailable
-from .base import Attempt, Backend, Grant, HolderInfo, Meta, SemaphoreStatus, WaiterInfo
+from .base import (
+    DEFAULT_IDLE_TTL,
+    DEFAULT_WAITER_TTL,
+    Attempt,
+    Backend,
+    Grant,
+    HolderInfo,
+    Meta,
+    SemaphoreStatus,
+    WaiterInfo,
+)
 
 logger = logging.getLogger(__name__)
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_SUFFIXES = ("cfg", "holders", "hinfo", "queue", "wexp", "winfo", "epochs", "declared")
+#: The keys of one semaphore, in the order the scripts receive them (see redis_prelude.lua).
+KEY_SUFFIXES = ("config", "holders", "hinfo", "queue", "wexp", "winfo")
 _SCRIPTS = ("acquire", "release", "renew", "cancel", "resize", "status", "reset")
+#: Errors that mean "Redis cannot serve us now". ReadOnlyError: a failover left us on a replica.
+_UNAVAILABLE = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ReadOnlyError)
 
 
-def _source(name: str) -> str:
-    with open(os.path.join(_HERE, f"redis_{name}.lua")) as f:
-        return f.read()
+def _after_fork(ref: "weakref.ref[RedisBackend]") -> None:
+    backend = ref()
+    if backend is not None:
+        backend._forked()
+
+
+@functools.cache
+def _sources() -> Dict[str, str]:
+    """Each operation's script, with the shared prelude in front."""
+
+    def read(name: str) -> str:
+        with open(os.path.join(_HERE, f"redis_{name}.lua")) as f:
+            return f.read()
+
+    prelude = read("prelude")
+    return {name: prelude + "\n" + read(name) for name in _SCRIPTS}
 
 
 def _redis_url(url: str) -> str:
-    """kombu's ``redis+socket:///path`` is redis-py's ``unix:///path``."""
-    if url.startswith("redis+socket://"):
-        return "unix://" + url[len("redis+socket://"):]
-    return url
+    """kombu's ``redis+socket:///path?virtual_host=1`` is redis-py's ``unix:///path?db=1``."""
+    parts = urlsplit(url)
+    if parts.scheme != "redis+socket":
+        return url
+    query = urlencode([("db" if k == "virtual_host" else k, v) for k, v in parse_qsl(parts.query)])
+    return f"unix://{parts.netloc}{parts.path}" + (f"?{query}" if query else "")
 
 
 class RedisBackend(Backend):
-    """Semaphores in Redis (>= 6.2). Thread-safe; one connection pool per process."""
+    """Semaphores in Redis (>= 6.2). Thread-safe; connects lazily, one pool per instance.
+
+    ``socket_timeout``, ``socket_connect_timeout`` and ``health_check_interval`` (seconds) and
+    any other keyword (``ssl_ca_certs``, ``max_connections``, ``retry`` ...) go to
+    :meth:`redis.Redis.from_url`. By default a command is retried once on a connection error,
+    which covers a pooled connection that went stale. Repeating a script whose reply was lost
+    leaves the same state: a holder re-acquiring gets its grant back (a repeated release
+    returns False, though).
+    """
 
     schemes = ("redis", "rediss", "redis+socket")
 
@@ -57,43 +104,58 @@ class RedisBackend(Backend):
         self,
         url: str,
         *,
+        key_prefix: str = "semaphore:",
+        waiter_ttl: float = DEFAULT_WAITER_TTL,
+        idle_ttl: float = DEFAULT_IDLE_TTL,
         socket_timeout: float = 5.0,
         socket_connect_timeout: float = 5.0,
-        **options: Any,
+        health_check_interval: float = 30.0,
+        **redis_options: Any,
     ) -> None:
-        super().__init__(url, **options)
+        super().__init__(url, key_prefix=key_prefix, waiter_ttl=waiter_ttl, idle_ttl=idle_ttl)
+        redis_options.setdefault("retry", Retry(NoBackoff(), 1, (redis.ConnectionError,)))
         self.client = redis.Redis.from_url(
-            _redis_url(url), socket_timeout=socket_timeout,
-            socket_connect_timeout=socket_connect_timeout, health_check_interval=30,
+            _redis_url(url),
+            socket_timeout=socket_timeout,
+            socket_connect_timeout=socket_connect_timeout,
+            health_check_interval=health_check_interval,
+            socket_keepalive=True,
             decode_responses=True,
+            **redis_options,
         )
-        prelude = _source("prelude")
+        # register_script only computes the SHA; redis-py loads the script on first use.
         self._scripts = {
-            name: self.client.register_script(prelude + "\n" + _source(name))
-            for name in _SCRIPTS
+            name: self.client.register_script(source) for name, source in _sources().items()
         }
+        self._idle_ms = max(1, int(self.idle_ttl * 1000))
         self._channel_prefix = f"{self.key_prefix}wake:"
+        self._listen_lock = threading.Lock()
+        self._closed = threading.Event()
         self._listener: Optional[threading.Thread] = None
         self._pubsub: Any = None
-        self._closed = threading.Event()
-        self._listen_lock = threading.Lock()
+        if hasattr(os, "register_at_fork"):  # POSIX
+            os.register_at_fork(after_in_child=functools.partial(_after_fork, weakref.ref(self)))
 
     # -- plumbing ----------------------------------------------------------------------------
 
-    def _keys(self, name: str) -> List[str]:
-        return [f"{self.key_prefix}{{{name}}}:{suffix}" for suffix in _SUFFIXES]
+    def key_names(self, name: str) -> Dict[str, str]:
+        """The Redis key of each structure of semaphore ``name`` (for operators and tests)."""
+        return dict(zip(KEY_SUFFIXES, self._keys(name)))
 
-    def _unavailable(self, exc: Exception) -> BackendUnavailable:
-        return BackendUnavailable(
-            f"semaphore backend {maybe_sanitize_url(self.url)} unreachable: {exc}"
-        )
+    def _keys(self, name: str) -> List[str]:
+        return [f"{self.key_prefix}{{{name}}}:{suffix}" for suffix in KEY_SUFFIXES]
+
+    def _unavailable(self, exc: Exception) -> NoReturn:
+        raise BackendUnavailable(
+            f"semaphore backend {maybe_sanitize_url(self.url)} unavailable: {exc}"
+        ) from exc
 
     def _call(self, script: str, name: str, *args: Any) -> Any:
-        argv = [int(self.idle_ttl * 1000), self._channel_prefix, name, *args]
+        argv = [self._idle_ms, self._channel_prefix, name, *args]
         try:
             return self._scripts[script](keys=self._keys(name), args=argv)
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            raise self._unavailable(exc) from exc
+        except _UNAVAILABLE as exc:
+            self._unavailable(exc)
 
     # -- operations --------------------------------------------------------------------------
 
@@ -101,8 +163,9 @@ class RedisBackend(Backend):
         self, name: str, holder: str, *, limit: int, ttl: float, meta: Meta, wait: bool
     ) -> Attempt:
         reply = self._call(
-            "acquire", name, holder, limit, int(ttl * 1e6), json.dumps(meta or {}),
-            1 if wait else 0, self.client_id, int(self.waiter_ttl * 1e6),
+            "acquire", name, holder, int(limit), int(ttl * 1e6),
+            json.dumps(meta or {}, separators=(",", ":")), 1 if wait else 0, self.client_id,
+            int(self.waiter_ttl * 1e6),
         )
         if reply[0] == 1:
             _, slot, epoch, expires, now, current_limit = reply
@@ -125,20 +188,21 @@ class RedisBackend(Backend):
         return None if expires < 0 else expires / 1e6
 
     def verify(self, name: str, holder: str) -> bool:
+        # Read-only, so no script: the lease's expiry against the server's clock, one round trip.
         try:
             pipe = self.client.pipeline(transaction=False)
             pipe.time()
             pipe.zscore(self._keys(name)[1], holder)
             (seconds, micros), expires = pipe.execute()
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            raise self._unavailable(exc) from exc
-        return expires is not None and expires > seconds * 1e6 + micros
+        except _UNAVAILABLE as exc:
+            self._unavailable(exc)
+        return expires is not None and expires > seconds * 1_000_000 + micros
 
     def cancel(self, name: str, holder: str) -> None:
         self._call("cancel", name, holder)
 
     def resize(self, name: str, limit: int) -> bool:
-        return self._call("resize", name, limit) == 1
+        return self._call("resize", name, int(limit)) == 1
 
     def status(self, name: str) -> Optional[SemaphoreStatus]:
         reply = self._call("status", name)
@@ -146,35 +210,34 @@ class RedisBackend(Backend):
             return None
         _, limit, declared, holders, waiters = reply
         holder_infos = []
-        for i in range(0, len(holders), 3):
-            slot, epoch, since, meta = holders[i + 2].split("\n", 3)
+        for holder, expires, info in zip(holders[0::3], holders[1::3], holders[2::3]):
+            slot, epoch, since, meta = info.split("\n", 3)
             holder_infos.append(HolderInfo(
-                holders[i], int(slot), int(epoch), int(since) / 1e6,
-                float(holders[i + 1]) / 1e6, json.loads(meta),
+                holder, int(slot), int(epoch), int(since) / 1e6, int(expires) / 1e6,
+                json.loads(meta),
             ))
         waiter_infos = []
-        for i in range(0, len(waiters), 3):
-            _, since, meta = waiters[i + 2].split("\n", 2)
-            waiter_infos.append(WaiterInfo(
-                waiters[i], int(float(waiters[i + 1])), int(since) / 1e6, json.loads(meta)
-            ))
+        for holder, ticket, info in zip(waiters[0::3], waiters[1::3], waiters[2::3]):
+            _, since, meta = info.split("\n", 2)
+            waiter_infos.append(WaiterInfo(holder, int(ticket), int(since) / 1e6, json.loads(meta)))
         return SemaphoreStatus(
             name=name,
             limit=int(limit),
-            declared={int(declared[i]): int(declared[i + 1]) / 1e6
-                      for i in range(0, len(declared), 2)},
+            declared={int(k): int(v) / 1e6 for k, v in zip(declared[0::2], declared[1::2])},
             holders=tuple(sorted(holder_infos, key=lambda h: h.slot)),
-            waiters=tuple(waiter_infos),
+            waiters=tuple(waiter_infos),  # the script returns them in ticket order
         )
 
     def names(self) -> List[str]:
+        # SCAN walks the whole database, but only operators call this. Names cannot hold glob
+        # characters or braces, so only the prefix needs escaping and "}:config" ends a name.
         escaped = "".join("\\" + c if c in "*?[]\\" else c for c in self.key_prefix)
-        start, end = len(self.key_prefix) + 1, -len("}:cfg")
+        start, end = len(self.key_prefix) + 1, -len("}:config")
         try:
-            keys = self.client.scan_iter(match=f"{escaped}{{*}}:cfg", count=1000)
+            keys = self.client.scan_iter(match=f"{escaped}{{*}}:config", count=1000)
             return sorted({key[start:end] for key in keys})
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            raise self._unavailable(exc) from exc
+        except _UNAVAILABLE as exc:
+            self._unavailable(exc)
 
     def reset(self, name: str) -> bool:
         return self._call("reset", name) == 1
@@ -182,20 +245,32 @@ class RedisBackend(Backend):
     def ping(self) -> None:
         try:
             self.client.ping()
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            raise self._unavailable(exc) from exc
+        except _UNAVAILABLE as exc:
+            self._unavailable(exc)
+
+    def close(self) -> None:
+        self._closed.set()
+        listener = self._listener
+        if listener is not None and listener is not threading.current_thread():
+            listener.join(3)
+        self._drop_pubsub()
+        self.client.close()
 
     # -- wake-ups ----------------------------------------------------------------------------
 
     def _start_listening(self) -> None:
+        """Start this instance's listener thread, unless it runs (a forked child starts anew).
+
+        The first subscription happens here, in the caller's thread, so a waiter that starts
+        watching is subscribed before its first acquire: no wake-up sent after it is missed.
+        """
         with self._listen_lock:
-            if self._listener is not None and self._listener.is_alive():
+            if self._closed.is_set() or (self._listener and self._listener.is_alive()):
                 return
             try:
                 self._pubsub = self._subscribe()
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
-                # Waiters poll meanwhile; the listener keeps trying to subscribe.
-                logger.warning("celery-semaphore: cannot subscribe to wake-ups: %s", exc)
+            except Exception as exc:  # waiters poll meanwhile; the thread keeps trying
+                logger.warning("celery-semaphore: cannot subscribe to wake-ups yet: %s", exc)
                 self._pubsub = None
             self._listener = threading.Thread(
                 target=self._listen, name="celery-semaphore-redis-wake", daemon=True
@@ -203,53 +278,66 @@ class RedisBackend(Backend):
             self._listener.start()
 
     def _subscribe(self) -> Any:
-        """Subscribe and wait for the confirmation, so no wake-up sent after this is missed."""
+        """A pubsub on this process's channel, returned once Redis confirmed the subscription."""
         pubsub = self.client.pubsub()
-        pubsub.subscribe(self._channel_prefix + self.client_id)
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            message = pubsub.get_message(timeout=1.0)
-            if message and message["type"] == "subscribe":
-                return pubsub
-        pubsub.close()
-        raise redis.TimeoutError("no subscribe confirmation")
+        try:
+            pubsub.subscribe(self._channel_prefix + self.client_id)
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                message = pubsub.get_message(timeout=1.0)
+                if message and message["type"] == "subscribe":
+                    return pubsub
+            raise redis.TimeoutError("no subscribe confirmation within 5 s")
+        except BaseException:
+            pubsub.close()
+            raise
 
     def _listen(self) -> None:
-        backoff = 0.1
+        """Deliver wake-ups until close(). Connection loss: resubscribe with backoff, forever."""
+        backoff, lost = 0.1, False
         while not self._closed.is_set():
             try:
                 if self._pubsub is None:
                     self._pubsub = self._subscribe()
+                    if lost:
+                        logger.info("celery-semaphore: wake-up channel restored")
+                    backoff, lost = 0.1, False
                 message = self._pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
-                backoff = 0.1
-            except Exception as exc:  # connection dropped: resubscribe, waiters poll meanwhile
+            except Exception as exc:
                 if self._closed.is_set():
-                    return
-                logger.warning("celery-semaphore: wake-up channel lost (%s); resubscribing", exc)
+                    break
+                if not lost:
+                    logger.warning(
+                        "celery-semaphore: wake-up channel of %s lost (%s); resubscribing, "
+                        "waiters poll meanwhile", maybe_sanitize_url(self.url), exc,
+                    )
+                lost = True
                 self._drop_pubsub()
-                time.sleep(backoff)
+                self._closed.wait(backoff)
                 backoff = min(backoff * 2, 5.0)
                 continue
             if message and message["type"] == "message":
                 name, _, holder = message["data"].partition("\n")
-                self._notify(name, holder)
+                try:
+                    self._notify(name, holder)
+                except Exception:  # a broken callback must not stop everyone's wake-ups
+                    logger.exception("celery-semaphore: wake-up callback failed")
+        self._drop_pubsub()
+
+    def _forked(self) -> None:
+        """In a forked child: a new wake-up identity; the parent's thread, pubsub connection
+        and waiters are not this process's (redis-py's pool resets its own connections)."""
+        self.client_id = f"{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+        self._watch_lock = threading.Lock()
+        self._watchers = {}
+        self._listen_lock = threading.Lock()
+        self._listener = None
+        self._pubsub = None  # the parent's connection: redis-py never shuts it down from here
 
     def _drop_pubsub(self) -> None:
-        if self._pubsub is not None:
+        pubsub, self._pubsub = self._pubsub, None
+        if pubsub is not None:
             try:
-                self._pubsub.close()
+                pubsub.close()
             except Exception:
                 pass
-            self._pubsub = None
-
-    def close(self) -> None:
-        self._closed.set()
-        if self._listener is not None:
-            self._listener.join(2)
-        self._drop_pubsub()
-        self.client.close()
-
-
-def holder_keys(backend: RedisBackend, name: str) -> Dict[str, str]:
-    """The key of each structure of one semaphore (for operators and tests)."""
-    return dict(zip(_SUFFIXES, backend._keys(name)))

@@ -1,39 +1,49 @@
 -- ARGV[4] holder, [5] declared limit, [6] ttl (us), [7] meta JSON, [8] wait (0/1),
 -- [9] client id, [10] waiter ttl (us).
--- Returns {1, slot, epoch, expires, now, limit} or {0, position (-1: not queued),
--- retry_after (us, -1: no holder), now, limit}.
+-- Returns {1, slot, epoch, expires, now, limit} when admitted (or already holding), else
+-- {0, position (-1: not queued), retry_after (us, -1: nobody holds), now, limit}.
 local holder, declared_limit, ttl = ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6])
 local meta, wait, client, waiter_ttl = ARGV[7], ARGV[8] == '1', ARGV[9], tonumber(ARGV[10])
 
-local before = admissible()
-prune()
-local limit = tonumber(redis.call('HGET', cfg, 'limit'))
-if not limit then
-  limit = declared_limit
-  redis.call('HSET', cfg, 'limit', limit)
-end
-redis.call('HSET', declared, declared_limit, int(now))
+local before = begin()
 
-local expires = redis.call('ZSCORE', holders, holder)
-if expires then
-  local slot, epoch = string.match(redis.call('HGET', hinfo, holder), '^(%d+)\n(%d+)\n')
-  touch(declared)
+-- One read of the holders gives the re-acquire check, their count and the lowest free slot.
+local infos = redis.call('HGETALL', hinfo)
+local count = #infos / 2
+local used, mine = {}, nil
+for i = 1, #infos, 2 do
+  used[tonumber(string.match(infos[i + 1], '^%d+'))] = true
+  if infos[i] == holder then mine = infos[i + 1] end
+end
+local slot = 0
+while used[slot] do slot = slot + 1 end
+
+-- The stored limit rules; the caller's declared limit only creates a new semaphore.
+local cfg = redis.call('HMGET', config, 'limit', 'touched', 'e:' .. slot)
+local limit = tonumber(cfg[1]) or declared_limit
+local touched = cfg[2]
+
+if mine then  -- a current holder gets its grant back unchanged
+  local held_slot, epoch = string.match(mine, '^(%d+)\n(%d+)\n')
+  local expires = tonumber(redis.call('ZSCORE', holders, holder))
+  redis.call('HSET', config, 'd:' .. declared_limit, int(now))
+  keep(touched)
   wake(before)
-  return {1, tonumber(slot), tonumber(epoch), tonumber(expires), now, limit}
+  return {1, tonumber(held_slot), tonumber(epoch), expires, now, limit}
 end
 
-local count = redis.call('ZCARD', holders)
-local queued = redis.call('ZRANK', queue, holder)
-local rank = queued or redis.call('ZCARD', queue)
+local rank, queued = 0, false
+if before then
+  rank = redis.call('ZRANK', queue, holder)
+  queued = rank ~= false
+  if not queued then rank = redis.call('ZCARD', queue) end
+end
+
 if count + rank < limit then
-  local used = {}
-  for _, info in ipairs(redis.call('HVALS', hinfo)) do
-    used[tonumber(string.match(info, '^(%d+)'))] = true
-  end
-  local slot = 0
-  while used[slot] do slot = slot + 1 end
-  local epoch = math.max((tonumber(redis.call('HGET', epochs, slot)) or 0) + 1, now)
-  redis.call('HSET', epochs, slot, int(epoch))
+  -- count < limit, so the lowest free slot is below the limit.
+  local epoch = math.max((tonumber(cfg[3]) or 0) + 1, now)
+  redis.call('HSET', config, 'limit', limit, 'd:' .. declared_limit, int(now),
+    'e:' .. slot, int(epoch))
   redis.call('ZADD', holders, int(now + ttl), holder)
   redis.call('HSET', hinfo, holder, slot .. '\n' .. int(epoch) .. '\n' .. int(now) .. '\n' .. meta)
   if queued then
@@ -41,24 +51,26 @@ if count + rank < limit then
     redis.call('ZREM', wexp, holder)
     redis.call('HDEL', winfo, holder)
   end
-  touch(declared, epochs, holders, hinfo)
+  if count == 0 then keep(touched, holders, hinfo) else keep(touched) end
   wake(before)
   return {1, slot, epoch, now + ttl, now, limit}
 end
 
+redis.call('HSET', config, 'limit', limit, 'd:' .. declared_limit, int(now))
 local position = -1
 if wait then
   if not queued then
-    local ticket = redis.call('HINCRBY', cfg, 'ticket', 1)
+    local ticket = redis.call('HINCRBY', config, 'ticket', 1)
     redis.call('ZADD', queue, ticket, holder)
     redis.call('HSET', winfo, holder, client .. '\n' .. int(now) .. '\n' .. meta)
   end
   redis.call('ZADD', wexp, int(now + waiter_ttl), holder)
   position = rank
 end
+-- A waiter added to an empty queue created the queue's keys.
+if wait and not queued and rank == 0 then keep(touched, queue, wexp, winfo) else keep(touched) end
 local retry_after = -1
 local first = redis.call('ZRANGE', holders, 0, 0, 'WITHSCORES')
 if #first > 0 then retry_after = math.max(0, tonumber(first[2]) - now) end
-touch(declared, queue, wexp, winfo)
 wake(before)
 return {0, position, retry_after, now, limit}

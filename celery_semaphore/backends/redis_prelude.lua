@@ -1,74 +1,110 @@
--- Shared by every script. KEYS: the eight keys of one semaphore, all under one hash tag.
--- ARGV[1]: idle TTL (ms), ARGV[2]: wake channel prefix, ARGV[3]: semaphore name.
--- Time is the server's, in microseconds; scores of holders and waiters are absolute expiries.
-local cfg, holders, hinfo, queue, wexp, winfo, epochs, declared =
-  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8]
+-- Shared by every script (prepended at load time). The rules are model.py's State, in Lua.
+-- KEYS: the six keys of one semaphore, all under one hash tag:
+--   config  hash  limit, ticket (last issued), touched (last TTL refresh), e:<slot> (fencing
+--                 epoch), d:<limit> (declared limit, last seen)
+--   holders zset  holder -> lease expiry          hinfo hash  holder -> slot\nepoch\nsince\nmeta
+--   queue   zset  holder -> ticket (FIFO order)   wexp  zset  holder -> waiter expiry
+--   winfo   hash  holder -> client\nsince\nmeta
+-- ARGV[1] idle TTL (ms), ARGV[2] wake channel prefix, ARGV[3] semaphore name; then per script.
+-- Time is the server's, in microseconds; every score of holders and wexp is an absolute expiry.
+local config, holders, hinfo, queue, wexp, winfo =
+  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local idle_ms, channel_prefix, name = tonumber(ARGV[1]), ARGV[2], ARGV[3]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 
--- Numbers passed to redis.call are formatted with 14 digits; microsecond times need 16.
+-- Lua formats numbers with 14 significant digits; microsecond times need 16.
 local function int(x) return string.format('%d', x) end
 
-local function remove_all(key, members, command)
+-- Run a variadic command over many members without overflowing Lua's stack.
+local function each_chunk(command, key, members, out)
   for i = 1, #members, 500 do
-    redis.call(command, key, unpack(members, i, math.min(i + 499, #members)))
+    local reply = redis.call(command, key, unpack(members, i, math.min(i + 499, #members)))
+    if out then for _, v in ipairs(reply) do table.insert(out, v) end end
+  end
+  return out
+end
+
+local function prune_holders()
+  local dead = redis.call('ZRANGEBYSCORE', holders, '-inf', int(now))
+  if #dead > 0 then
+    each_chunk('ZREM', holders, dead)
+    each_chunk('HDEL', hinfo, dead)
+  end
+end
+
+local function prune_waiters()
+  local gone = redis.call('ZRANGEBYSCORE', wexp, '-inf', int(now))
+  if #gone > 0 then
+    each_chunk('ZREM', wexp, gone)
+    each_chunk('ZREM', queue, gone)
+    each_chunk('HDEL', winfo, gone)
   end
 end
 
 -- The waiters the FIFO rule admits now: the first (limit - holders) of the queue.
-local function admissible()
-  local set = {}
-  if redis.call('EXISTS', queue) == 0 then return set end
-  local limit = tonumber(redis.call('HGET', cfg, 'limit'))
-  if limit then
-    local free = limit - redis.call('ZCARD', holders)
-    if free > 0 then
-      for _, h in ipairs(redis.call('ZRANGE', queue, 0, free - 1)) do set[h] = true end
+local function admissible(limit)
+  local free = limit - redis.call('ZCARD', holders)
+  if free <= 0 then return {} end
+  return redis.call('ZRANGE', queue, 0, free - 1)
+end
+
+-- Every script that changes state starts here: remember which waiters were admissible before
+-- anything changes (nil when nobody waits, so the fast path costs one ZCARD), then prune.
+local function begin()
+  local before = nil
+  if redis.call('ZCARD', queue) > 0 then
+    before = {}
+    local limit = tonumber(redis.call('HGET', config, 'limit'))
+    if limit then
+      for _, h in ipairs(admissible(limit)) do before[h] = true end
     end
+    prune_waiters()
   end
-  return set
+  prune_holders()
+  return before
 end
 
-local function prune()
-  local dead = redis.call('ZRANGEBYSCORE', holders, '-inf', int(now))
-  if #dead > 0 then
-    remove_all(holders, dead, 'ZREM')
-    remove_all(hinfo, dead, 'HDEL')
-  end
-  local gone = redis.call('ZRANGEBYSCORE', wexp, '-inf', int(now))
-  if #gone > 0 then
-    remove_all(wexp, gone, 'ZREM')
-    remove_all(queue, gone, 'ZREM')
-    remove_all(winfo, gone, 'HDEL')
-  end
-end
-
--- Declared limits not seen for idle_ms are forgotten (run where limits change, not per acquire).
-local function prune_declared()
-  local seen = redis.call('HGETALL', declared)
-  for i = 1, #seen, 2 do
-    if tonumber(seen[i + 1]) < now - idle_ms * 1000 then redis.call('HDEL', declared, seen[i]) end
-  end
-end
-
--- Notify the waiters this operation made admissible, on their process's channel.
+-- ...and ends here: notify each waiter this operation made admissible, on the channel of the
+-- process that queued it. A waiter queued by this very operation is never admissible, so when
+-- nobody waited before (before == nil) there is nobody to wake.
 local function wake(before)
-  if redis.call('EXISTS', queue) == 0 then return end
-  for h in pairs(admissible()) do
+  if not before then return end
+  local limit = tonumber(redis.call('HGET', config, 'limit'))
+  if not limit then return end
+  for _, h in ipairs(admissible(limit)) do
     if not before[h] then
       local info = redis.call('HGET', winfo, h)
       if info then
-        local client = string.match(info, '^[^\n]*')
-        redis.call('PUBLISH', channel_prefix .. client, name .. '\n' .. h)
+        redis.call('PUBLISH', channel_prefix .. string.match(info, '^[^\n]*'), name .. '\n' .. h)
       end
     end
   end
 end
 
--- Keep written keys (and the limit) for idle_ms after their last write. A key Redis dropped
--- when it emptied comes back without a TTL, so every write sets it again.
-local function touch(...)
-  redis.call('PEXPIRE', cfg, idle_ms)
-  for _, key in ipairs({...}) do redis.call('PEXPIRE', key, idle_ms) end
+-- Expiry: a semaphore's keys must outlive its use by idle_ms, but a PEXPIRE on every key of
+-- every call costs a fifth of a call's server time. So a key this call created gets its TTL at
+-- once, and when config's 'touched' time is older than idle_ms / 16 (or unknown) the call
+-- refreshes every key. No key expires while the semaphore is used at least every 15/16 of
+-- idle_ms; an idle one is gone within idle_ms. Removing members never needs a TTL: a key keeps
+-- its own, and an emptied key is deleted by Redis.
+local function keep(touched, ...)
+  if not touched or now - tonumber(touched) > idle_ms * 1000 / 16 then
+    redis.call('HSET', config, 'touched', int(now))
+    for _, key in ipairs({config, holders, hinfo, queue, wexp, winfo}) do
+      redis.call('PEXPIRE', key, idle_ms)
+    end
+  else
+    for _, key in ipairs({...}) do redis.call('PEXPIRE', key, idle_ms) end
+  end
+end
+
+-- Declared limits not seen for idle_ms are forgotten (status also hides them).
+local function prune_declared()
+  local fields = redis.call('HGETALL', config)
+  for i = 1, #fields, 2 do
+    if string.sub(fields[i], 1, 2) == 'd:' and tonumber(fields[i + 1]) < now - idle_ms * 1000 then
+      redis.call('HDEL', config, fields[i])
+    end
+  end
 end

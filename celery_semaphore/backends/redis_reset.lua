@@ -1,5 +1,6 @@
--- Delete every key of the semaphore. Returns 1 when it existed. Epochs restart from the
--- server's clock, so fencing tokens still increase.
-local existed = redis.call('EXISTS', cfg)
-redis.call('DEL', cfg, holders, hinfo, queue, wexp, winfo, epochs, declared)
+-- Delete every key of the semaphore; holders lose their leases and nobody is woken. Returns 1
+-- when it existed. Epochs go with config and restart from the server's clock (microseconds),
+-- so fencing tokens still increase.
+local existed = redis.call('EXISTS', config)
+redis.call('DEL', config, holders, hinfo, queue, wexp, winfo)
 return existed

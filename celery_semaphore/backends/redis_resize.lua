@@ -1,9 +1,9 @@
--- ARGV[4] limit. Returns 1 when the semaphore was created by this call.
-local before = admissible()
-prune()
-local created = 1 - redis.call('EXISTS', cfg)
-redis.call('HSET', cfg, 'limit', tonumber(ARGV[4]))
+-- ARGV[4] limit. Returns 1 when the semaphore was created by this call. Growing wakes the
+-- waiters that now fit; shrinking admits nobody until holders drop below the new limit.
+local before = begin()
+local created = 1 - redis.call('EXISTS', config)
+redis.call('HSET', config, 'limit', tonumber(ARGV[4]))
 prune_declared()
-touch(declared)
+keep(nil)
 wake(before)
 return created

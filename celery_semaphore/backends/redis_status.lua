@@ -1,27 +1,41 @@
--- Read-only snapshot: {now, limit, declared..., holders [holder, expiry, info]...,
--- waiters [holder, ticket, info]...} or false when the semaphore is unknown.
-local limit = redis.call('HGET', cfg, 'limit')
-if not limit then return false end
+-- Read-only snapshot, hiding what pruning would remove: {now, limit, declared [limit, seen]...,
+-- holders [holder, expiry, info]..., waiters [holder, ticket, info]...}, or false when the
+-- semaphore is unknown.
+local fields = redis.call('HGETALL', config)
+local limit = nil
 local declared_list = {}
-local seen = redis.call('HGETALL', declared)
-for i = 1, #seen, 2 do
-  if tonumber(seen[i + 1]) >= now - idle_ms * 1000 then
-    table.insert(declared_list, seen[i]); table.insert(declared_list, seen[i + 1])
+for i = 1, #fields, 2 do
+  if fields[i] == 'limit' then
+    limit = fields[i + 1]
+  elseif string.sub(fields[i], 1, 2) == 'd:' and tonumber(fields[i + 1]) >= now - idle_ms * 1000 then
+    table.insert(declared_list, string.sub(fields[i], 3))
+    table.insert(declared_list, fields[i + 1])
   end
 end
+if not limit then return false end
+
 local holder_list = {}
 local live = redis.call('ZRANGEBYSCORE', holders, '(' .. int(now), '+inf', 'WITHSCORES')
-for i = 1, #live, 2 do
-  table.insert(holder_list, live[i]); table.insert(holder_list, live[i + 1])
-  table.insert(holder_list, redis.call('HGET', hinfo, live[i]) or '')
+local names = {}
+for i = 1, #live, 2 do table.insert(names, live[i]) end
+local infos = each_chunk('HMGET', hinfo, names, {})
+for i, h in ipairs(names) do
+  table.insert(holder_list, h)
+  table.insert(holder_list, live[2 * i])
+  table.insert(holder_list, infos[i] or '')
 end
+
 local waiter_list = {}
 local queued = redis.call('ZRANGE', queue, 0, -1, 'WITHSCORES')
-for i = 1, #queued, 2 do
-  local expiry = tonumber(redis.call('ZSCORE', wexp, queued[i]) or 0)
-  if expiry > now then
-    table.insert(waiter_list, queued[i]); table.insert(waiter_list, queued[i + 1])
-    table.insert(waiter_list, redis.call('HGET', winfo, queued[i]) or '')
+names = {}
+for i = 1, #queued, 2 do table.insert(names, queued[i]) end
+local expiries = each_chunk('ZMSCORE', wexp, names, {})
+infos = each_chunk('HMGET', winfo, names, {})
+for i, h in ipairs(names) do
+  if tonumber(expiries[i] or 0) > now then
+    table.insert(waiter_list, h)
+    table.insert(waiter_list, queued[2 * i])
+    table.insert(waiter_list, infos[i] or '')
   end
 end
 return {int(now), limit, declared_list, holder_list, waiter_list}
