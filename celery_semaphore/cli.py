@@ -1,32 +1,238 @@
 """``celery -A proj semaphore ...``: inspect and change semaphores from the command line.
 
-Registered through the ``celery.commands`` entry point group. Every subcommand takes ``--json``.
-Exit codes: 0 ok, 1 operational failure (unknown semaphore, backend unreachable), 2 usage error.
-Errors are one line on stderr and change nothing.
+Registered through the ``celery.commands`` entry point group; ``python manage.py semaphore``
+(:mod:`celery_semaphore.contrib.django`) runs the same click group. Every subcommand takes
+``--json``. Exit codes: 0 ok, 1 operational failure (unknown semaphore, holder not holding,
+backend or broker unreachable), 2 usage error. Errors are one line on stderr and change nothing.
+
+The operations themselves are the small functions below the exceptions: each takes a backend
+(``workers``: an app) and returns JSON-ready data, so code can call them without click.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence
+from urllib.parse import urlsplit
 
 import click
 
 from .backends import get_backend
 from .backends.base import Backend, SemaphoreStatus
-from .exceptions import BackendUnavailable, ConfigurationError, InvalidName
-from .names import validate_name
+from .exceptions import (
+    ConfigurationError,
+    InvalidLimit,
+    InvalidName,
+    SemaphoreError,
+    UnknownSemaphore,
+)
+from .names import validate_limit, validate_name
 from .settings import Settings
 
-LIMIT = click.IntRange(min=1)
+
+class NotHeld(SemaphoreError, LookupError):
+    """``release`` named a holder (or task id) that holds no slot of the semaphore."""
+
+
+class BrokerUnavailable(SemaphoreError, ConnectionError):
+    """The broker could not be reached to ask the workers. The message masks the password."""
+
+
+# -- operations: a backend in, JSON-ready data out -----------------------------------------
+
+
+def list_semaphores(backend: Backend) -> List[Dict[str, Any]]:
+    """Every semaphore the backend knows: ``name``, ``limit``, ``held``, ``waiting``."""
+    rows = []
+    for name in backend.names():
+        status = backend.status(name)
+        if status is not None:  # reset or expired since names() listed it
+            rows.append({"name": name, "limit": status.limit, "held": status.held,
+                         "waiting": status.waiting})
+    return rows
+
+
+def semaphore_status(backend: Backend, name: str) -> SemaphoreStatus:
+    """The snapshot of ``name``; raise UnknownSemaphore when the backend does not know it."""
+    status = backend.status(validate_name(name))
+    if status is None:
+        raise UnknownSemaphore(f"unknown semaphore {name!r}")
+    return status
+
+
+def resize_semaphore(backend: Backend, name: str, limit: int) -> Dict[str, Any]:
+    """Set the limit of ``name``, creating it. ``previous`` is None when it was created."""
+    validate_name(name)
+    validate_limit(limit)
+    before = backend.status(name)
+    created = backend.resize(name, limit)
+    previous = None if before is None or created else before.limit
+    return {"name": name, "limit": limit, "previous": previous, "created": created}
+
+
+def release_holder(backend: Backend, name: str, holder: str) -> Dict[str, Any]:
+    """Force-release a holder of ``name``, named by its holder id or by its task id."""
+    status = semaphore_status(backend, name)
+    ids = {h.holder for h in status.holders}
+    if holder not in ids:
+        by_task = [h.holder for h in status.holders if h.meta.get("task_id") == holder]
+        if len(by_task) == 1:
+            (holder,) = by_task
+    entry = next((h for h in status.holders if h.holder == holder), None)
+    if entry is None or not backend.release(name, holder):
+        raise NotHeld(f"{holder} holds no slot of semaphore {name!r}")
+    return {"name": name, "holder": holder, "task_id": entry.meta.get("task_id"),
+            "token": str(entry.token), "released": True}
+
+
+def reset_semaphore(backend: Backend, name: str) -> Dict[str, Any]:
+    """Delete all state of ``name``. ``reset`` is False when it was unknown."""
+    return {"name": name, "reset": backend.reset(validate_name(name))}
+
+
+def sync_limits(backend: Backend, limits: Mapping[str, int],
+                dry_run: bool = False) -> List[Dict[str, Any]]:
+    """Resize every name in ``limits`` (``semaphore_limits``) whose stored limit differs.
+
+    Templates (``"api:{customer_id}"``) are skipped: they name no semaphore by themselves.
+    Returns the changes made (or, with ``dry_run``, that would be made).
+    """
+    changes = []
+    for name, limit in sorted(limits.items()):
+        if "{" in name:
+            continue
+        current = backend.status(name)
+        if current is not None and current.limit == limit:
+            continue
+        if not dry_run:
+            backend.resize(name, limit)
+        changes.append({"name": name, "limit": limit,
+                        "previous": None if current is None else current.limit})
+    return changes
+
+
+def worker_requests(app: Any, timeout: float = 2.0,
+                    destination: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+    """worker name -> ``{"waiting": [...], "held": [...]}`` from the ``semaphore_requests``
+    remote-control command; raise BrokerUnavailable when the broker does not answer."""
+    conn = app.connection_for_write()
+    try:
+        conn.ensure_connection(max_retries=0)  # fail now rather than retry for minutes
+        replies = app.control.broadcast("semaphore_requests", reply=True, timeout=timeout,
+                                        connection=conn, destination=destination or None)
+    except Exception as exc:
+        raise BrokerUnavailable(f"cannot reach the broker {conn.as_uri()}: {exc}") from exc
+    finally:
+        conn.release()
+    merged: Dict[str, Any] = {}
+    for reply in replies or []:
+        merged.update(reply)
+    return dict(sorted(merged.items()))
+
+
+# -- rendering ------------------------------------------------------------------------------
+
+
+def relative(t: float, now: float) -> str:
+    """``"12s ago"`` / ``"in 48s"``; minutes, hours and days for longer spans."""
+    delta = t - now
+    span = abs(delta)
+    if span < 120:
+        text = f"{span:.0f}s"
+    elif span < 2 * 3600:
+        text = f"{span / 60:.0f}m"
+    elif span < 2 * 86400:
+        text = f"{span / 3600:.0f}h"
+    else:
+        text = f"{span / 86400:.0f}d"
+    return f"in {text}" if delta > 0 else f"{text} ago"
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[Any]],
+          right: Iterable[int] = (), indent: str = "") -> List[str]:
+    """Lines of an aligned table; columns whose index is in ``right`` are right-aligned."""
+    cells = [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in [list(headers)] + cells) for i in range(len(headers))]
+    right = set(right)
+
+    def line(row: Sequence[str]) -> str:
+        parts = [c.rjust(w) if i in right else c.ljust(w)
+                 for i, (c, w) in enumerate(zip(row, widths))]
+        return (indent + "  ".join(parts)).rstrip()
+
+    return [line(headers)] + [line(r) for r in cells]
+
+
+def render_status(status: SemaphoreStatus, now: Optional[float] = None) -> str:
+    now = time.time() if now is None else now
+    declared = ", ".join(f"{k} ({relative(seen, now)})"
+                         for k, seen in sorted(status.declared.items())) or "none seen"
+    lines = [
+        f"semaphore {status.name}",
+        f"  limit     {status.limit}",
+        f"  declared  {declared}",
+        f"  held      {status.held}",
+        f"  waiting   {status.waiting}",
+    ]
+    if any(k != status.limit for k in status.declared):
+        lines.append("  note: the stored limit rules; declared limits only create the "
+                     "semaphore (change it with `resize`, or `sync` for semaphore_limits)")
+    if status.holders:
+        lines += ["", "  holders:"] + table(
+            ("HOLDER", "TOKEN", "TASK ID", "WORKER", "SINCE", "EXPIRES"),
+            [(h.holder, str(h.token), h.meta.get("task_id", "-"), h.meta.get("worker", "-"),
+              relative(h.since, now), relative(h.expires_at, now)) for h in status.holders],
+            indent="    ")
+    if status.waiters:
+        lines += ["", "  waiters, in admission order:"] + table(
+            ("#", "HOLDER", "TASK ID", "WORKER", "SINCE"),
+            [(i, w.holder, w.meta.get("task_id", "-"), w.meta.get("worker", "-"),
+              relative(w.since, now)) for i, w in enumerate(status.waiters)],
+            right=(0,), indent="    ")
+    return "\n".join(lines)
+
+
+def render_workers(replies: Mapping[str, Any]) -> str:
+    if not replies:
+        return "no worker answered"
+    lines = []
+    rows = []
+    for worker, info in replies.items():
+        if "error" in info:  # a worker without celery_semaphore.install()
+            lines.append(f"{worker}: {info['error']}")
+            continue
+        held, waiting = info.get("held", []), info.get("waiting", [])
+        lines.append(f"{worker}: {len(held)} held, {len(waiting)} waiting")
+        rows += [(worker, "held", h["semaphore"], h["id"], h.get("task", "-"),
+                  f"token {h['token']}") for h in held]
+        rows += [(worker, "waiting", w["semaphore"], w["id"], w.get("task", "-"),
+                  f"position {'-' if w.get('position') is None else w['position']}, "
+                  f"waited {w.get('waited', 0):.1f}s") for w in waiting]
+    if rows:
+        lines += [""] + table(("WORKER", "STATE", "SEMAPHORE", "TASK ID", "TASK", "DETAIL"),
+                              rows)
+    return "\n".join(lines)
+
+
+# -- the click group ----------------------------------------------------------------------
+
+
+def masked(url: str) -> str:
+    from kombu.utils.url import maybe_sanitize_url
+
+    return maybe_sanitize_url(url)
 
 
 class Context:
+    """What the subcommands share: the app (None without -A) and the backend, opened once."""
+
     def __init__(self, app: Any, backend_url: Optional[str]) -> None:
         self.app = app
         self.backend_url = backend_url
+        self.url: Optional[str] = None
         self._backend: Optional[Backend] = None
 
     @property
@@ -41,12 +247,12 @@ class Context:
     @property
     def backend(self) -> Backend:
         if self._backend is None:
-            settings = self.settings
             if self.backend_url is None and self.app is None:
                 raise click.UsageError("no app: pass -A/--app or --backend URL")
+            settings = self.settings
             try:
-                url = self.backend_url or settings.backend_url(self.app)
-                self._backend = get_backend(url, key_prefix=settings.key_prefix)
+                self.url = self.backend_url or settings.backend_url(self.app)
+                self._backend = get_backend(self.url, key_prefix=settings.key_prefix)
             except ConfigurationError as exc:
                 raise click.UsageError(str(exc)) from None
         return self._backend
@@ -59,17 +265,49 @@ def _name(ctx: click.Context, param: click.Parameter, value: str) -> str:
         raise click.BadParameter(str(exc)) from None
 
 
-def _operational(fn):
-    """Turn backend failures into one line and exit status 1."""
+class PositiveInt(click.ParamType):
+    """A limit: a positive integer, else a usage error (exit 2, with the usage line)."""
 
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
+    name = "limit"
+
+    def convert(self, value: Any, param: Optional[click.Parameter],
+                ctx: Optional[click.Context]) -> int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            number = value
+        else:
+            try:
+                number = int(str(value).strip(), 10)
+            except ValueError:
+                self.fail(f"must be a positive integer, not {value!r}", param, ctx)
         try:
-            return fn(*args, **kwargs)
-        except BackendUnavailable as exc:
-            raise click.ClickException(str(exc)) from None
+            return validate_limit(number)
+        except InvalidLimit:
+            self.fail(f"must be a positive integer, not {number}", param, ctx)
 
-    wrapper.__name__ = fn.__name__
-    wrapper.__doc__ = fn.__doc__
+
+def _operational(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn every failure of an operation into one line on stderr and exit status 1."""
+
+    @functools.wraps(fn)
+    def wrapper(obj: Context, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(obj, *args, **kwargs)
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise
+        except (InvalidName, InvalidLimit) as exc:  # caught by the parameters already
+            raise click.UsageError(str(exc)) from None
+        except SemaphoreError as exc:  # unknown semaphore, not held, unreachable, ...
+            raise click.ClickException(str(exc)) from None
+        except Exception as exc:  # e.g. a backend error the backend did not translate
+            message = f"{type(exc).__name__}: {exc}"
+            if obj.url is None:
+                raise click.ClickException(message) from None
+            password = urlsplit(obj.url).password
+            if password:
+                message = message.replace(password, "**")
+            raise click.ClickException(
+                f"semaphore backend {masked(obj.url)} failed: {message}") from None
+
     return wrapper
 
 
@@ -77,27 +315,8 @@ def _emit(as_json: bool, data: Any, human: str) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=True) if as_json else human)
 
 
-def _ago(t: float, now: float) -> str:
-    delta = t - now
-    text = f"{abs(delta):.0f}s" if abs(delta) < 120 else f"{abs(delta) / 60:.0f}m"
-    return f"in {text}" if delta > 0 else f"{text} ago"
-
-
-def render_status(status: SemaphoreStatus) -> str:
-    now = time.time()
-    declared = ", ".join(str(k) for k in sorted(status.declared)) or "-"
-    lines = [f"semaphore {status.name}: limit {status.limit} (declared: {declared}), "
-             f"{status.held} held, {status.waiting} waiting"]
-    if status.holders:
-        lines.append(f"  {'HOLDER':<34} {'TOKEN':<20} {'TASK':<38} {'WORKER':<24} SINCE / EXPIRES")
-        for h in status.holders:
-            lines.append(f"  {h.holder:<34} {str(h.token):<20} {h.meta.get('task_id', '-'):<38} "
-                         f"{h.meta.get('worker', '-'):<24} {_ago(h.since, now)} / "
-                         f"{_ago(h.expires_at, now)}")
-    for position, w in enumerate(status.waiters):
-        lines.append(f"  waiting #{position}: {w.holder} task {w.meta.get('task_id', '-')} "
-                     f"since {_ago(w.since, now)}")
-    return "\n".join(lines)
+json_option = click.option("--json", "as_json", is_flag=True,
+                           help="Machine-readable output on stdout.")
 
 
 @click.group(name="semaphore")
@@ -105,137 +324,131 @@ def render_status(status: SemaphoreStatus) -> str:
               help="Semaphore backend URL (default: the app's semaphore_backend).")
 @click.pass_context
 def semaphore(ctx: click.Context, backend_url: Optional[str]) -> None:
-    """Inspect, resize and reset celery-semaphore semaphores."""
+    """Inspect, resize and reset celery-semaphore semaphores.
+
+    The stored limit rules: a task's declared limit (its `limit` option, semaphore_limits)
+    only creates a semaphore. `resize` changes it for every worker at once; `sync` applies
+    semaphore_limits after a deploy.
+    """
     obj = ctx.obj
     app = getattr(obj, "app", None) if obj is not None else None
     if app is not None and getattr(app, "main", None) == "default":
         app = None  # no -A/--app: Celery's placeholder app has no settings to read
-    ctx.obj = Context(app, backend_url)
+    ctx.obj = Context(app, backend_url)  # backends are shared per process: not closed here
 
 
 @semaphore.command(name="list")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@json_option
 @click.pass_obj
 @_operational
 def list_(obj: Context, as_json: bool) -> None:
     """Every known semaphore: name, limit, held, waiting."""
-    rows: List[Dict[str, Any]] = []
-    for name in obj.backend.names():
-        status = obj.backend.status(name)
-        if status is not None:
-            rows.append({"name": name, "limit": status.limit, "held": status.held,
-                         "waiting": status.waiting})
-    human = "\n".join([f"{'NAME':<40} {'LIMIT':>5} {'HELD':>5} {'WAITING':>7}"] + [
-        f"{r['name']:<40} {r['limit']:>5} {r['held']:>5} {r['waiting']:>7}" for r in rows])
-    _emit(as_json, rows, human if rows else "no semaphores")
+    rows = list_semaphores(obj.backend)
+    human = table(("NAME", "LIMIT", "HELD", "WAITING"),
+                  [(r["name"], r["limit"], r["held"], r["waiting"]) for r in rows],
+                  right=(1, 2, 3))
+    _emit(as_json, rows, "\n".join(human) if rows else "no semaphores")
 
 
 @semaphore.command()
 @click.argument("name", callback=_name)
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@json_option
 @click.pass_obj
 @_operational
 def status(obj: Context, name: str, as_json: bool) -> None:
-    """Limit, declared limits, holders and waiters of NAME."""
-    found = obj.backend.status(name)
-    if found is None:
-        raise click.ClickException(f"unknown semaphore {name!r}")
+    """Limit, declared limits, holders and waiters of NAME (exit 1 if unknown)."""
+    found = semaphore_status(obj.backend, name)
     _emit(as_json, found.as_dict(), render_status(found))
 
 
-@semaphore.command()
+@semaphore.command(context_settings={"ignore_unknown_options": True})  # "-1" is a LIMIT
 @click.argument("name", callback=_name)
-@click.argument("limit", type=LIMIT)
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.argument("limit", type=PositiveInt())
+@json_option
 @click.pass_obj
 @_operational
 def resize(obj: Context, name: str, limit: int, as_json: bool) -> None:
-    """Set the limit of NAME (creating it) for every worker, at once."""
-    before = obj.backend.status(name)
-    created = obj.backend.resize(name, limit)
-    old = None if before is None else before.limit
-    human = (f"created semaphore {name!r} with limit {limit}" if created
-             else f"resized semaphore {name!r}: limit {old} -> {limit}")
-    _emit(as_json, {"name": name, "limit": limit, "previous": old, "created": created}, human)
+    """Set the limit of NAME for every worker at once, creating NAME if it is new.
+
+    Growing admits waiters at once; shrinking admits nobody until the holders drop below the
+    new limit (running tasks are not interrupted).
+    """
+    done = resize_semaphore(obj.backend, name, limit)
+    if done["created"]:
+        human = f"created semaphore {name!r} with limit {limit}"
+    elif done["previous"] == limit:
+        human = f"semaphore {name!r} already has limit {limit}"
+    else:
+        human = f"resized semaphore {name!r}: limit {done['previous']} -> {limit}"
+    _emit(as_json, done, human)
 
 
 @semaphore.command()
 @click.argument("name", callback=_name)
 @click.argument("holder")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@json_option
 @click.pass_obj
 @_operational
 def release(obj: Context, name: str, holder: str, as_json: bool) -> None:
-    """Force-release HOLDER's slot of NAME (a stuck holder)."""
-    if not obj.backend.release(name, holder):
-        raise click.ClickException(f"{holder} holds no slot of semaphore {name!r}")
-    _emit(as_json, {"name": name, "holder": holder, "released": True},
-          f"released {holder} from semaphore {name!r}")
+    """Force-release a stuck HOLDER of NAME (its holder id or its task id).
+
+    The task, if it still runs, loses its lease (semaphore_on_lost_lease decides what then).
+    """
+    done = release_holder(obj.backend, name, holder)
+    task = f" (task {done['task_id']})" if done["task_id"] else ""
+    _emit(as_json, done, f"released {done['holder']}{task} from semaphore {name!r}, "
+                         f"token {done['token']}")
 
 
 @semaphore.command()
 @click.argument("name", callback=_name)
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@json_option
 @click.pass_obj
 @_operational
 def reset(obj: Context, name: str, yes: bool, as_json: bool) -> None:
-    """Delete all state of NAME; current holders lose their slots."""
+    """Delete all state of NAME: limit, holders (they lose their slots) and waiters."""
     if not yes:
         if not sys.stdin.isatty():
             raise click.ClickException("refusing to reset without confirmation: pass --yes")
         click.confirm(f"Delete all state of semaphore {name!r}?", abort=True, err=True)
-    existed = obj.backend.reset(name)
-    _emit(as_json, {"name": name, "reset": existed},
-          f"reset semaphore {name!r}" if existed else f"semaphore {name!r} was unknown")
+    done = reset_semaphore(obj.backend, name)
+    _emit(as_json, done,
+          f"reset semaphore {name!r}" if done["reset"] else f"semaphore {name!r} was unknown")
 
 
 @semaphore.command()
-@click.option("--dry-run", is_flag=True, help="Show what would change.")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--dry-run", is_flag=True, help="Show what would change; change nothing.")
+@json_option
 @click.pass_obj
 @_operational
 def sync(obj: Context, dry_run: bool, as_json: bool) -> None:
     """Resize every semaphore named in semaphore_limits to its configured limit.
 
     Declared limits only create a semaphore; after a deploy that changes semaphore_limits, run
-    this to make the new limits take effect.
+    this to make the new limits take effect. Templates ("api:{customer_id}") are skipped.
     """
-    changes = []
-    for name, limit in sorted(obj.settings.limits.items()):
-        if "{" in name:
-            continue  # a template: each filled-in name is created with it
-        current = obj.backend.status(name)
-        if current is None or current.limit != limit:
-            if not dry_run:
-                obj.backend.resize(name, limit)
-            changes.append({"name": name, "limit": limit,
-                            "previous": None if current is None else current.limit})
-    human = "\n".join(f"{'would set' if dry_run else 'set'} {c['name']}: {c['previous']} -> "
-                      f"{c['limit']}" for c in changes) or "nothing to change"
+    if obj.app is None:
+        raise click.UsageError("no app: pass -A/--app (sync reads its semaphore_limits)")
+    changes = sync_limits(obj.backend, obj.settings.limits, dry_run=dry_run)
+    verb = "would set" if dry_run else "set"
+    human = "\n".join(
+        f"{verb} {c['name']}: " + ("new" if c["previous"] is None else str(c["previous"]))
+        + f" -> {c['limit']}" for c in changes) or "nothing to change"
     _emit(as_json, changes, human)
 
 
 @semaphore.command()
-@click.option("--timeout", default=2.0, show_default=True, help="Seconds to wait for replies.")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=2.0,
+              show_default=True, help="Seconds to wait for the workers' replies.")
+@click.option("-d", "--destination", multiple=True, metavar="WORKER",
+              help="Ask only this worker (repeatable).")
+@json_option
 @click.pass_obj
-def workers(obj: Context, timeout: float, as_json: bool) -> None:
+@_operational
+def workers(obj: Context, timeout: float, destination: Sequence[str], as_json: bool) -> None:
     """Each worker's requests waiting for a slot and running with one."""
     if obj.app is None:
         raise click.UsageError("no app: pass -A/--app")
-    try:
-        replies = obj.app.control.broadcast("semaphore_requests", reply=True, timeout=timeout)
-    except Exception as exc:
-        raise click.ClickException(f"cannot reach the workers: {exc}") from None
-    merged: Dict[str, Any] = {}
-    for reply in replies or []:
-        merged.update(reply)
-    lines = []
-    for worker, info in sorted(merged.items()):
-        waiting, held = info.get("waiting", []), info.get("held", [])
-        lines.append(f"{worker}: {len(held)} held, {len(waiting)} waiting")
-        lines += [f"  held    {h['semaphore']:<24} {h['id']} token {h['token']}" for h in held]
-        lines += [f"  waiting {w['semaphore']:<24} {w['id']} position {w['position']}"
-                  for w in waiting]
-    _emit(as_json, merged, "\n".join(lines) or "no worker answered")
+    replies = worker_requests(obj.app, timeout=timeout, destination=list(destination))
+    _emit(as_json, replies, render_workers(replies))

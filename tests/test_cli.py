@@ -1,157 +1,347 @@
-"""``celery -A app semaphore ...`` in subprocesses, against real Redis, with real workers."""
+"""``celery -A tests.celery_app semaphore ...`` in subprocesses, against real Redis (and SQLite),
+with real workers on Redis and RabbitMQ brokers; ``python -m django semaphore`` too."""
 
 import json
 import os
+import re
 import subprocess
 import sys
+import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from celery_semaphore import Semaphore
+from celery_semaphore.backends import get_backend
 from tests.test_worker import Cluster
 from tests.util import wait_until
 from tests.workers import ROOT
 
 
+def run_cli(env, *args, app=True, cwd=ROOT):
+    command = [sys.executable, "-m", "celery"] + (["-A", "tests.celery_app"] if app else [])
+    return subprocess.run(command + ["semaphore", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, stdin=subprocess.DEVNULL, timeout=60)
+
+
+def make_cli(url, **env_extra):
+    prefix = f"cli{uuid.uuid4().hex[:8]}:"
+    env = dict(os.environ, CS_SEMAPHORE_BACKEND=url, CS_KEY_PREFIX=prefix, PYTHONPATH=ROOT,
+               **env_extra)
+
+    def cli(*args, env_extra=None):
+        return run_cli({**env, **(env_extra or {})}, *args)
+
+    cli.url, cli.prefix, cli.env = url, prefix, env
+    cli.backend = get_backend(url, key_prefix=prefix)  # to arrange and check state in-process
+    return cli
+
+
 @pytest.fixture
 def cli(redis_url):
-    prefix = f"cli{uuid.uuid4().hex[:8]}:"
-    env = dict(os.environ, CS_SEMAPHORE_BACKEND=redis_url, CS_KEY_PREFIX=prefix,
-               PYTHONPATH=ROOT)
-
-    def run(*args, env_extra=None):
-        return subprocess.run(
-            [sys.executable, "-m", "celery", "-A", "tests.celery_app", "semaphore", *args],
-            cwd=ROOT, env={**env, **(env_extra or {})}, capture_output=True, text=True,
-            stdin=subprocess.DEVNULL, timeout=60,
-        )
-
-    run.prefix, run.url = prefix, redis_url
-    return run
+    return make_cli(redis_url)
 
 
-def test_resize_creates_then_changes_and_status_lists(cli):
+def parallel(cli, *commands):
+    """Run independent commands side by side (each is a ~1 s Python start-up)."""
+    with ThreadPoolExecutor(2) as pool:
+        return list(pool.map(lambda args: cli(*args), commands))
+
+
+def one_error_line(done):
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    return lines[0]
+
+
+def test_resize_status_list_release(cli):
     created = cli("resize", "thumbs", "3", "--json")
     assert created.returncode == 0, created.stderr
     assert json.loads(created.stdout) == {"name": "thumbs", "limit": 3, "previous": None,
                                           "created": True}
     changed = cli("resize", "thumbs", "5")
-    assert changed.returncode == 0 and "3 -> 5" in changed.stdout
-    lease = Semaphore("thumbs", 2, cli.url, key_prefix=cli.prefix).acquire(
-        meta={"task_id": "t-42", "worker": "w@h"})
-    status = json.loads(cli("status", "thumbs", "--json").stdout)
-    assert status["name"] == "thumbs" and status["limit"] == 5 and status["waiting"] == 0
-    (holder,) = status["holders"]
-    assert holder["holder"] == lease.holder and holder["meta"]["task_id"] == "t-42"
-    assert holder["token"] == str(lease.token)
-    assert "2" in status["declared"]
-    human = cli("status", "thumbs").stdout
-    assert "t-42" in human and "limit 5" in human
-    listed = json.loads(cli("list", "--json").stdout)
-    assert {"name": "thumbs", "limit": 5, "held": 1, "waiting": 0} in listed
-    released = cli("release", "thumbs", lease.holder)
-    assert released.returncode == 0 and not lease.verify()
-    again = cli("release", "thumbs", lease.holder)
-    assert again.returncode == 1 and "holds no slot" in again.stderr
+    assert changed.returncode == 0, changed.stderr
+    assert changed.stdout.strip() == "resized semaphore 'thumbs': limit 3 -> 5"
+
+    first = Semaphore("thumbs", 2, cli.url, key_prefix=cli.prefix).acquire(
+        meta={"task_id": "t-42", "worker": "w1@host"})
+    second = Semaphore("thumbs", 2, cli.url, key_prefix=cli.prefix).acquire(
+        meta={"task_id": "t-43", "worker": "w2@host"})
+    cli.backend.resize("thumbs", 2)  # full: the next caller waits
+    patient = get_backend(cli.url, key_prefix=cli.prefix, waiter_ttl=120)  # a slow machine
+    queued = patient.acquire("thumbs", "waiter-1", limit=2, ttl=30,
+                             meta={"task_id": "t-44", "worker": "w1@host"}, wait=True)
+    assert queued.grant is None and queued.position == 0
+
+    status, human, listed = parallel(cli, ("status", "thumbs", "--json"), ("status", "thumbs"),
+                                     ("list", "--json"))
+    status = json.loads(status.stdout)
+    assert status["name"] == "thumbs" and status["limit"] == 2
+    assert status["held"] == 2 and status["waiting"] == 1
+    assert list(status["declared"]) == ["2"]  # the limit the holders' callers declared
+    holders = {h["meta"]["task_id"]: h for h in status["holders"]}
+    assert holders["t-42"]["holder"] == first.holder
+    assert holders["t-42"]["token"] == str(first.token)
+    assert holders["t-42"]["meta"]["worker"] == "w1@host"
+    assert holders["t-42"]["expires_at"] > holders["t-42"]["since"]
+    assert [w["meta"]["task_id"] for w in status["waiters"]] == ["t-44"]
+
+    human = human.stdout
+    assert re.search(r"^  limit +2$", human, re.M) and re.search(r"^  waiting +1$", human, re.M)
+    header = next(line for line in human.splitlines() if "TASK ID" in line and "TOKEN" in line)
+    row = next(line for line in human.splitlines() if "t-42" in line)
+    assert header.index("TASK ID") == row.index("t-42")  # an aligned table
+    assert header.index("TOKEN") == row.index(str(first.token))
+    assert re.search(r"\ds ago +in \d+s", row)  # since, expiry: relative times
+    assert "t-44" in human
+
+    assert json.loads(listed.stdout) == [
+        {"name": "thumbs", "limit": 2, "held": 2, "waiting": 1}]
+    # release by holder id, and by task id; a holder that holds nothing is an error
+    by_holder, by_task, nobody = parallel(cli, ("release", "thumbs", first.holder, "--json"),
+                                          ("release", "thumbs", "t-43"),
+                                          ("release", "thumbs", "waiter-1"))
+    assert by_holder.returncode == 0, by_holder.stderr
+    assert json.loads(by_holder.stdout)["task_id"] == "t-42" and not first.verify()
+    assert by_task.returncode == 0 and second.holder in by_task.stdout and not second.verify()
+    assert nobody.returncode == 1
+    assert one_error_line(nobody) == "Error: waiter-1 holds no slot of semaphore 'thumbs'"
+    assert cli.backend.status("thumbs").limit == 2
 
 
-def test_reset_needs_confirmation(cli):
-    cli("resize", "gone", "2")
+def test_reset_needs_confirmation_and_unknown_status_exits_1(cli):
+    cli.backend.resize("gone", 2)
     refused = cli("reset", "gone")
-    assert refused.returncode == 1 and "--yes" in refused.stderr
-    assert cli("status", "gone").returncode == 0
-    assert cli("reset", "gone", "--yes").returncode == 0
-    unknown = cli("status", "gone")
-    assert unknown.returncode == 1 and "unknown semaphore" in unknown.stderr
+    assert refused.returncode == 1 and "pass --yes" in one_error_line(refused)
+    assert cli.backend.status("gone").limit == 2
+    done = cli("reset", "gone", "--yes", "--json")
+    assert done.returncode == 0 and json.loads(done.stdout) == {"name": "gone", "reset": True}
+    unknown = cli("status", "gone", "--json")
+    assert unknown.returncode == 1 and unknown.stdout == ""
+    assert one_error_line(unknown) == "Error: unknown semaphore 'gone'"
 
 
-@pytest.mark.parametrize("args", [("resize", "x", "0"), ("resize", "x", "-1"),
-                                  ("resize", "x", "abc"), ("status", "bad name"),
-                                  ("resize", "x"), ("frobnicate",)])
-def test_usage_errors_exit_2_and_change_nothing(cli, args):
-    done = cli(*args)
-    assert done.returncode == 2, done.stderr
-    assert "Usage:" in done.stderr
-    assert json.loads(cli("list", "--json").stdout) == []
+USAGE_ERRORS = [
+    (("resize", "x", "0"), "must be a positive integer, not 0"),
+    (("resize", "x", "-1"), "must be a positive integer, not -1"),
+    (("resize", "x", "abc"), "must be a positive integer, not 'abc'"),
+    (("resize", "bad name", "3"), "contains ' '"),
+    (("status", "x{y}"), "contains '{'"),
+    (("release", "a/b", "h"), "contains '/'"),
+    (("reset", "x", "--yes", "--bogus"), "No such option"),
+]
 
 
-def test_unreachable_backend_is_one_line(cli):
-    done = cli("--backend", "redis://:secret@127.0.0.1:1/0", "list")
-    assert done.returncode == 1
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and "127.0.0.1:1" in lines[0]
-    assert "secret" not in done.stderr and "Traceback" not in done.stderr
+def test_usage_errors_exit_2_and_change_nothing(cli):
+    cli.backend.resize("x", 3)
+    runs = parallel(cli, *(args for args, _ in USAGE_ERRORS))
+    for (args, message), done in zip(USAGE_ERRORS, runs):
+        assert done.returncode == 2, (args, done.stderr)
+        assert done.stderr.startswith("Usage: python -m celery semaphore "), done.stderr
+        assert message in done.stderr.strip().splitlines()[-1], (args, done.stderr)
+        assert "Traceback" not in done.stderr
+    assert cli.backend.names() == ["x"] and cli.backend.status("x").limit == 3
+
+
+def test_unreachable_backend_and_broker_are_one_line(cli):
+    with ThreadPoolExecutor(2) as pool:
+        backend, broker = pool.map(lambda args: cli(*args[0], env_extra=args[1]), [
+            (("--backend", "redis://:secret@127.0.0.1:1/0", "list"), None),
+            (("workers",), {"CS_BROKER_URL": "amqp://guest:secret@127.0.0.1:1//"}),
+        ])
+    assert backend.returncode == 1
+    line = one_error_line(backend)
+    assert "redis://:**@127.0.0.1:1/0" in line and "secret" not in backend.stderr
+    assert broker.returncode == 1
+    line = one_error_line(broker)
+    assert "cannot reach the broker amqp://guest:**@127.0.0.1:1//" in line
+    assert "secret" not in broker.stderr
 
 
 def test_sync_applies_configured_limits(cli):
-    settings = json.dumps({"semaphore_limits": {"reports": 3, "api:{customer_id}": 2}})
+    settings = json.dumps({"semaphore_limits": {"reports": 3, "exports": 2, "same": 4,
+                                                "api:{customer_id}": 2}})
     extra = {"CS_SETTINGS": settings}
-    cli("resize", "reports", "1")
+    cli.backend.resize("reports", 1)
+    cli.backend.resize("same", 4)
     dry = cli("sync", "--dry-run", env_extra=extra)
-    assert "would set reports: 1 -> 3" in dry.stdout
-    assert json.loads(cli("status", "reports", "--json").stdout)["limit"] == 1
-    assert cli("sync", env_extra=extra).returncode == 0
-    assert json.loads(cli("status", "reports", "--json").stdout)["limit"] == 3
+    assert dry.returncode == 0, dry.stderr
+    assert dry.stdout.splitlines() == ["would set exports: new -> 2",
+                                       "would set reports: 1 -> 3"]
+    assert cli.backend.status("reports").limit == 1 and cli.backend.status("exports") is None
+    done = cli("sync", "--json", env_extra=extra)
+    assert json.loads(done.stdout) == [{"name": "exports", "limit": 2, "previous": None},
+                                       {"name": "reports", "limit": 3, "previous": 1}]
+    assert cli.backend.status("reports").limit == 3 and cli.backend.status("exports").limit == 2
+    assert sorted(cli.backend.names()) == ["exports", "reports", "same"]  # no template created
 
 
-def running_at(probe, prefix, t_ns):
-    return sum(1 for key, runs in probe.intervals().items() if key.startswith(prefix)
-               for start, end in runs if start <= t_ns and (end is None or end > t_ns))
+def test_without_an_app_and_on_sqlite(tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    url = f"sqlite:///{tmp_path}/s.db"
+    lease = Semaphore("a", 2, url).acquire(meta={"task_id": "t-1"})
+    with ThreadPoolExecutor(2) as pool:
+        bare, with_backend = pool.map(lambda args: run_cli(env, *args, app=False, cwd=tmp_path),
+                                      [("list",), ("--backend", url, "status", "a", "--json")])
+    assert bare.returncode == 2 and "no app: pass -A/--app or --backend" in bare.stderr
+    assert bare.stderr.startswith("Usage: ")
+    assert with_backend.returncode == 0, with_backend.stderr
+    status = json.loads(with_backend.stdout)
+    assert status["limit"] == 2 and status["holders"][0]["holder"] == lease.holder
+
+
+def test_django_manage_py_semaphore(redis_url):
+    prefix = f"dj{uuid.uuid4().hex[:8]}:"
+    env = dict(os.environ, CS_SEMAPHORE_BACKEND=redis_url, CS_KEY_PREFIX=prefix,
+               PYTHONPATH=ROOT)
+    env.pop("DJANGO_SETTINGS_MODULE", None)
+    settings_env = dict(env, DJANGO_SETTINGS_MODULE="tests.django_project.settings")
+
+    def django(args, env=env):
+        return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=60, stdin=subprocess.DEVNULL)
+
+    call_command = """if True:
+        import io, json, django
+        django.setup()
+        from django.core.management import CommandError, call_command
+        out = io.StringIO()
+        call_command("semaphore", "resize", "reports", "3", "--json", stdout=out)
+        try:
+            call_command("semaphore", "resize", "reports", "0", stderr=io.StringIO())
+        except CommandError as exc:
+            print(json.dumps([json.loads(out.getvalue()), exc.returncode, str(exc)]))
+    """
+    with ThreadPoolExecutor(2) as pool:
+        listed = pool.submit(django, ["-m", "django", "semaphore", "list", "--json",
+                                      "--settings=tests.django_project.settings"])
+        called = pool.submit(django, ["-c", call_command], settings_env)
+        listed, called = listed.result(), called.result()
+    # `--settings` is Django's: manage.py applied it, click never sees it
+    assert listed.returncode == 0, listed.stderr
+    assert json.loads(listed.stdout) in ([], [{"name": "reports", "limit": 3, "held": 0,
+                                               "waiting": 0}])
+    # call_command(): output on its stdout, errors as CommandError with the CLI's exit code
+    assert called.returncode == 0, called.stderr
+    result, code, message = json.loads(called.stdout)
+    assert result == {"name": "reports", "limit": 3, "previous": None, "created": True}
+    assert code == 2 and "must be a positive integer, not 0" in message
+    bad = django(["-m", "django", "semaphore", "--settings", "tests.django_project.settings",
+                  "resize", "reports", "-1"])
+    assert bad.returncode == 2 and bad.stderr.startswith("Usage: python -m django semaphore")
+    assert get_backend(redis_url, key_prefix=prefix).status("reports").limit == 3
+
+
+# -- a live resize while two workers are under load --------------------------------------
+
+HOLD = 0.25  # seconds each guarded body runs
+
+
+class Backlog:
+    """Keeps ``depth`` guarded tasks sent but not started, so the workers stay under load."""
+
+    def __init__(self, cluster, depth=6):
+        self.task = cluster.task("guarded")  # semaphore "images", declared limit 2
+        self.probe = cluster.probe
+        self.depth = depth
+        self.sent = 0
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def run(self):
+        while not self.stopped.is_set():
+            started = sum(1 for kind, key, _, _ in self.probe.events() if kind == "start")
+            while self.sent - started < self.depth:
+                self.task.delay(f"r{self.sent}", HOLD)
+                self.sent += 1
+            time.sleep(0.05)
+
+    def stop(self):
+        self.stopped.set()
+        self.thread.join(10)
+
+
+def runs(probe):
+    return [(s, e) for key, ivs in probe.intervals().items() if key.startswith("guarded:")
+            for s, e in ivs]
+
+
+def levels(intervals):
+    """[(t, bodies running from t on)], in time order."""
+    points = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals if e])
+    out, level = [], 0
+    for t, delta in points:
+        level += delta
+        out.append((t, level))
+    return out
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("broker", ["redis", "amqp"])
+@pytest.mark.parametrize("broker", ["amqp", "redis"])
 def test_live_resize_under_load(broker, redis_url, amqp_url, tmp_path):
     broker_url = redis_url.rsplit("/", 1)[0] + "/14" if broker == "redis" else amqp_url
-    cluster = Cluster(str(tmp_path), broker_url, redis_url)
-    env = dict(cluster.env)
+    # A control exchange of its own: `workers` hears only this test's two workers.
+    settings = json.dumps({"control_exchange": f"cs{uuid.uuid4().hex[:8]}"})
+    cluster = Cluster(str(tmp_path), broker_url, redis_url, CS_SETTINGS=settings)
+    backlog = None
 
     def cli(*args):
-        return subprocess.run(
-            [sys.executable, "-m", "celery", "-A", "tests.celery_app", "semaphore", *args],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+        return run_cli(cluster.env, *args)
+
+    def now():
+        return time.monotonic_ns()  # the probe's clock
 
     try:
-        guarded = cluster.task("guarded")  # semaphore "images", limit 2
-        results = [guarded.delay(f"r{i}", 0.25) for i in range(100)]
-        assert wait_until(lambda: cluster.started("guarded:r3"), timeout=20)
-        assert cluster.probe.max_concurrent("guarded:r") == 2
-        # The workers list what they hold and what waits.
-        listing = json.loads(cli("workers", "--json").stdout)
-        assert len(listing) == 2
-        assert sum(len(w["held"]) for w in listing.values()) <= 2
-        assert sum(len(w["waiting"]) for w in listing.values()) >= 1
+        backlog = Backlog(cluster)
+        assert wait_until(lambda: len(runs(cluster.probe)) >= 3, timeout=20)
+        listing = cli("workers", "--json", "--timeout", "1")
+        assert listing.returncode == 0, listing.stderr
+        replies = json.loads(listing.stdout)
+        assert sorted(name.split("@")[0] for name in replies) == ["w0", "w1"]
+        held = [h for w in replies.values() for h in w["held"]]
+        waiting = [r for w in replies.values() for r in w["waiting"]]
+        assert len(held) <= 2 and waiting, replies
+        assert {r["semaphore"] for r in held + waiting} == {"images"}
+
+        grow_start = now()
         assert cli("resize", "images", "4").returncode == 0
-        grown = time.monotonic_ns()
+        grown = now()
         time.sleep(1.2)
-        assert running_at(cluster.probe, "guarded:r", grown + 1_000_000_000) == 4
-        assert cli("resize", "images", "1").returncode == 0
-        shrunk = time.monotonic_ns()
-        results += [guarded.delay(f"s{i}", 0.1) for i in range(8)]  # a backlog after the shrink
-        for result in results:
-            result.get(timeout=90)
-        after = [(s, e) for key, runs in cluster.probe.intervals().items() for s, e in runs
-                 if key.startswith("guarded:") and s > shrunk + 1_000_000_000]
-        assert after, "nothing ran after the shrink"
-        points = sorted([(s, 1) for s, _ in after] + [(e, -1) for _, e in after])
-        level = peak = 0
-        for _, delta in points:
-            level += delta
-            peak = max(peak, level)
-        assert peak == 1
-        assert cluster.probe.max_concurrent("guarded:r") == 4
+        shrunk_cli = cli("resize", "images", "1", "--json")
+        shrunk = now()
+        assert json.loads(shrunk_cli.stdout)["previous"] == 4
+        time.sleep(1.0)  # the backlog keeps coming at limit 1
+        backlog.stop()
+        assert wait_until(lambda: sum(cluster.probe.completed("guarded:").values())
+                          == backlog.sent, timeout=30)
+        completed = cluster.probe.completed("guarded:")
+        assert len(completed) == backlog.sent and set(completed.values()) == {1}
+
+        intervals = runs(cluster.probe)
+        timeline = levels(intervals)
+        # before the grow: never more than the declared limit 2
+        assert max(level for t, level in timeline if t < grow_start) == 2
+        # grow: 4 bodies run within 1 s of the resize
+        reached = [t for t, level in timeline if level == 4 and t > grow_start]
+        assert reached and reached[0] <= grown + 1_000_000_000, (reached[:1], grown)
+        # never more than the limit of the moment
+        assert max(level for _, level in timeline) == 4
+        # shrink: the holders admitted before the resize drain within 1 s; every body that
+        # starts after that runs alone
+        margin = 100_000_000  # admission -> probe mark latency in the worker
+        old = [iv for iv in intervals if iv[0] <= shrunk + margin]
+        drained = max(e for _, e in old)
+        assert drained <= shrunk + 1_000_000_000
+        late = [iv for iv in intervals if iv[0] > drained]
+        assert len(late) >= 3, "too little ran after the shrink"
+        for start, _ in late:
+            alone = sum(1 for s, e in intervals if s <= start < e)
+            assert alone == 1, f"{alone} bodies ran at once after the shrink"
     finally:
+        if backlog is not None:
+            backlog.stop()
         cluster.stop()
-
-
-def test_no_app_and_no_backend_is_a_usage_error(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "celery", "semaphore", "list"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and "no app" in done.stderr
-    with_backend = subprocess.run(
-        [sys.executable, "-m", "celery", "semaphore", "--backend",
-         f"sqlite:///{tmp_path}/s.db", "list", "--json"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=60)
-    assert with_backend.returncode == 0 and json.loads(with_backend.stdout) == []

@@ -1,38 +1,106 @@
 """``python manage.py semaphore ...``: the ``celery semaphore`` command, same code path.
 
 The Celery app is the one named by the ``CELERY_SEMAPHORE_APP`` setting (``"proj.celery:app"``),
-else Celery's current app (the one a Django project imports in its ``__init__``).
+else Celery's current app (the one a Django project imports in its ``__init__``). Click parses
+the arguments, so the subcommands, their output and their exit codes are those of
+``celery -A proj semaphore``. ``call_command("semaphore", "resize", "images", "4")`` works
+too: it writes to the command's stdout/stderr and raises ``CommandError`` (with the same
+``returncode``) instead of exiting.
 """
 
 import os
 import sys
+from contextlib import redirect_stderr, redirect_stdout
 from importlib import import_module
 from types import SimpleNamespace
 
 from django.conf import settings
-from django.core.management.base import BaseCommand
+from django.core.management.base import BaseCommand, CommandError
+
+#: Django's options that take a value and that ``manage.py`` has already applied.
+DJANGO_OPTIONS = ("--settings", "--pythonpath")
 
 
 def find_app():
     path = getattr(settings, "CELERY_SEMAPHORE_APP", None)
     if path:
         module, _, attr = path.partition(":")
-        return getattr(import_module(module), attr or "app")
+        try:
+            return getattr(import_module(module), attr or "app")
+        except (ImportError, AttributeError) as exc:
+            raise CommandError(f"CELERY_SEMAPHORE_APP {path!r}: {exc}") from None
     from celery import current_app
 
     return current_app._get_current_object()
+
+
+def click_args(args):
+    """``args`` without Django's ``--settings``/``--pythonpath`` (already applied)."""
+    out, skip = [], False
+    for i, arg in enumerate(args):
+        if skip:
+            skip = False
+        elif arg == "--":
+            return out + list(args[i:])
+        elif arg in DJANGO_OPTIONS:
+            skip = True
+        elif not arg.startswith(tuple(f"{o}=" for o in DJANGO_OPTIONS)):
+            out.append(arg)
+    return out
+
+
+def prog_name(argv0, subcommand):
+    name = os.path.basename(argv0)
+    return f"{'python -m django' if name == '__main__.py' else name} {subcommand}"
 
 
 class Command(BaseCommand):
     help = "Inspect, resize and reset celery-semaphore semaphores (see `semaphore --help`)."
 
     def run_from_argv(self, argv):
-        # Click parses the arguments, so usage errors and exit codes match `celery semaphore`.
         from celery_semaphore.cli import semaphore
 
-        semaphore.main(args=argv[2:], prog_name=f"{os.path.basename(argv[0])} {argv[1]}",
-                       obj=SimpleNamespace(app=find_app()), standalone_mode=True)
+        try:
+            app = find_app()
+        except CommandError as exc:
+            self.stderr.write(f"Error: {exc}")
+            sys.exit(1)
+        # standalone_mode: click prints errors with the usage line and exits 0, 1 or 2
+        semaphore.main(args=click_args(argv[2:]), prog_name=prog_name(argv[0], argv[1]),
+                       obj=SimpleNamespace(app=app), standalone_mode=True)
         sys.exit(0)
 
-    def handle(self, *args, **options):  # call_command() path
-        self.run_from_argv(["manage.py", "semaphore", *args])
+    def print_help(self, prog_name, subcommand):  # `manage.py help semaphore`
+        from celery_semaphore.cli import semaphore
+
+        semaphore.main(args=["--help"], prog_name=f"{prog_name} {subcommand}",
+                       standalone_mode=False)
+
+    def create_parser(self, prog_name, subcommand, **kwargs):
+        parser = super().create_parser(prog_name, subcommand, **kwargs)
+        parse_args = parser.parse_args
+
+        def pass_through(args=None, namespace=None):
+            # call_command(): Django's defaults, and every argument left to click
+            options = parse_args([], namespace)
+            options.args = list(args or [])
+            return options
+
+        parser.parse_args = pass_through
+        return parser
+
+    def handle(self, *args, **options):  # call_command()
+        import click
+
+        from celery_semaphore.cli import semaphore
+
+        # the wrapped streams: OutputWrapper would add a newline to click's empty probe writes
+        out, err = (getattr(s, "_out", s) for s in (self.stdout, self.stderr))
+        with redirect_stdout(out), redirect_stderr(err):
+            try:
+                semaphore.main(args=click_args(list(args)), prog_name="semaphore",
+                               obj=SimpleNamespace(app=find_app()), standalone_mode=False)
+            except click.ClickException as exc:
+                raise CommandError(exc.format_message(), returncode=exc.exit_code) from None
+            except click.Abort:
+                raise CommandError("aborted", returncode=1) from None
