@@ -48,15 +48,10 @@ def task(*args: Any, **options: Any) -> Any:
     :func:`celery_semaphore.install`; the options are checked here, at decoration time.
     """
     if "semaphore" in options and options["semaphore"] is not None:
-        check_template(options["semaphore"], "semaphore")
+        validate_template(options["semaphore"], "semaphore")
     if "limit" in options and options["limit"] is not None:
         validate_limit(options["limit"])
     return shared_task(*args, **options)
-
-
-def check_template(template: Any, what: str) -> str:
-    """Validate a name template; ConfigurationError (InvalidName) when no name could fill it."""
-    return validate_template(template, what)
 
 
 class Guards:

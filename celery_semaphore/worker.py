@@ -13,8 +13,8 @@ from . import states
 from .backends import get_backend
 from .exceptions import ConfigurationError
 from .gate import Gate
+from .names import validate_limit, validate_template
 from .settings import Settings
-from .tasks import check_template
 
 logger = logging.getLogger(__name__)
 
@@ -66,11 +66,9 @@ def check_tasks(app: Any, settings: Settings) -> None:
         if template is None:
             continue
         try:
-            check_template(template, "semaphore")
+            validate_template(template, "semaphore")
             limit = getattr(task, "limit", None)
             if limit is not None:
-                from .names import validate_limit
-
                 validate_limit(limit)
             settings.for_task(task)
         except ConfigurationError as exc:

@@ -26,10 +26,12 @@ expiring lease notifies nobody.
 from __future__ import annotations
 
 import abc
+import functools
 import os
 import socket
 import threading
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
@@ -157,6 +159,12 @@ def new_holder_id() -> str:
     return uuid.uuid4().hex
 
 
+def _after_fork(ref: "weakref.ref[Backend]") -> None:
+    backend = ref()
+    if backend is not None:
+        backend._forked()
+
+
 class Backend(abc.ABC):
     """Base class of semaphore backends. Subclasses implement the abstract operations.
 
@@ -179,9 +187,19 @@ class Backend(abc.ABC):
         self.key_prefix = key_prefix
         self.waiter_ttl = float(waiter_ttl)
         self.idle_ttl = float(idle_ttl)
+        self._new_identity()
+        if hasattr(os, "register_at_fork"):  # POSIX
+            os.register_at_fork(after_in_child=functools.partial(_after_fork, weakref.ref(self)))
+
+    def _new_identity(self) -> None:
         self.client_id = f"{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
         self._watch_lock = threading.Lock()
         self._watchers: Dict[Tuple[str, str], WakeCallback] = {}
+
+    def _forked(self) -> None:
+        """In a forked child: a wake-up identity of its own, no inherited waiters. Subclasses
+        extend it to drop the parent's listener and connections."""
+        self._new_identity()
 
     # -- operations every backend implements ---------------------------------------------
 

@@ -24,11 +24,8 @@ import functools
 import json
 import logging
 import os
-import socket
 import threading
 import time
-import uuid
-import weakref
 from typing import Any, Dict, List, NoReturn, Optional
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
@@ -58,12 +55,6 @@ KEY_SUFFIXES = ("config", "holders", "hinfo", "queue", "wexp", "winfo")
 _SCRIPTS = ("acquire", "release", "renew", "cancel", "resize", "status", "reset")
 #: Errors that mean "Redis cannot serve us now". ReadOnlyError: a failover left us on a replica.
 _UNAVAILABLE = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ReadOnlyError)
-
-
-def _after_fork(ref: "weakref.ref[RedisBackend]") -> None:
-    backend = ref()
-    if backend is not None:
-        backend._forked()
 
 
 @functools.cache
@@ -133,8 +124,6 @@ class RedisBackend(Backend):
         self._closed = threading.Event()
         self._listener: Optional[threading.Thread] = None
         self._pubsub: Any = None
-        if hasattr(os, "register_at_fork"):  # POSIX
-            os.register_at_fork(after_in_child=functools.partial(_after_fork, weakref.ref(self)))
 
     # -- plumbing ----------------------------------------------------------------------------
 
@@ -325,11 +314,9 @@ class RedisBackend(Backend):
         self._drop_pubsub()
 
     def _forked(self) -> None:
-        """In a forked child: a new wake-up identity; the parent's thread, pubsub connection
-        and waiters are not this process's (redis-py's pool resets its own connections)."""
-        self.client_id = f"{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
-        self._watch_lock = threading.Lock()
-        self._watchers = {}
+        """The parent's thread and pubsub connection are not this process's (redis-py's pool
+        resets its own connections)."""
+        super()._forked()
         self._listen_lock = threading.Lock()
         self._listener = None
         self._pubsub = None  # the parent's connection: redis-py never shuts it down from here
