@@ -10,6 +10,7 @@ import pytest
 from celery_semaphore import ConfigurationError, Semaphore
 from celery_semaphore.backends import get_backend
 from celery_semaphore.backends.sqlite import database_path
+from tests.util import wait_until
 
 FORK = multiprocessing.get_context("fork")
 
@@ -54,3 +55,29 @@ def test_fork_while_another_thread_is_in_a_transaction(tmp_path):
         for t in threads:
             t.join()
     assert failures == 0
+
+
+def _wait_in_child(sem, result):
+    started = time.monotonic()
+    sem.acquire(timeout=20).release()
+    result.value = time.monotonic() - started
+
+
+def test_forked_child_gets_its_own_wake_ups(tmp_path):
+    """A semaphore made before fork (a module-level one in a prefork pool) and used in the
+    child: the child must listen for its own wake-ups, not rely on the poll."""
+    url = f"sqlite:///{tmp_path}/forked.db"
+    sem = Semaphore("inherited", 1, url, poll_interval=30, waiter_ttl=60)
+    held = sem.acquire()
+    waiter = threading.Thread(target=lambda: sem.acquire(timeout=20).release())
+    waiter.start()  # the parent listens for wake-ups before forking
+    held.release()
+    waiter.join(10)
+    held = sem.acquire()
+    result = FORK.Value("d", -1.0)
+    child = FORK.Process(target=_wait_in_child, args=(sem, result))
+    child.start()
+    assert wait_until(lambda: sem.status().waiting == 1)
+    held.release()
+    child.join(25)
+    assert 0 <= result.value < 5  # polls are 20 s apart: only a wake-up is this fast

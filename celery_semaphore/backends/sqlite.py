@@ -182,6 +182,16 @@ class SQLiteBackend(ModelBackend):
                 continue
             self._notify(name, holder)
 
+    def _forked(self) -> None:
+        """The parent's listening socket, sender and connections are not this process's;
+        the parent unlinks its socket file, so the child only drops its copies."""
+        super()._forked()
+        self._listener = None
+        self._closed = threading.Event()
+        self._sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sender.setblocking(False)
+        self._local = threading.local()
+
     def close(self) -> None:
         self._closed.set()
         if self._listener is not None:
