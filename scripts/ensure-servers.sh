@@ -34,7 +34,15 @@ fi
 if [ -z "${AMQP_URL:-}" ] && ! port_open 127.0.0.1 5672; then
   command -v rabbitmq-server >/dev/null || [ -x /usr/sbin/rabbitmq-server ] \
     || apt_install rabbitmq-server
-  echo "starting rabbitmq-server"
-  PATH="$PATH:/usr/sbin" as_root rabbitmq-server -detached
-  wait_port 127.0.0.1 5672 90 || { echo "rabbitmq-server did not start" >&2; exit 1; }
+  export PATH="$PATH:/usr/sbin"
+  # A node can be up with its application stopped (an interrupted `rabbitmqctl stop_app`):
+  # starting a second node would fail, so restart the application instead.
+  if as_root rabbitmqctl ping >/dev/null 2>&1; then
+    echo "rabbitmq node is up with its application stopped: rabbitmqctl start_app"
+    as_root rabbitmqctl start_app
+  else
+    echo "starting rabbitmq-server"
+    as_root rabbitmq-server -detached
+  fi
+  wait_port 127.0.0.1 5672 180 || { echo "rabbitmq-server did not start" >&2; exit 1; }
 fi
