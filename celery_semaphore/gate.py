@@ -434,11 +434,7 @@ class Gate:
             return
         if self._free_processes() <= 0:
             # The pool filled up meanwhile: never sit on a slot waiting for a process.
-            self.io.call(self._release, lease)
-            self._set_queued(pending, False)
-            pending.granted = False
-            pending.position = None
-            self.line.appendleft(pending)
+            self.io.call(self._give_back, pending, lease)
             return
         self._drop(pending)
         entry = self.held[pending.holder] = Held(request, lease, guard)
@@ -452,6 +448,25 @@ class Gate:
         default_keeper.add(lease)
         self._track(request)
         self.handoffs.append(request)
+
+    def _give_back(self, pending: Pending, lease: Lease) -> None:  # I/O thread
+        """Release a grant the pool had no process for, then put the request back in line.
+
+        ``pending.granted`` stays set until the release is done: an attempt made before it (a
+        wake-up already on its way) would be answered with this very grant, about to be freed.
+        """
+        pending.generation += 1  # attempts scheduled before the grant are void
+        self._release(lease)
+        self.loop.post(self._line_again, pending)
+
+    def _line_again(self, pending: Pending) -> None:
+        if pending.done:
+            return
+        self._set_queued(pending, False)
+        pending.granted = False
+        pending.position = None
+        self.line.appendleft(pending)
+        self._pump()
 
     def _drop(self, pending: Pending) -> None:
         """Forget a pending request (it runs, is requeued, failed or revoked)."""
