@@ -75,19 +75,18 @@ class Settings:
         return replace(self, **overrides) if overrides else self
 
     def backend_url(self, app: Any) -> str:
-        """``semaphore_backend``, else the broker's Redis, else an SQLite file beside the app."""
+        """``semaphore_backend``; else the broker itself when it is Redis (the Redis backend)
+        or RabbitMQ (the token backend, on the first URL of a failover list); else an SQLite
+        file in the worker's directory."""
         if self.backend:
             return self.backend
         broker = app.conf.broker_url or ""
+        if isinstance(broker, (list, tuple)):
+            broker = broker[0] if broker else ""
+        broker = broker.split(";")[0].strip()
         scheme = urlsplit(broker).scheme
-        if scheme in ("redis", "rediss", "redis+socket"):
+        if scheme in ("redis", "rediss", "redis+socket", "amqp", "amqps", "pyamqp"):
             return broker
-        if scheme in ("amqp", "amqps", "pyamqp"):
-            raise ConfigurationError(
-                "semaphore_backend is not set and the broker is RabbitMQ: the RabbitMQ "
-                "semaphore backends are not available yet; set semaphore_backend to a "
-                "redis:// or sqlite:// URL"
-            )
         return "sqlite:///celery-semaphore.db"
 
 

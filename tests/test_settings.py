@@ -52,6 +52,9 @@ def test_django_namespace_reads_values():
 
 def test_default_backend_follows_the_broker():
     assert Settings().backend_url(make_app(broker_url="redis://h:1/2")) == "redis://h:1/2"
+    assert Settings().backend_url(make_app(broker_url="amqp://u:p@h//")) == "amqp://u:p@h//"
+    assert Settings().backend_url(
+        make_app(broker_url="pyamqp://a//;pyamqp://b//")) == "pyamqp://a//"
     assert Settings().backend_url(make_app(broker_url="filesystem://")).startswith("sqlite://")
     assert Settings(backend="memory://x").backend_url(make_app()) == "memory://x"
 

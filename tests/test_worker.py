@@ -20,7 +20,8 @@ from tests.workers import Worker, cluster_env
 
 pytestmark = pytest.mark.slow
 
-COMBOS = ["redis-redis", "redis-sqlite", "amqp-redis", "amqp-sqlite"]
+# broker-backend
+COMBOS = ["redis-redis", "redis-sqlite", "amqp-redis", "amqp-sqlite", "amqp-tokens", "amqp-slots"]
 RESULTS = "redis://127.0.0.1:6379/13"
 
 
@@ -29,7 +30,7 @@ class Cluster:
         self.env = cluster_env(tmp_dir, broker, backend, RESULTS, **env_extra)
         self.app = create_app(self.env)
         self.probe = Probe(self.env["CS_PROBE"])
-        self.backend = get_backend(backend, key_prefix=self.env["CS_KEY_PREFIX"])
+        self.backend = get_backend(backend or broker, key_prefix=self.env["CS_KEY_PREFIX"])
         self.workers = [Worker(self.env, f"w{i}", concurrency) for i in range(workers)]
         for worker in self.workers:
             worker.wait_ready()
@@ -53,7 +54,12 @@ class Cluster:
 def urls(combo, redis_url, amqp_url, tmp_dir):
     broker_kind, backend_kind = combo.split("-")
     broker = redis_url.rsplit("/", 1)[0] + "/14" if broker_kind == "redis" else amqp_url
-    backend = redis_url if backend_kind == "redis" else f"sqlite:///{tmp_dir}/sem.db"
+    backend = {
+        "redis": redis_url,
+        "sqlite": f"sqlite:///{tmp_dir}/sem.db",
+        "tokens": None,  # unset: an AMQP broker gives the token backend on its own URL
+        "slots": amqp_url.replace("amqp://", "amqp+slots://", 1),
+    }[backend_kind]
     return broker, backend
 
 

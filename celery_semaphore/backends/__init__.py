@@ -27,6 +27,13 @@ _BUILTIN = {
     "redis+socket": "celery_semaphore.backends.redis:RedisBackend",
     "sqlite": "celery_semaphore.backends.sqlite:SQLiteBackend",
     "memory": "celery_semaphore.backends.memory:MemoryBackend",
+    "amqp": "celery_semaphore.backends.rabbitmq_tokens:TokenBackend",
+    "amqps": "celery_semaphore.backends.rabbitmq_tokens:TokenBackend",
+    "pyamqp": "celery_semaphore.backends.rabbitmq_tokens:TokenBackend",
+    "amqp+slots": "celery_semaphore.backends.rabbitmq_slots:SlotQueueBackend",
+    "amqps+slots": "celery_semaphore.backends.rabbitmq_slots:SlotQueueBackend",
+    "consul": "celery_semaphore.backends.consul:ConsulBackend",
+    "consuls": "celery_semaphore.backends.consul:ConsulBackend",
 }
 _registered: Dict[str, Any] = {}
 _instances: Dict[Tuple[int, str, Tuple[Tuple[str, Any], ...]], Backend] = {}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, ContextManager, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterable, List, Optional, Set, Tuple
 
 from .base import Attempt, Backend, Grant, HolderInfo, Meta, SemaphoreStatus, WaiterInfo
 
@@ -49,6 +49,8 @@ class State:
     waiters: Dict[str, Waiter] = field(default_factory=dict)
     epochs: Dict[int, int] = field(default_factory=dict)
     next_ticket: int = 1
+    #: Backend-specific data stored with the state (the AMQP token backend's token numbers).
+    extra: Dict[str, Any] = field(default_factory=dict)
 
     # -- (de)serialization, for backends that store the state as one document ---------------
 
@@ -57,7 +59,11 @@ class State:
 
     @classmethod
     def loads(cls, text: str) -> "State":
-        raw = json.loads(text)
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def from_dict(cls, raw: Dict[str, Any]) -> "State":
+        """From :meth:`dumps`'s document, already parsed."""
         return cls(
             limit=raw["limit"],
             declared={int(k): v for k, v in raw["declared"].items()},
@@ -65,6 +71,7 @@ class State:
             waiters={k: Waiter(**v) for k, v in raw["waiters"].items()},
             epochs={int(k): v for k, v in raw["epochs"].items()},
             next_ticket=raw["next_ticket"],
+            extra=raw.get("extra", {}),
         )
 
     # -- queries -------------------------------------------------------------------------
@@ -103,7 +110,9 @@ class State:
         client: str,
         now: float,
         waiter_ttl: float,
+        slots: Optional[Iterable[int]] = None,
     ) -> Attempt:
+        """Apply the FIFO rule; ``slots`` (default: any) are the slots the caller can take."""
         self.declared[declared] = now
         current = self.holders.get(holder)
         if current is not None:
@@ -113,9 +122,11 @@ class State:
             )
         queue = self.queue()
         rank = queue.index(holder) if holder in self.waiters else len(queue)
-        if len(self.holders) + rank < self.limit:
-            used = {h.slot for h in self.holders.values()}
-            slot = next(s for s in range(self.limit) if s not in used)
+        used = {h.slot for h in self.holders.values()}
+        candidates = range(self.limit) if slots is None else sorted(slots)
+        free = [s for s in candidates if 0 <= s < self.limit and s not in used]
+        if len(self.holders) + rank < self.limit and free:
+            slot = free[0]
             epoch = next_epoch(self.epochs.get(slot, 0), now)
             self.epochs[slot] = epoch
             self.holders[holder] = Holder(slot, epoch, now, now + ttl, meta)

@@ -1,0 +1,748 @@
+"""What the two RabbitMQ backends share: one kombu connection served by one thread, a registry
+of each semaphore kept as a single message, wake-up queues, and the channels holders keep.
+
+**Connection.** py-amqp connections are not thread-safe, so every backend instance owns one
+kombu connection and one I/O thread that alone touches it: it runs the callers' operations one
+at a time, dispatches deliveries, sends heartbeats and fires local lease deadlines. A lost
+connection loses every slot it held (the broker takes them back); the next operation reconnects.
+
+**Registry.** RabbitMQ stores messages, not records, so a semaphore's state (limit, holders with
+lease expiry and fencing epochs, FIFO waiters: :class:`.model.State`) is ONE persistent message
+in the durable classic queue ``<prefix><name>.registry``. Taking that message (``basic.get``
+without ack, or a consumer when someone else has it) is the semaphore's mutex; the update
+publishes the new state and acks the old one in one AMQP transaction on that one queue, so a
+client that dies mid-update leaves the old state requeued by the broker, never two or none.
+Creation and deletion happen under ``<queue>.admin``, an exclusive queue (RESOURCE_LOCKED when
+another connection holds it). ``<prefix>names`` is a registry message of its own listing the
+names. Queues need no management plugin and live until ``reset``.
+
+**Clock.** RabbitMQ has no clock a client can read: lease times are the clock of the client
+applying the change, so hosts must keep their clocks synchronized (NTP); a skew of ``d``
+seconds makes a lease last ``d`` seconds longer or shorter on the registry.
+
+**Holders.** Each waiting or holding caller gets a channel of its own (a *hand*) holding the
+backend's physical evidence of the slot (a token message or an exclusive queue). A slot needs
+both the registry's admission and that evidence. The hand is given up when the lease ends,
+when its local deadline passes unrenewed, or when the broker closes the channel or connection;
+renewal then reports the lease lost.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import itertools
+import json
+import logging
+import queue
+import random
+import select
+import socket
+import threading
+import time
+from concurrent.futures import Future
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
+
+import amqp
+from amqp import exceptions as amqp_errors
+from kombu import Connection
+
+from ..exceptions import BackendUnavailable, ConfigurationError
+from .base import Attempt, Meta
+from .model import Box, ModelBackend, State, as_json, wakeups
+
+logger = logging.getLogger(__name__)
+
+#: Errors after which the connection is unusable.
+CONNECTION_ERRORS = (OSError, amqp_errors.ConnectionError, amqp_errors.RecoverableConnectionError)
+
+
+class AMQPLink:
+    """One kombu connection and the one thread that uses it.
+
+    :meth:`call` runs a function on that thread and returns its result; functions already on
+    it run directly. ``on_connection_lost`` runs on the thread after the connection dropped.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        heartbeat: float,
+        connect_timeout: float,
+        on_connection_lost: Callable[[], None],
+        name: str = "celery-semaphore-amqp",
+    ) -> None:
+        self.url = url
+        self.heartbeat = heartbeat
+        self.connect_timeout = connect_timeout
+        self.on_connection_lost = on_connection_lost
+        self.kombu: Optional[Connection] = None
+        self.conn: Optional[amqp.Connection] = None
+        self._commands: "queue.SimpleQueue[Tuple[Callable[..., Any], tuple, Future]]"
+        self._commands = queue.SimpleQueue()
+        self._timers: List[Tuple[float, int, Callable[[], None]]] = []
+        self._timer_ids = itertools.count()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    # -- used from any thread ------------------------------------------------------------
+
+    def call(self, fn: Callable[..., Any], *args: Any, timeout: float = 60.0) -> Any:
+        if threading.current_thread() is self._thread:
+            return fn(*args)
+        if self._stopped:
+            raise BackendUnavailable("the AMQP backend was closed")
+        future: Future = Future()
+        self._commands.put((fn, args, future))
+        self._poke()
+        return future.result(timeout)
+
+    def call_at(self, when: float, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the I/O thread at ``time.monotonic() >= when`` (from the I/O thread)."""
+        heapq.heappush(self._timers, (when, next(self._timer_ids), fn))
+
+    def stop(self) -> None:
+        if self._stopped:
+            return
+        try:
+            self.call(self._disconnect, timeout=5)
+        except Exception:
+            pass
+        self._stopped = True
+        self._poke()
+        self._thread.join(5)
+
+    def _poke(self) -> None:
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+
+    # -- the I/O thread ------------------------------------------------------------------
+
+    def connection(self) -> amqp.Connection:
+        """The live connection, connecting first if needed (I/O thread only)."""
+        if self.conn is None:
+            kombu_conn = Connection(
+                self.url, heartbeat=self.heartbeat, connect_timeout=self.connect_timeout
+            )
+            try:
+                kombu_conn.connect()
+            except Exception as exc:
+                raise BackendUnavailable(
+                    f"cannot reach the AMQP broker at {kombu_conn.as_uri()}: {exc}"
+                ) from exc
+            self.kombu = kombu_conn
+            self.conn = kombu_conn.connection
+        return self.conn
+
+    def _disconnect(self) -> None:
+        kombu_conn, self.kombu, self.conn = self.kombu, None, None
+        if kombu_conn is not None:
+            try:
+                kombu_conn.close()
+            except Exception:
+                pass
+
+    def lost(self, exc: BaseException) -> None:
+        """The connection failed: drop it and tell the owner (I/O thread only)."""
+        if self.conn is None:
+            return
+        logger.warning("AMQP semaphore connection lost: %r", exc, exc_info=exc)
+        kombu_conn, self.kombu, self.conn = self.kombu, None, None
+        try:
+            kombu_conn.collect()  # type: ignore[union-attr]
+        except Exception:
+            pass
+        self.on_connection_lost()
+
+    def _loop(self) -> None:
+        last_beat = time.monotonic()
+        while not self._stopped:
+            conn = self.conn
+            timeout = self.heartbeat / 4 if conn is not None else 1.0
+            if self._timers:
+                timeout = max(0.0, min(timeout, self._timers[0][0] - time.monotonic()))
+            watched = [self._wake_r]
+            sock = conn.transport.sock if conn is not None and conn.transport else None
+            if sock is not None:
+                watched.append(sock)
+                if getattr(sock, "pending", None) and sock.pending():
+                    timeout = 0  # TLS bytes already decrypted: select would not show them
+            try:
+                readable, _, _ = select.select(watched, [], [], timeout)
+            except (OSError, ValueError) as exc:  # the socket was closed under us
+                self.lost(exc)
+                continue
+            if self._wake_r in readable:
+                try:
+                    while self._wake_r.recv(4096):
+                        pass
+                except OSError:
+                    pass
+            self._run_timers()  # first: a lapsed lease gives up its slot before new requests
+            self._run_commands()
+            # Ask again: the commands' RPCs may have read what select saw, and a read
+            # that finds nothing would block the thread for the read timeout.
+            if sock is not None and sock in readable and self.conn is conn:
+                self._drain(sock)
+            if self.conn is not None and time.monotonic() - last_beat > self.heartbeat / 4:
+                last_beat = time.monotonic()
+                try:
+                    self.conn.heartbeat_tick(rate=4)
+                except CONNECTION_ERRORS as exc:
+                    self.lost(exc)
+        self._disconnect()
+
+    def _drain(self, sock: socket.socket) -> None:
+        """Handle the frames that arrived, without starving the commands or the heartbeats.
+
+        One frame per read: ``drain_events`` would read on until a whole method arrived, and
+        the broker's heartbeat frames (every ``heartbeat / 2``) can keep it reading forever
+        while we send nothing, until the broker drops us for missed heartbeats. The read
+        timeout is generous because callbacks may run RPCs (py-amqp reopening a closed
+        channel) on it."""
+        for _ in range(100):
+            if self.conn is None or not _readable(sock):
+                return
+            try:
+                self.conn.blocking_read(timeout=5.0)
+            except socket.timeout:
+                return
+            except amqp_errors.ChannelError as exc:  # a channel closed by the broker
+                logger.debug("AMQP channel closed by the broker: %r", exc)
+            except CONNECTION_ERRORS as exc:
+                self.lost(exc)
+                return
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                fn, args, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except CONNECTION_ERRORS as exc:
+                self.lost(exc)
+                future.set_exception(BackendUnavailable(f"AMQP broker connection failed: {exc}"))
+            except BaseException as exc:
+                future.set_exception(exc)
+
+    def _run_timers(self) -> None:
+        now = time.monotonic()
+        while self._timers and self._timers[0][0] <= now:
+            _, _, fn = heapq.heappop(self._timers)
+            try:
+                fn()
+            except CONNECTION_ERRORS as exc:
+                self.lost(exc)
+            except Exception:
+                logger.exception("AMQP semaphore timer failed")
+
+    def wait_for(self, done: Callable[[], bool], timeout: float, what: str = "") -> None:
+        """Process incoming frames until ``done()`` (I/O thread only), heartbeats included."""
+        started = time.monotonic()
+        warned = False
+        while not done():
+            waited = time.monotonic() - started
+            if waited >= timeout:
+                raise BackendUnavailable(f"waited {timeout}s for {what or 'the AMQP broker'}")
+            if waited > 5 and not warned:
+                warned = True
+                logger.warning("still waiting for %s after %.0fs", what or "the broker", waited)
+            conn = self.connection()
+            try:
+                conn.blocking_read(timeout=min(timeout - waited, 1.0))  # see _drain
+            except socket.timeout:
+                pass
+            conn.heartbeat_tick(rate=4)
+
+
+def _readable(sock: socket.socket) -> bool:
+    pending = getattr(sock, "pending", None)  # TLS: decrypted bytes the socket no longer shows
+    if pending is not None and pending():
+        return True
+    return bool(select.select([sock], [], [], 0)[0])
+
+
+def _text(body: Any) -> str:
+    return body.decode("utf-8") if isinstance(body, bytes) else body
+
+
+def _add(name: str, names: List[str]) -> None:
+    if name not in names:
+        names.append(name)
+
+
+def _discard(name: str, names: List[str]) -> None:
+    if name in names:
+        names.remove(name)
+
+
+def watch_channel(channel: amqp.Channel, on_closed: Callable[[], None]) -> None:
+    """Call ``on_closed`` when the broker closes ``channel`` (consumer_timeout, an error).
+
+    py-amqp reopens a channel the broker closed and raises the error to whoever reads the
+    frame; the reopened channel holds nothing, so whatever it held must be counted as lost.
+    """
+    revive = channel._do_revive
+
+    def closed() -> None:
+        on_closed()
+        revive()
+
+    channel._do_revive = closed
+
+
+@dataclass
+class Hand:
+    """One holder's channel and the physical evidence of its slot."""
+
+    name: str
+    holder: str
+    channel: amqp.Channel
+    lost: bool = False
+    granted: bool = False
+    deadline: float = 0.0
+    consumer_tag: Optional[str] = None
+    message: Optional[amqp.Message] = None
+    slot: Optional[int] = None
+    claimed: bool = False  # slot-queue backend: its exclusive queue is declared
+
+
+class RabbitBackend(ModelBackend):
+    """Base of the RabbitMQ backends: the registry (see module docstring) and the hands.
+
+    Subclasses implement the physical side: :meth:`_create_physical`, :meth:`_resize_physical`,
+    :meth:`_delete_physical`, and the operations that involve their evidence.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        heartbeat: float = 10.0,
+        connect_timeout: float = 5.0,
+        registry_timeout: float = 30.0,
+        **options: Any,
+    ) -> None:
+        super().__init__(url, **options)
+        for option, value in (("heartbeat", heartbeat), ("connect_timeout", connect_timeout),
+                              ("registry_timeout", registry_timeout)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ConfigurationError(f"AMQP backend option {option} must be > 0 seconds")
+        self.heartbeat = float(heartbeat)
+        self.connect_timeout = float(connect_timeout)
+        self.registry_timeout = float(registry_timeout)
+        self.broker_url = self._broker_url(url)
+        self._link_lock = threading.Lock()
+        self._link: Optional[AMQPLink] = None
+        self._hands: Dict[Tuple[str, str], Hand] = {}
+        self._reset_connection_state()
+
+    @staticmethod
+    def _broker_url(url: str) -> str:
+        return url
+
+    def _reset_connection_state(self) -> None:
+        """Forget everything tied to the connection. Hands are kept: see _connection_lost."""
+        self._channels: Dict[str, amqp.Channel] = {}
+        self._known: Set[str] = set()  # registry queues seen to exist
+        self._owners: Dict[int, Hand] = {}  # id(channel) -> the hand using it
+        self._spare: List[amqp.Channel] = []
+        self._tainted: Set[int] = set()
+        self._wake_queue: Optional[str] = None
+
+    @property
+    def link(self) -> AMQPLink:
+        with self._link_lock:
+            if self._link is None:
+                self._link = AMQPLink(
+                    self.broker_url, heartbeat=self.heartbeat,
+                    connect_timeout=self.connect_timeout,
+                    on_connection_lost=self._connection_lost,
+                )
+            return self._link
+
+    # -- names of things on the broker ----------------------------------------------------
+
+    def queue_name(self, name: str, kind: str) -> str:
+        return f"{self.key_prefix}{name}.{kind}"
+
+    @property
+    def names_queue(self) -> str:
+        return f"{self.key_prefix}names"
+
+    # -- channels (I/O thread) -----------------------------------------------------------
+
+    def _channel(self, role: str) -> amqp.Channel:
+        """A long-lived channel of the connection: ``tx`` (registry), ``confirm``, ``probe``."""
+        channel = self._channels.get(role)
+        if channel is None or not channel.is_open:
+            channel = self.link.connection().channel()
+            if role == "tx":
+                channel.basic_qos(0, 1, False)
+                channel.tx_select()
+                watch_channel(channel, functools.partial(self._channels.pop, role, None))
+            self._channels[role] = channel
+        return channel
+
+    def _connection_lost(self) -> None:
+        # Hands stay known, marked lost, so that renewals report the lease lost.
+        hands = list(self._hands.values())
+        self._reset_connection_state()
+        for hand in hands:
+            hand.lost = True
+        self._evidence_lost(hands)
+
+    def _evidence_lost(self, hands: List[Hand]) -> None:
+        """The broker took these hands' evidence back; wake their waiters to re-try."""
+        for hand in hands:
+            if not hand.granted:
+                self._notify(hand.name, hand.holder)
+
+    def _open_hand(self, name: str, holder: str) -> Hand:
+        hand = self._hands.get((name, holder))
+        if hand is not None and hand.channel.is_open and not hand.lost:
+            return hand
+        while self._spare and not self._spare[-1].is_open:
+            self._spare.pop()
+        if self._spare:
+            channel = self._spare.pop()
+        else:
+            channel = self.link.connection().channel()
+            channel.basic_qos(0, 1, False)
+            watch_channel(channel, functools.partial(self._channel_closed, channel))
+        hand = Hand(name, holder, channel)
+        self._owners[id(channel)] = hand
+        self._hands[(name, holder)] = hand
+        return hand
+
+    def _channel_closed(self, channel: amqp.Channel) -> None:
+        self._tainted.add(id(channel))  # reopened by py-amqp without its prefetch: retire it
+        hand = self._owners.pop(id(channel), None)
+        if hand is not None:
+            hand.lost = True
+            hand.message = None
+            hand.consumer_tag = None
+            self._evidence_lost([hand])
+
+    def _close_hand(self, hand: Hand) -> None:
+        """Forget the hand; its channel, holding nothing now, is kept for the next one."""
+        if self._hands.get((hand.name, hand.holder)) is hand:
+            del self._hands[(hand.name, hand.holder)]
+        channel = hand.channel
+        if self._owners.get(id(channel)) is hand:
+            del self._owners[id(channel)]
+        reusable = hand.consumer_tag is None and hand.message is None and not hand.lost
+        try:
+            if reusable and id(channel) not in self._tainted and len(self._spare) < 64:
+                self._spare.append(channel)
+            elif channel.is_open:
+                self._tainted.discard(id(channel))
+                channel.close()
+        except amqp_errors.ChannelError:
+            pass
+
+    def _arm_deadline(self, hand: Hand, ttl: float, requested_at: float) -> None:
+        """Give the evidence up if the lease is not renewed before its local deadline."""
+        hand.deadline = requested_at + ttl
+        self.link.call_at(hand.deadline, functools.partial(self._deadline_passed, hand))
+
+    def _deadline_passed(self, hand: Hand) -> None:
+        if hand.granted and not hand.lost and time.monotonic() >= hand.deadline:
+            logger.info("semaphore %r: lease of %s passed its deadline unrenewed; giving it "
+                        "up", hand.name, hand.holder)
+            hand.lost = True  # kept in _hands, so that renewal reports the loss
+            self._drop_evidence(hand, keep=True)
+
+    def _drop_evidence(self, hand: Hand, keep: bool) -> None:
+        """Give the slot's evidence back to the broker (``keep``: for the next holder)."""
+        raise NotImplementedError
+
+    # -- the registry (I/O thread) -------------------------------------------------------
+
+    @contextmanager
+    def _admin_lock(self, target: str) -> Iterator[amqp.Channel]:
+        """Hold ``<target>.admin``, an exclusive queue: another connection declaring it gets
+        RESOURCE_LOCKED (bounded retries with jitter). Unlocked by deleting the queue, or by
+        the broker when our connection dies."""
+        lock = f"{target}.admin"
+        channel = self._channel("admin")
+        deadline = time.monotonic() + self.registry_timeout
+        delay = 0.002
+        while True:
+            try:
+                channel.queue_declare(lock, exclusive=True, auto_delete=False)
+                break
+            except amqp_errors.ResourceLocked:
+                pass  # py-amqp reopened the channel the broker closed: try again on it
+            if time.monotonic() > deadline:
+                raise BackendUnavailable(f"could not lock {lock} in {self.registry_timeout}s")
+            time.sleep(delay * random.uniform(0.5, 1.5))
+            delay = min(delay * 2, 0.1)
+        try:
+            yield channel
+        finally:
+            if channel.is_open:
+                channel.queue_delete(lock)
+
+    def _exists(self, queue_name: str) -> bool:
+        if queue_name in self._known:
+            return True
+        channel = self._channel("probe")
+        try:
+            channel.queue_declare(queue_name, passive=True)
+        except amqp_errors.NotFound:
+            return False
+        self._known.add(queue_name)
+        return True
+
+    def _take(self, queue_name: str) -> Optional[amqp.Message]:
+        """The registry message of ``queue_name``, held until :meth:`_put` or :meth:`_give_back`;
+        None when the queue does not exist."""
+        if not self._exists(queue_name):
+            return None
+        channel = self._channel("tx")
+        try:
+            message = channel.basic_get(queue_name, no_ack=False)
+            if message is None:
+                got: List[amqp.Message] = []
+                tag = channel.basic_consume(queue_name, callback=got.append)
+                try:
+                    self.link.wait_for(lambda: bool(got), self.registry_timeout, queue_name)
+                finally:
+                    if channel.is_open:  # prefetch 1: nothing more comes while we hold it
+                        channel.basic_cancel(tag, nowait=True)
+                message = got[0]
+        except amqp_errors.NotFound:  # deleted by a reset elsewhere
+            self._known.discard(queue_name)
+            return None
+        return message
+
+    def _put(self, message: amqp.Message, queue_name: str, body: str) -> None:
+        channel = self._channel("tx")
+        channel.basic_publish(
+            amqp.Message(body, delivery_mode=2, content_type="application/json"),
+            exchange="", routing_key=queue_name,
+        )
+        channel.basic_ack(message.delivery_tag)
+        channel.tx_commit()
+
+    def _give_back(self, message: amqp.Message) -> None:
+        channel = self._channel("tx")
+        channel.basic_reject(message.delivery_tag, requeue=True)
+        channel.tx_commit()
+
+    def _create(self, queue_name: str, make_body: Callable[[], str]) -> bool:
+        """Create the registry queue with its message; False when someone else did first.
+
+        ``make_body`` runs under the admin lock before the message is published.
+        """
+        with self._admin_lock(queue_name) as lock:
+            self._known.discard(queue_name)
+            if self._exists(queue_name):
+                return False
+            body = make_body()
+            lock.queue_declare(
+                queue_name, durable=True, auto_delete=False, arguments={"x-queue-type": "classic"}
+            )
+            lock.basic_publish_confirm(
+                amqp.Message(body, delivery_mode=2, content_type="application/json"),
+                exchange="", routing_key=queue_name,
+            )
+            self._known.add(queue_name)
+            return True
+
+    def _delete(self, message: amqp.Message, queue_name: str, after: Callable[[], None]) -> None:
+        with self._admin_lock(queue_name) as lock:
+            channel = self._channel("tx")
+            channel.basic_ack(message.delivery_tag)
+            channel.tx_commit()
+            lock.queue_delete(queue_name)
+            self._known.discard(queue_name)
+            after()
+
+    def _update_document(self, queue_name: str, change: Callable[[Any], Any], default: Any) -> Any:
+        """Apply ``change`` to a JSON registry document other than a semaphore's state."""
+        while True:
+            message = self._take(queue_name)
+            if message is None:
+                value = default
+                change(value)
+                if self._create(queue_name, functools.partial(json.dumps, value)):
+                    return value
+                continue
+            value = json.loads(_text(message.body))
+            change(value)
+            self._put(message, queue_name, json.dumps(value))
+            return value
+
+    def _run(self, name: str, op: Callable[[Box], Any]) -> Any:
+        return self.link.call(self._run_here, name, op)
+
+    def _run_here(self, name: str, op: Callable[[Box], Any]) -> Any:
+        """ModelBackend's atomic section: take the state, apply ``op``, store (I/O thread)."""
+        queue_name = self.queue_name(name, "registry")
+        for _ in range(10):
+            message = self._take(queue_name)
+            state = State.loads(_text(message.body)) if message is not None else None
+            before = state.admissible() if state is not None else set()
+            now = time.time()
+            if state is not None:
+                state.prune(now, self.idle_ttl)
+            old_limit = state.limit if state is not None else None
+            box = Box(state, now)
+            try:
+                result = op(box)
+            except BaseException:
+                if message is not None:
+                    self._give_back(message)
+                raise
+            if message is None:
+                if box.state is None:
+                    return result
+                if not self._create(queue_name, functools.partial(self._created, name, box.state)):
+                    continue  # another client created it first: decide again on its state
+                self._update_document(self.names_queue, functools.partial(_add, name), [])
+            elif box.state is None:
+                self._delete(message, queue_name, functools.partial(self._after_reset, name, state))
+            else:
+                if old_limit is not None and box.state.limit != old_limit:
+                    self._resize_physical(name, box.state, old_limit)
+                body = box.state.dumps()
+                if body == _text(message.body):
+                    self._give_back(message)
+                else:
+                    self._put(message, queue_name, body)
+            for client, holder in wakeups(before, box.state):
+                self._send_wakeup(client, name, holder)
+            return result
+        raise BackendUnavailable(f"semaphore {name!r}: the registry kept changing under us")
+
+    def _created(self, name: str, state: State) -> str:
+        self._create_physical(name, state)
+        return state.dumps()
+
+    def _after_reset(self, name: str, state: State) -> None:
+        self._delete_physical(name, state)
+        self._update_document(self.names_queue, functools.partial(_discard, name), [])
+
+    def _stored_names(self) -> List[str]:
+        def read() -> List[str]:
+            message = self._take(self.names_queue)
+            if message is None:
+                return []
+            self._give_back(message)
+            return list(json.loads(_text(message.body)))
+
+        return self.link.call(read)
+
+    # -- operations: each runs on the I/O thread, in the subclass's ``_*_here`` ---------------
+
+    def acquire(
+        self, name: str, holder: str, *, limit: int, ttl: float, meta: Meta, wait: bool
+    ) -> Attempt:
+        meta = as_json(meta)
+        return self.link.call(
+            self._acquire_here, name, holder, limit, ttl, meta, wait, time.monotonic()
+        )
+
+    def release(self, name: str, holder: str) -> bool:
+        return self.link.call(self._release_here, name, holder)
+
+    def renew(self, name: str, holder: str, ttl: float) -> Optional[float]:
+        return self.link.call(self._renew_here, name, holder, ttl, time.monotonic())
+
+    def _acquire_here(self, name: str, holder: str, limit: int, ttl: float, meta: Meta,
+                      wait: bool, requested_at: float) -> Attempt:
+        raise NotImplementedError
+
+    def _release_here(self, name: str, holder: str) -> bool:
+        raise NotImplementedError
+
+    def _renew_here(self, name: str, holder: str, ttl: float, requested_at: float
+                    ) -> Optional[float]:
+        raise NotImplementedError
+
+    # -- physical side, per design (I/O thread, registry message held) -------------------
+
+    def _create_physical(self, name: str, state: State) -> None:
+        raise NotImplementedError
+
+    def _resize_physical(self, name: str, state: State, old_limit: int) -> None:
+        raise NotImplementedError
+
+    def _delete_physical(self, name: str, state: State) -> None:
+        raise NotImplementedError
+
+    # -- wake-ups ------------------------------------------------------------------------
+
+    def _send_wakeup(self, client: str, name: str, holder: str) -> None:
+        body = json.dumps({"name": name, "holder": holder})
+        self._channel("probe").basic_publish(
+            amqp.Message(body), exchange="", routing_key=f"{self.key_prefix}wake.{client}"
+        )
+
+    def _start_listening(self) -> None:
+        self.link.call(self._listen_here)
+
+    def _listen_here(self) -> None:
+        if self._wake_queue is not None:
+            return
+        channel = self._channel("wake")
+        queue_name = f"{self.key_prefix}wake.{self.client_id}"
+        channel.queue_declare(queue_name, exclusive=True, auto_delete=True)
+        channel.basic_consume(queue_name, no_ack=True, callback=self._on_wakeup)
+        self._wake_queue = queue_name
+
+    def _on_wakeup(self, message: amqp.Message) -> None:
+        try:
+            data = json.loads(_text(message.body))
+            hand = self._hands.get((data["name"], data["holder"]))
+            if hand is not None and hand.consumer_tag is not None and hand.message is None:
+                return  # its consumer is delivered the token itself
+            self._notify(data["name"], data["holder"])
+        except Exception:
+            logger.exception("bad or failing semaphore wake-up %r", message.body)
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def verify(self, name: str, holder: str) -> bool:
+        return self.link.call(self._verify_here, name, holder)
+
+    def _verify_here(self, name: str, holder: str) -> bool:
+        hand = self._hands.get((name, holder))
+        if hand is not None and hand.lost:  # the broker took the evidence back
+            return False
+        return bool(self._run_here(
+            name, lambda box: box.state is not None and holder in box.state.holders
+        ))
+
+    def ping(self) -> None:
+        self.link.call(lambda: self.link.connection() and None)
+
+    def close(self) -> None:
+        with self._link_lock:
+            link, self._link = self._link, None
+        if link is not None:
+            link.stop()
+        self._hands = {}
+        self._reset_connection_state()
+
+    def _forked(self) -> None:
+        super()._forked()
+        # The parent's socket is shared with us: drop it without closing the AMQP connection.
+        self._link_lock = threading.Lock()
+        self._link = None
+        self._hands = {}
+        self._reset_connection_state()

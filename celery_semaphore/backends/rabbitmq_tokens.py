@@ -1,0 +1,304 @@
+"""``amqp://``, ``amqps://``, ``pyamqp://``: the token-queue semaphore (RabbitMQ blog, 2014).
+
+A durable classic queue ``<prefix><name>.tokens`` holds one persistent message per slot,
+numbered ``0 .. limit-1`` and published with publisher confirms. A holder takes a token and
+never acks it: the unacked delivery on the holder's own channel *is* the slot. Release is
+``basic.reject(requeue=True)``; a holder whose connection dies gives its token back through the
+broker, which is also how a restarted broker restores every token (they are persistent and were
+never acked).
+
+Beyond the blog, and why:
+
+* **Registry.** A token alone cannot tell a crashed holder from a partitioned one still
+  running (the blog's own 2014 edits), nor give FIFO order, fencing or status. So every grant
+  also goes through the registry (see :mod:`.rabbitmq`): a slot needs both a token and an
+  unexpired registry lease for that token's number, and a token the broker hands back early
+  waits until the previous holder's lease expires (or it releases). Status and verify read the
+  registry; no management plugin is needed.
+* **No greed.** Only the waiters next in line (position < limit) hold a consumer, with prefetch
+  1, and it is cancelled as soon as a token arrives. Everyone else is woken by the registry.
+* **Numbered tokens.** Each token carries its number and a generation; the registry keeps the
+  current generation of every number below the limit. A token above the limit or of an old
+  generation (a duplicate left by a shrink and regrow, or by re-creation) is acked away when
+  seen, so drift heals itself.
+* **Resize** runs while holding the registry message, so two resizes never interleave: grow
+  publishes new tokens; shrink acks the surplus tokens in the queue and holders of surplus
+  tokens ack theirs on release.
+* **Classic queue.** Quorum queues drop a message requeued more than ``delivery-limit`` times
+  (20 by default in RabbitMQ 4), which would shrink the semaphore to zero over time; classic
+  queues have no delivery limit.
+* **consumer_timeout.** RabbitMQ closes a channel holding an unacked delivery longer than
+  ``consumer_timeout`` (30 min by default). The hand's channel watcher records it: the next
+  renewal reports the lease lost and frees its registry entry. Raise ``consumer_timeout`` (or
+  the per-queue ``x-consumer-timeout`` on RabbitMQ >= 3.12) above your longest task.
+
+Fencing: the token ``(slot, epoch)`` uses the token number as the slot and the registry's
+per-slot epoch, which strictly increases (see :func:`.model.next_epoch`) and is kept in the
+registry message. Under a partition the broker requeues a holder's token when it stops seeing
+the connection; the next holder still waits for the registry lease, so two holders of one slot
+overlap only if the partitioned holder runs past its own local deadline, which its Lease reports.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import amqp
+
+from .base import Attempt, Meta
+from .model import State, next_epoch
+from .rabbitmq import Hand, RabbitBackend, _text
+
+
+def token_of(message: Optional[amqp.Message]) -> Optional[Tuple[int, int]]:
+    """``(number, generation)`` of a token message."""
+    if message is None:
+        return None
+    data = json.loads(_text(message.body))
+    return int(data["n"]), int(data["gen"])
+
+
+def is_current(tokens: Dict[str, int], token: Tuple[int, int]) -> bool:
+    return tokens.get(str(token[0])) == token[1]
+
+
+class TokenBackend(RabbitBackend):
+    """The token-queue semaphore on RabbitMQ. Options: ``heartbeat`` (s, default 10),
+    ``connect_timeout``, ``registry_timeout``, plus the common backend options."""
+
+    schemes = ("amqp", "amqps", "pyamqp")
+
+    def tokens_queue(self, name: str) -> str:
+        return self.queue_name(name, "tokens")
+
+    # -- physical side (registry message held) -------------------------------------------
+
+    def _publish_tokens(self, name: str, numbers: range, generation: int) -> None:
+        channel = self._channel("confirm")
+        for number in numbers:
+            channel.basic_publish_confirm(
+                amqp.Message(
+                    json.dumps({"n": number, "gen": generation, "semaphore": name}),
+                    delivery_mode=2, content_type="application/json",
+                    application_headers={"x-semaphore-token": number},
+                ),
+                exchange="", routing_key=self.tokens_queue(name),
+            )
+
+    def _create_physical(self, name: str, state: State) -> None:
+        channel = self._channel("confirm")
+        queue_name = self.tokens_queue(name)
+        channel.queue_declare(
+            queue_name, durable=True, auto_delete=False, arguments={"x-queue-type": "classic"}
+        )
+        channel.queue_purge(queue_name)  # tokens of an earlier incarnation
+        generation = next_epoch(0, time.time())
+        state.extra["tokens"] = {str(n): generation for n in range(state.limit)}
+        self._publish_tokens(name, range(state.limit), generation)
+
+    def _resize_physical(self, name: str, state: State, old_limit: int) -> None:
+        tokens: Dict[str, int] = state.extra.setdefault("tokens", {})
+        if state.limit > old_limit:
+            generation = next_epoch(max(tokens.values(), default=0), time.time())
+            for number in range(old_limit, state.limit):
+                tokens[str(number)] = generation
+            self._publish_tokens(name, range(old_limit, state.limit), generation)
+        else:
+            for number in range(state.limit, old_limit):
+                tokens.pop(str(number), None)
+            self._ack_surplus(name, tokens)
+
+    def _ack_surplus(self, name: str, tokens: Dict[str, int]) -> None:
+        """Ack the queued tokens that are no longer current; requeue the rest."""
+        channel = self._channel("confirm")
+        taken: List[amqp.Message] = []
+        while True:
+            message = channel.basic_get(self.tokens_queue(name), no_ack=False)
+            if message is None:
+                break
+            taken.append(message)
+        for message in taken:
+            token = token_of(message)
+            if token is not None and is_current(tokens, token):
+                channel.basic_reject(message.delivery_tag, requeue=True)
+            else:
+                channel.basic_ack(message.delivery_tag)
+
+    def _delete_physical(self, name: str, state: State) -> None:
+        self._channel("confirm").queue_delete(self.tokens_queue(name))
+        self._known.discard(self.tokens_queue(name))
+
+    # -- hands ---------------------------------------------------------------------------
+
+    def _take_token(self, hand: Hand) -> None:
+        queue_name = self.tokens_queue(hand.name)
+        if hand.message is None and self._exists(queue_name):
+            try:
+                hand.message = hand.channel.basic_get(queue_name, no_ack=False)
+            except amqp.exceptions.NotFound:  # reset meanwhile; the channel held nothing
+                self._known.discard(queue_name)
+                hand.lost = False
+
+    def _consume(self, hand: Hand) -> None:
+        if hand.consumer_tag is None and hand.message is None:
+            hand.consumer_tag = hand.channel.basic_consume(
+                self.tokens_queue(hand.name),
+                callback=lambda message: self._on_token(hand, message),
+            )
+
+    def _stop_consuming(self, hand: Hand) -> None:
+        tag, hand.consumer_tag = hand.consumer_tag, None
+        if tag is not None and hand.channel.is_open:
+            hand.channel.basic_cancel(tag, nowait=True)
+
+    def _on_token(self, hand: Hand, message: amqp.Message) -> None:
+        self._stop_consuming(hand)
+        if self._hands.get((hand.name, hand.holder)) is not hand or hand.message is not None:
+            hand.channel.basic_reject(message.delivery_tag, requeue=True)
+            return
+        hand.message = message
+        self._notify(hand.name, hand.holder)
+
+    def _drop_evidence(self, hand: Hand, keep: bool) -> None:
+        self._stop_consuming(hand)
+        message, hand.message = hand.message, None
+        if message is None or not hand.channel.is_open:
+            return
+        if keep:
+            hand.channel.basic_reject(message.delivery_tag, requeue=True)
+        else:
+            hand.channel.basic_ack(message.delivery_tag)
+
+    def _give_up(self, hand: Hand, tokens: Optional[Dict[str, int]]) -> None:
+        """Return the hand's token (ack it when no longer current) and close its channel."""
+        token = token_of(hand.message) if not hand.lost else None
+        self._drop_evidence(hand, keep=token is not None and tokens is not None
+                            and is_current(tokens, token))
+        self._close_hand(hand)
+
+    # -- operations ----------------------------------------------------------------------
+
+    def _acquire_here(
+        self, name: str, holder: str, limit: int, ttl: float, meta: Meta, wait: bool,
+        requested_at: float,
+    ) -> Attempt:
+        stale_hand = self._hands.get((name, holder))
+        if stale_hand is not None and stale_hand.lost:
+            self._release_here(name, holder)  # its token is gone: so is its lease
+        hand = self._open_hand(name, holder)
+        # Tokens whose slot another lease still holds (the broker returned them when their
+        # holder's connection died): set aside while we look for a usable one.
+        parked: List[amqp.Message] = []
+        created = False
+        for _ in range(limit + 64):
+            self._take_token(hand)
+            token = token_of(hand.message)
+            seen: Dict[str, Any] = {}
+            op = functools.partial(self._acquire_op, holder, limit, ttl, meta, wait, token, seen)
+            attempt = self._run_here(name, op)
+            if seen["created"] and not created:
+                created = True  # the tokens exist now: look again
+                continue
+            if attempt.grant is not None or token is None:
+                break
+            if seen["stale"]:
+                self._drop_evidence(hand, keep=False)
+            elif seen["taken"]:
+                parked.append(hand.message)
+                hand.message = None
+            else:
+                # Not ours by the FIFO rule: pass it on, and stop consuming so it goes on.
+                self._drop_evidence(hand, keep=True)
+                break
+        if attempt.grant is None and wait and parked and hand.message is None:
+            # Keep one until its lease ends: we are in line for that slot anyway.
+            hand.message = parked.pop(0)
+        for message in parked:
+            hand.channel.basic_reject(message.delivery_tag, requeue=True)
+        if attempt.grant is not None:
+            self._stop_consuming(hand)
+            if not hand.granted:
+                hand.granted = True
+                hand.slot = attempt.grant.slot
+                self._arm_deadline(hand, attempt.grant.ttl, requested_at)
+        elif not wait:
+            self._close_hand(hand)
+        elif attempt.position is not None and attempt.position < seen.get("free", 0):
+            self._consume(hand)  # next in line, only the token is missing
+        else:
+            self._stop_consuming(hand)
+        return attempt
+
+    def _acquire_op(
+        self, holder: str, limit: int, ttl: float, meta: Meta, wait: bool,
+        token: Optional[Tuple[int, int]], seen: Dict[str, Any], box: Any,
+    ) -> Attempt:
+        """The registry side of acquire: FIFO rule, restricted to the slot of our token."""
+        seen["created"] = box.state is None
+        if box.state is None:
+            box.state = State(limit=limit)
+            box.state.extra["tokens"] = {}
+        state: State = box.state
+        tokens = state.extra.get("tokens", {})
+        seen["stale"] = token is not None and not is_current(tokens, token)
+        seen["taken"] = token is not None and any(
+            h.slot == token[0] for k, h in state.holders.items() if k != holder
+        )
+        slots = [token[0]] if token is not None and not seen["stale"] else []
+        seen["free"] = state.limit - len(state.holders)
+        return state.acquire(
+            holder, declared=limit, ttl=ttl, meta=meta, wait=wait, client=self.client_id,
+            now=box.now, waiter_ttl=self.waiter_ttl, slots=slots,
+        )
+
+    def _run_with_tokens(self, name: str, op: Callable[[Any], Any], missing: Any
+                         ) -> Tuple[Any, Optional[Dict[str, int]]]:
+        """Run ``op`` on the registry box (its state present); also return the current token
+        generations (None when the semaphore is gone): whether a held token goes back or away."""
+        seen: Dict[str, Any] = {}
+
+        def wrapped(box: Any) -> Any:
+            if box.state is None:
+                return missing
+            seen["tokens"] = dict(box.state.extra.get("tokens", {}))
+            return op(box)
+
+        return self._run_here(name, wrapped), seen.get("tokens")
+
+    def _release_here(self, name: str, holder: str) -> bool:
+        released, tokens = self._run_with_tokens(
+            name, lambda box: box.state.release(holder), False
+        )
+        hand = self._hands.get((name, holder))
+        if hand is not None:
+            self._give_up(hand, tokens)
+        return released
+
+    def cancel(self, name: str, holder: str) -> None:
+        self.link.call(self._cancel_here, name, holder)
+
+    def _cancel_here(self, name: str, holder: str) -> None:
+        hand = self._hands.get((name, holder))
+        if hand is not None and not hand.granted:
+            self._drop_evidence(hand, keep=True)
+            self._close_hand(hand)
+        self._run_here(name, lambda box: box.state.cancel(holder) if box.state else None)
+
+    def _renew_here(self, name: str, holder: str, ttl: float, requested_at: float
+                    ) -> Optional[float]:
+        hand = self._hands.get((name, holder))
+        if hand is not None and hand.lost:  # the broker took the token back
+            self._release_here(name, holder)
+            return None
+        expiry, tokens = self._run_with_tokens(
+            name, lambda box: box.state.renew(holder, ttl, box.now), None
+        )
+        if hand is not None:
+            if expiry is None:
+                self._give_up(hand, tokens)
+            else:
+                self._arm_deadline(hand, ttl, requested_at)
+        return expiry

@@ -1,0 +1,288 @@
+"""The RabbitMQ backends against a real broker, beyond the contract suite: broker restart,
+holders that die or freeze, resizes under load and from two administrators at once, and the
+token count after many reject/requeue cycles. Token counts are read from the broker itself.
+"""
+
+import multiprocessing
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+
+import amqp
+import pytest
+from kombu import Connection
+
+from celery_semaphore import Semaphore
+from celery_semaphore.backends import close_all, get_backend
+from tests import servers
+from tests.test_contract import Probe
+from tests.util import wait_until
+
+FORK = multiprocessing.get_context("fork")
+
+
+@pytest.fixture(params=["amqp", "amqp+slots"])
+def rabbit(request, amqp_url):
+    url = amqp_url if request.param == "amqp" else amqp_url.replace("amqp://", "amqp+slots://", 1)
+    prefix = f"{servers.unique_tag()}:"
+    yield url, {"key_prefix": prefix}
+    close_all()
+
+
+@pytest.fixture
+def tokens(amqp_url):
+    """Reads a token queue straight from the broker (ready tokens and their numbers), on a
+    connection of its own per read, so that it survives a broker restart."""
+
+    def ready(queue):
+        with Connection(amqp_url) as connection:
+            return connection.channel().queue_declare(queue, passive=True).message_count
+
+    def numbers(queue):
+        with Connection(amqp_url) as connection:
+            channel = connection.channel()
+            taken = []
+            while True:
+                message = channel.basic_get(queue, no_ack=False)
+                if message is None:
+                    break
+                taken.append(message)
+            for message in taken:
+                channel.basic_reject(message.delivery_tag, requeue=True)
+            return sorted(message.headers["x-semaphore-token"] for message in taken)
+
+    ready.numbers = numbers
+    return ready
+
+
+def token_queue(options, name):
+    return f"{options['key_prefix']}{name}.tokens"
+
+
+def slot_queues_present(amqp_url, options, name, upto):
+    """Which A queues ``0 .. upto-1`` exist on the broker."""
+    connection = Connection(amqp_url)
+    present = []
+    try:
+        for slot in range(upto):
+            channel = connection.channel()
+            try:
+                channel.queue_declare(f"{options['key_prefix']}{name}.slot.{slot}", passive=True)
+                present.append(slot)
+                channel.close()
+            except amqp.exceptions.NotFound:
+                pass
+    finally:
+        connection.close()
+    return present
+
+
+def assert_exactly_limit_slots(url, options, name, limit, tokens, amqp_url):
+    """Nobody holding: the broker has exactly tokens 0..limit-1 ready (token backend), or
+    exactly the A queues 0..limit-1, none above (slot backend, overshoot 8 included)."""
+    if url.startswith("amqp://"):
+        queue = token_queue(options, name)
+        assert wait_until(lambda: tokens(queue) == limit)
+        assert tokens.numbers(queue) == list(range(limit))
+    else:
+        assert slot_queues_present(amqp_url, options, name, 6 + 8) == list(range(limit))
+
+
+def retrying(fn, seconds=60):
+    """Call ``fn`` until it stops raising (the broker is coming back)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            return fn()
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+# -- broker restart -----------------------------------------------------------------------
+
+
+def restart_broker(amqp_url):
+    ctl = shutil.which("rabbitmqctl") or "/usr/sbin/rabbitmqctl"
+    if not os.path.exists(ctl):
+        pytest.fail("restarting the broker needs rabbitmqctl on this machine (Debian package "
+                    "rabbitmq-server)", pytrace=False)
+    try:
+        subprocess.run([ctl, "stop_app"], check=True, capture_output=True, timeout=120)
+    finally:  # never leave the machine's broker stopped
+        subprocess.run([ctl, "start_app"], check=True, capture_output=True, timeout=120)
+    assert servers.wait_for(amqp_url, 5672, 60)
+
+
+def test_broker_restart_while_tokens_are_held(rabbit, amqp_url, tokens):
+    url, options = rabbit
+    sem = Semaphore("restart", 3, url, ttl=5, **options)
+    held = [sem.acquire(timeout=10) for _ in range(2)]
+    restart_broker(amqp_url)
+    # The connection died with the broker: the holders' evidence is gone, and they say so.
+    assert not retrying(lambda: held[0].renew())
+    assert held[0].lost
+    assert not retrying(lambda: held[1].verify())
+    # The limit survived the restart, and holds.
+    after = [retrying(lambda: sem.acquire(timeout=10)) for _ in range(3)]
+    assert sem.try_acquire() is None
+    assert sem.status().limit == 3
+    for lease in after:
+        lease.release()
+    assert_exactly_limit_slots(url, options, "restart", 3, tokens, amqp_url)
+
+
+# -- holders that die or freeze -----------------------------------------------------------
+
+
+def _hold(url, options, ready, heartbeat):
+    Semaphore("dying", 1, url, ttl=30, heartbeat=heartbeat, **options).acquire()
+    ready.set()
+    time.sleep(600)
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"])
+def test_a_dead_holders_token_comes_back_within_the_heartbeat_bound(how, amqp_url, tokens):
+    """SIGKILL: the kernel closes the socket, the broker requeues at once. SIGSTOP: the socket
+    stays open and only missed heartbeats (2 s here) tell the broker the holder is gone."""
+    options = {"key_prefix": f"{servers.unique_tag()}:"}
+    heartbeat = 2
+    ready = FORK.Event()
+    child = FORK.Process(target=_hold, args=(amqp_url, options, ready, heartbeat))
+    child.start()
+    try:
+        assert ready.wait(15)
+        queue = token_queue(options, "dying")
+        assert tokens(queue) == 0
+        stopped_at = time.monotonic()
+        os.kill(child.pid, getattr(signal, how))
+        assert wait_until(lambda: tokens(queue) == 1, timeout=3 * heartbeat + 5)
+        back_after = time.monotonic() - stopped_at
+        if how == "SIGKILL":
+            assert back_after < 2
+        else:
+            assert heartbeat <= back_after < 3 * heartbeat + 5
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.join()
+
+
+def test_a_channel_closed_by_the_broker_is_a_lost_lease(amqp_url, tokens):
+    """What consumer_timeout does: the broker closes the channel holding the token."""
+    options = {"key_prefix": f"{servers.unique_tag()}:"}
+    sem = Semaphore("closed", 1, amqp_url, ttl=30, **options)
+    lease = sem.acquire(timeout=10)
+    backend = sem.backend
+    hand = backend.link.call(lambda: backend._hands[("closed", lease.holder)])
+    # An ack of an unknown delivery tag: the broker closes the channel (406), as it does when
+    # a delivery outlives consumer_timeout.
+    backend.link.call(lambda: hand.channel.basic_ack(999999))
+    assert wait_until(lambda: backend.link.call(lambda: hand.lost), timeout=5)
+    assert lease.renew() is False and lease.lost  # renewal frees the registry entry too
+    assert not lease.verify()
+    assert wait_until(lambda: tokens(token_queue(options, "closed")) == 1)
+    other = sem.acquire(timeout=5)  # the registry entry went with the token
+    other.release()
+
+
+# -- resizing -----------------------------------------------------------------------------
+
+
+def test_resize_up_and_down_under_load(rabbit, amqp_url, tokens):
+    url, options = rabbit
+    sem = Semaphore("load", 2, url, ttl=30, poll_interval=0.2, **options)
+    probe = Probe()
+    stop = threading.Event()
+    errors = []
+
+    def worker():
+        try:
+            while not stop.is_set():
+                with sem.acquire(timeout=30):
+                    probe.enter()
+                    time.sleep(0.01)
+                    probe.leave()
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    try:
+        time.sleep(0.5)
+        assert probe.highest.value == 2
+        sem.resize(4)
+        assert wait_until(lambda: probe.highest.value == 4, timeout=10)
+        sem.resize(1)
+        assert wait_until(lambda: sem.status().held <= 1, timeout=10)
+        probe.highest.value = 0
+        time.sleep(1.0)
+        assert probe.highest.value == 1
+        sem.resize(3)
+        assert wait_until(lambda: probe.highest.value == 3, timeout=10)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(30)
+    assert not errors
+    assert wait_until(lambda: sem.status().held == 0)
+    assert_exactly_limit_slots(url, options, "load", 3, tokens, amqp_url)
+
+
+def _resize_many(url, options, seed, rounds):
+    import random
+
+    rng = random.Random(seed)
+    backend = get_backend(url, **options)
+    for _ in range(rounds):
+        backend.resize("admins", rng.randint(1, 6))
+
+
+def test_two_admins_resizing_at_once_end_consistent(rabbit, amqp_url, tokens):
+    url, options = rabbit
+    sem = Semaphore("admins", 2, url, **options)
+    held = sem.acquire()  # a holder across all of it
+    admins = [FORK.Process(target=_resize_many, args=(url, options, seed, 15)) for seed in (1, 2)]
+    for admin in admins:
+        admin.start()
+    for admin in admins:
+        admin.join(120)
+        assert admin.exitcode == 0
+    held.release()
+    limit = sem.status().limit
+    assert_exactly_limit_slots(url, options, "admins", limit, tokens, amqp_url)
+    leases = [sem.acquire(timeout=5) for _ in range(limit)]
+    assert sem.try_acquire() is None
+    for lease in leases:
+        lease.release()
+
+
+def test_25_reject_requeue_cycles_leave_exactly_limit_tokens(amqp_url, tokens):
+    options = {"key_prefix": f"{servers.unique_tag()}:"}
+    sem = Semaphore("cycles", 2, amqp_url, **options)
+    other = sem.acquire()
+    for _ in range(25):
+        sem.acquire(timeout=5).release()
+    other.release()
+    queue = token_queue(options, "cycles")
+    assert wait_until(lambda: tokens(queue) == 2)
+    assert tokens.numbers(queue) == [0, 1]
+
+
+def test_slot_backend_url_and_a_missing_broker(amqp_url):
+    from celery_semaphore import BackendUnavailable
+    from celery_semaphore.backends.rabbitmq_slots import SlotQueueBackend
+
+    backend = get_backend(amqp_url.replace("amqp://", "amqp+slots://", 1))
+    assert isinstance(backend, SlotQueueBackend)
+    assert backend.broker_url.startswith("amqp://")
+    port = servers.free_port()
+    dead = get_backend(f"amqp://guest:secret@127.0.0.1:{port}//", connect_timeout=1)
+    with pytest.raises(BackendUnavailable) as err:
+        dead.ping()
+    assert str(port) in str(err.value) and "secret" not in str(err.value)
+    close_all()
