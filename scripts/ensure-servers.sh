@@ -36,10 +36,16 @@ if [ -z "${AMQP_URL:-}" ] && ! port_open 127.0.0.1 5672; then
     || apt_install rabbitmq-server
   export PATH="$PATH:/usr/sbin"
   # A node can be up with its application stopped (an interrupted `rabbitmqctl stop_app`):
-  # starting a second node would fail, so restart the application instead.
+  # starting a second node would fail, so restart the application instead; a node that does
+  # not come back that way is stopped and started afresh.
   if as_root rabbitmqctl ping >/dev/null 2>&1; then
     echo "rabbitmq node is up with its application stopped: rabbitmqctl start_app"
-    as_root rabbitmqctl start_app
+    if ! as_root timeout 300 rabbitmqctl start_app || ! wait_port 127.0.0.1 5672 120; then
+      echo "the application did not start: restarting the rabbitmq node" >&2
+      as_root timeout 120 rabbitmqctl stop || as_root pkill -KILL -f 'beam.*rabbit' || true
+      sleep 2
+      as_root rabbitmq-server -detached
+    fi
   else
     echo "starting rabbitmq-server"
     as_root rabbitmq-server -detached

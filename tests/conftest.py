@@ -1,21 +1,43 @@
-import uuid
+import os
 
 import pytest
 
 from celery_semaphore.backends import close_all
 from tests import servers
 
-BACKENDS = ["memory", "sqlite", "redis"]
+BACKENDS = ["memory", "sqlite", "redis", "amqp", "amqp+slots", "consul"]
 
 
 @pytest.fixture(scope="session")
 def redis_url():
-    return servers.redis_url()
+    url = servers.redis_url()
+    servers.sweep_redis(url, everything=True)  # what an interrupted run left
+    yield url
+    servers.sweep_redis(url, everything=True)
 
 
 @pytest.fixture(scope="session")
 def amqp_url():
-    return servers.amqp_url()
+    url = servers.amqp_url()
+    servers.sweep_amqp(url, everything=True)  # durable queues left would slow every broker boot
+    yield url
+    servers.sweep_amqp(url, everything=True)
+
+
+@pytest.fixture(scope="session")
+def consul_url():
+    """``CONSUL_HTTP_ADDR`` (a real agent, e.g. ``consul agent -dev``) when set, else the test
+    double of Consul's HTTP API (tests/consul_double.py) on 127.0.0.1."""
+    address = os.environ.get("CONSUL_HTTP_ADDR")
+    if address:
+        scheme, _, hostport = address.rpartition("://")
+        yield f"{'consuls' if scheme == 'https' else 'consul'}://{hostport}"
+        return
+    from tests.consul_double import ConsulDouble
+
+    double = ConsulDouble().start()
+    yield double.url
+    double.stop()
 
 
 class BackendSpec:
@@ -44,13 +66,19 @@ class BackendSpec:
 @pytest.fixture(params=BACKENDS)
 def spec(request, tmp_path):
     kind = request.param
-    prefix = f"t{uuid.uuid4().hex[:10]}:"
+    prefix = f"{servers.unique_tag()}:"
     options = {"key_prefix": prefix}
     if kind == "memory":
         url = f"memory://{prefix}"
     elif kind == "sqlite":
         url = "sqlite:////" + str(tmp_path / "semaphores.db").lstrip("/")
-    else:
+    elif kind == "consul":
+        url = request.getfixturevalue("consul_url")
+    elif kind == "redis":
         url = request.getfixturevalue("redis_url")
+    elif kind == "amqp":
+        url = request.getfixturevalue("amqp_url")
+    else:
+        url = request.getfixturevalue("amqp_url").replace("amqp://", "amqp+slots://", 1)
     yield BackendSpec(kind, url, options)
     close_all()

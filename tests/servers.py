@@ -3,23 +3,45 @@
 Order: the URL in ``REDIS_URL`` / ``AMQP_URL``; else the machine's default port; else a server
 started here (``redis-server`` on a free port, ``rabbitmq-server -detached``). When none can be
 had, the test run fails saying how to get one: tests that need a server are never skipped.
+
+Every name a test puts on a server starts with :func:`unique_tag` (``cst`` + hex), so that
+:func:`sweep_amqp` and :func:`sweep_redis` can remove what the tests and benchmarks left behind.
+Durable queues left on RabbitMQ pile up run after run, and a broker recovering thousands of
+them at boot takes minutes to start.
 """
 
 from __future__ import annotations
 
 import atexit
 import os
+import re
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
+import uuid
+from typing import List, Set
 from urllib.parse import urlsplit
 
 import pytest
 
 DEFAULT_REDIS = "redis://127.0.0.1:6379/15"
 DEFAULT_AMQP = "amqp://guest:guest@127.0.0.1:5672//"
+TEST_NAME = re.compile(r"^cst[0-9a-f]{8}")
+_issued: Set[str] = set()  # the tags this process handed out
+
+
+def unique_tag() -> str:
+    """A fresh tag to start every key, queue or exchange name a test creates on a server."""
+    tag = f"cst{uuid.uuid4().hex[:8]}"
+    _issued.add(tag)
+    return tag
+
+
+def _ours(name: str, everything: bool) -> bool:
+    match = TEST_NAME.match(name)
+    return match is not None and (everything or match.group() in _issued)
 
 
 def reachable(url: str, default_port: int, timeout: float = 1.0) -> bool:
@@ -85,3 +107,55 @@ def amqp_url() -> str:
         pytest.fail("started rabbitmq-server -detached, but it does not answer on 5672",
                     pytrace=False)
     return url
+
+
+def rabbitmqctl() -> str:
+    return shutil.which("rabbitmqctl") or "/usr/sbin/rabbitmqctl"
+
+
+def _broker_names(kind: str) -> List[str]:
+    """Names of the local node's queues or exchanges (``rabbitmqctl list_<kind>``)."""
+    done = subprocess.run([rabbitmqctl(), f"list_{kind}", "-q", "--no-table-headers", "name"],
+                          capture_output=True, text=True, timeout=120, check=True)
+    return [line.strip() for line in done.stdout.splitlines() if line.strip()]
+
+
+def sweep_amqp(url: str, everything: bool = False) -> int:
+    """Delete the queues and exchanges named with this process's tags (``everything``: with any
+    test tag, left by earlier runs too) from the local RabbitMQ node; return how many.
+
+    AMQP cannot list queues, so this needs ``rabbitmqctl`` on a node at a loopback address;
+    with a remote ``AMQP_URL`` it does nothing.
+    """
+    if urlsplit(url).hostname not in ("127.0.0.1", "localhost", "::1"):
+        return 0
+    from kombu import Connection
+
+    try:
+        queues = [q for q in _broker_names("queues") if _ours(q, everything)]
+        exchanges = [e for e in _broker_names("exchanges") if _ours(e, everything)]
+    except (OSError, subprocess.SubprocessError):
+        return 0  # no rabbitmqctl here (or no right to use it)
+    with Connection(url, connect_timeout=10) as connection:
+        channel = connection.default_channel
+        for queue in queues:
+            channel.queue_delete(queue)
+        for exchange in exchanges:
+            channel.exchange_delete(exchange)
+    return len(queues) + len(exchanges)
+
+
+def sweep_redis(url: str, everything: bool = False) -> int:
+    """Delete the keys named with this process's tags (``everything``: any test tag) from the
+    Redis database at ``url``; return how many."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        keys = [key for key in client.scan_iter(match="cst*", count=1000)
+                if _ours(key.decode(errors="replace"), everything)]
+        for start in range(0, len(keys), 500):
+            client.delete(*keys[start:start + 500])
+        return len(keys)
+    finally:
+        client.close()

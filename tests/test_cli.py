@@ -8,13 +8,13 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from celery_semaphore import Semaphore
 from celery_semaphore.backends import get_backend
+from tests import servers
 from tests.test_worker import Cluster
 from tests.util import wait_until
 from tests.workers import ROOT
@@ -27,7 +27,7 @@ def run_cli(env, *args, app=True, cwd=ROOT):
 
 
 def make_cli(url, **env_extra):
-    prefix = f"cli{uuid.uuid4().hex[:8]}:"
+    prefix = f"{servers.unique_tag()}:"
     env = dict(os.environ, CS_SEMAPHORE_BACKEND=url, CS_KEY_PREFIX=prefix, PYTHONPATH=ROOT,
                **env_extra)
 
@@ -194,7 +194,7 @@ def test_without_an_app_and_on_sqlite(tmp_path):
 
 
 def test_django_manage_py_semaphore(redis_url):
-    prefix = f"dj{uuid.uuid4().hex[:8]}:"
+    prefix = f"{servers.unique_tag()}:"
     env = dict(os.environ, CS_SEMAPHORE_BACKEND=redis_url, CS_KEY_PREFIX=prefix,
                PYTHONPATH=ROOT)
     env.pop("DJANGO_SETTINGS_MODULE", None)
@@ -285,7 +285,7 @@ def levels(intervals):
 def test_live_resize_under_load(broker, redis_url, amqp_url, tmp_path):
     broker_url = redis_url.rsplit("/", 1)[0] + "/14" if broker == "redis" else amqp_url
     # A control exchange of its own: `workers` hears only this test's two workers.
-    settings = json.dumps({"control_exchange": f"cs{uuid.uuid4().hex[:8]}"})
+    settings = json.dumps({"control_exchange": servers.unique_tag()})
     cluster = Cluster(str(tmp_path), broker_url, redis_url, CS_SETTINGS=settings)
     backlog = None
 

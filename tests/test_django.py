@@ -4,8 +4,8 @@ import json
 import os
 import subprocess
 import sys
-import uuid
 
+from tests import servers
 from tests.workers import ROOT
 
 
@@ -18,7 +18,7 @@ def manage(redis_url, prefix, *args):
 
 
 def test_django_command_shares_the_cli(redis_url):
-    prefix = f"dj{uuid.uuid4().hex[:8]}:"
+    prefix = f"{servers.unique_tag()}:"
     created = manage(redis_url, prefix, "resize", "reports", "2")
     assert created.returncode == 0, created.stderr
     assert "created semaphore 'reports' with limit 2" in created.stdout

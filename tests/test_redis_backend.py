@@ -4,7 +4,6 @@ the listener thread across a server restart and a fork."""
 import multiprocessing
 import threading
 import time
-import uuid
 
 import pytest
 import redis
@@ -12,6 +11,7 @@ import redis
 from celery_semaphore import BackendUnavailable, Semaphore
 from celery_semaphore.backends import get_backend
 from celery_semaphore.backends.redis import KEY_SUFFIXES, RedisBackend, _redis_url
+from tests import servers
 from tests.util import wait_until
 
 FORK = multiprocessing.get_context("fork")
@@ -19,7 +19,7 @@ FORK = multiprocessing.get_context("fork")
 
 @pytest.fixture
 def prefix():
-    return f"rt{uuid.uuid4().hex[:8]}:"
+    return f"{servers.unique_tag()}:"
 
 
 def keys_of(client, prefix):

@@ -7,8 +7,9 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from typing import Dict, List, Optional
+
+from tests import servers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -76,17 +77,17 @@ class Worker:
                 pass
 
 
-def cluster_env(tmp_dir: str, broker: str, backend: str, result: str,
+def cluster_env(tmp_dir: str, broker: str, backend: Optional[str], result: str,
                 **extra: str) -> Dict[str, str]:
-    tag = uuid.uuid4().hex[:8]
+    tag = servers.unique_tag()
     env = dict(os.environ)
     env.update(
         CS_DIR=tmp_dir,
         CS_BROKER_URL=broker,
-        CS_SEMAPHORE_BACKEND=backend,
+        CS_SEMAPHORE_BACKEND=backend or "",  # empty: the default for the broker
         CS_RESULT_BACKEND=result,
-        CS_KEY_PREFIX=f"it{tag}:",
-        CS_QUEUE=f"q{tag}",
+        CS_KEY_PREFIX=f"{tag}:",
+        CS_QUEUE=f"{tag}.q",
         CS_PROBE=os.path.join(tmp_dir, "probe.log"),
         PYTHONPATH=ROOT,
     )
