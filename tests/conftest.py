@@ -11,9 +11,12 @@ BACKENDS = ["memory", "sqlite", "redis", "amqp", "amqp+slots", "consul"]
 @pytest.fixture(scope="session")
 def redis_url():
     url = servers.redis_url()
-    servers.sweep_redis(url, everything=True)  # what an interrupted run left
+    databases = (url, servers.redis_broker(url))
+    for database in databases:
+        servers.sweep_redis(database, everything=True)  # what an interrupted run left
     yield url
-    servers.sweep_redis(url, everything=True)
+    for database in databases:
+        servers.sweep_redis(database, everything=True)
 
 
 @pytest.fixture(scope="session")

@@ -28,7 +28,8 @@ import pytest
 
 DEFAULT_REDIS = "redis://127.0.0.1:6379/15"
 DEFAULT_AMQP = "amqp://guest:guest@127.0.0.1:5672//"
-TEST_NAME = re.compile(r"^cst[0-9a-f]{8}")
+TEST_NAME = re.compile(r"^(?:_kombu\.binding(?:_permanent)?\.)?(cst[0-9a-f]{8})")
+BROKER_DB = 14  # the Redis database the worker tests use as their broker
 _issued: Set[str] = set()  # the tags this process handed out
 
 
@@ -41,7 +42,7 @@ def unique_tag() -> str:
 
 def _ours(name: str, everything: bool) -> bool:
     match = TEST_NAME.match(name)
-    return match is not None and (everything or match.group() in _issued)
+    return match is not None and (everything or match.group(1) in _issued)
 
 
 def reachable(url: str, default_port: int, timeout: float = 1.0) -> bool:
@@ -52,6 +53,16 @@ def reachable(url: str, default_port: int, timeout: float = 1.0) -> bool:
             return True
     except OSError:
         return False
+
+
+def redis_db(url: str, db: int) -> str:
+    """``url`` with its database number replaced by ``db``."""
+    return f"{url.rsplit('/', 1)[0]}/{db}"
+
+
+def redis_broker(url: str) -> str:
+    """The Redis database the worker tests use as their broker, on ``url``'s server."""
+    return redis_db(url, BROKER_DB)
 
 
 def free_port() -> int:
@@ -152,7 +163,7 @@ def sweep_redis(url: str, everything: bool = False) -> int:
 
     client = redis.Redis.from_url(url)
     try:
-        keys = [key for key in client.scan_iter(match="cst*", count=1000)
+        keys = [key for key in client.scan_iter(match="*cst*", count=1000)
                 if _ours(key.decode(errors="replace"), everything)]
         for start in range(0, len(keys), 500):
             client.delete(*keys[start:start + 500])

@@ -8,6 +8,7 @@ import time
 import pytest
 import requests
 
+from tests import servers
 from tests.servers import free_port
 from tests.test_worker import Cluster
 from tests.util import wait_until
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture
 def flower_cluster(redis_url, tmp_path):
-    cluster = Cluster(str(tmp_path), redis_url.rsplit("/", 1)[0] + "/14",
+    cluster = Cluster(str(tmp_path), servers.redis_broker(redis_url),
                       f"sqlite:///{tmp_path}/sem.db", workers=1)
     port = free_port()
     env = dict(cluster.env, FLOWER_UNAUTHENTICATED_API="true")

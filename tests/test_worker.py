@@ -13,6 +13,7 @@ from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
 
 from celery_semaphore import SemaphoreTimeout
 from celery_semaphore.backends import get_backend
+from tests import servers
 from tests.celery_app import create_app
 from tests.probe import Probe
 from tests.util import wait_until
@@ -53,7 +54,7 @@ class Cluster:
 
 def urls(combo, redis_url, amqp_url, tmp_dir):
     broker_kind, backend_kind = combo.split("-")
-    broker = redis_url.rsplit("/", 1)[0] + "/14" if broker_kind == "redis" else amqp_url
+    broker = servers.redis_broker(redis_url) if broker_kind == "redis" else amqp_url
     backend = {
         "redis": redis_url,
         "sqlite": f"sqlite:///{tmp_dir}/sem.db",
@@ -184,7 +185,7 @@ def test_current_lease_inside_the_task(cluster):
 
 def test_sigkilled_worker_frees_its_slot_within_the_lease_ttl(redis_url, tmp_path):
     ttl = 3.0
-    cluster = Cluster(str(tmp_path), redis_url.rsplit("/", 1)[0] + "/14", redis_url,
+    cluster = Cluster(str(tmp_path), servers.redis_broker(redis_url), redis_url,
                       workers=1, CS_LEASE_TTL=str(ttl))
     try:
         slow = cluster.task("slow")
@@ -204,7 +205,7 @@ def test_sigkilled_worker_frees_its_slot_within_the_lease_ttl(redis_url, tmp_pat
 
 
 def test_bad_settings_stop_the_worker_naming_the_setting(redis_url, tmp_path):
-    env = cluster_env(str(tmp_path), redis_url.rsplit("/", 1)[0] + "/14", redis_url, RESULTS,
+    env = cluster_env(str(tmp_path), servers.redis_broker(redis_url), redis_url, RESULTS,
                       CS_SETTINGS=json.dumps({"semaphore_lease_ttl": -5}))
     worker = Worker(env, "bad", 1)
     assert worker.proc.wait(30) != 0
@@ -212,7 +213,7 @@ def test_bad_settings_stop_the_worker_naming_the_setting(redis_url, tmp_path):
 
 
 def test_requeue_past_the_per_worker_bound_loses_nothing(redis_url, tmp_path):
-    cluster = Cluster(str(tmp_path), redis_url.rsplit("/", 1)[0] + "/14", redis_url,
+    cluster = Cluster(str(tmp_path), servers.redis_broker(redis_url), redis_url,
                       workers=1, CS_SETTINGS=json.dumps({"semaphore_worker_max_waiting": 2}))
     try:
         guarded = cluster.task("guarded")
@@ -225,7 +226,7 @@ def test_requeue_past_the_per_worker_bound_loses_nothing(redis_url, tmp_path):
 
 
 def test_max_wait_fails_the_task_with_a_clear_error(redis_url, tmp_path):
-    cluster = Cluster(str(tmp_path), redis_url.rsplit("/", 1)[0] + "/14", redis_url,
+    cluster = Cluster(str(tmp_path), servers.redis_broker(redis_url), redis_url,
                       workers=1, CS_SETTINGS=json.dumps({"semaphore_max_wait": 1.0}))
     try:
         slow = cluster.task("slow")
@@ -245,7 +246,7 @@ def test_worker_shutdown_releases_and_loses_nothing(how, redis_url, tmp_path):
     """Warm: the running task finishes, then its slot is freed. Cold: the task dies with the
     pool and the slot is freed at exit, not after the lease TTL. Requests that waited in the
     stopped worker run later on another worker."""
-    cluster = Cluster(str(tmp_path), redis_url.rsplit("/", 1)[0] + "/14", redis_url, workers=1)
+    cluster = Cluster(str(tmp_path), servers.redis_broker(redis_url), redis_url, workers=1)
     try:
         slow = cluster.task("slow")
         running = slow.delay("k0", 1.5)
