@@ -31,11 +31,13 @@ def table(rows, columns) -> str:
 
 
 def markdown(data) -> str:
-    gate = next(r for r in data["workload"] if r["setup"] == "gate")
     base = next(r for r in data["workload"] if r["setup"] == "dedicated")
-    ratio = round(gate["utilization"] / base["utilization"], 3)
+    ratios = ", ".join(
+        f"{r['setup']} **{round(r['utilization'] / base['utilization'], 3)}**"
+        for r in data["workload"] if r["setup"].startswith("gate")
+    )
     return "\n\n".join([
-        f"Measured {data['date']} on {data['machine']}; Redis on loopback.",
+        f"Measured {data['date']} on {data['machine']}; Redis and RabbitMQ on loopback.",
         "Backends: acquire+release pairs/s and acquire latency (limit above the number of "
         "processes, so no waiting):",
         table(data["backends"], ["backend", "processes", "pairs_per_s", "acquire_p50_ms",
@@ -45,11 +47,11 @@ def markdown(data) -> str:
         "which share the machine's cores with Redis.",
         f"Celery workload: {workload.TASKS} tasks of {int(workload.HOLD * 1000)} ms, limit "
         f"{workload.LIMIT}, Redis broker; gate and diy on 2 workers x 4 prefork processes, "
-        "dedicated queue on 1 worker x 4:",
+        "dedicated queue on 1 worker x 4; the gate with the Redis backend unless named:",
         table(data["workload"], ["setup", "utilization", "deliveries_per_task",
                                  "handoff_p50_ms", "handoff_p99_ms", "makespan_s",
                                  "max_concurrent"]),
-        f"Gate utilization / dedicated-queue utilization: **{ratio}**.",
+        f"Gate utilization / dedicated-queue utilization: {ratios}.",
     ]) + "\n"
 
 
@@ -82,15 +84,21 @@ def plots(data) -> None:
 
 
 def main() -> int:
-    from tests.servers import redis_url
+    from tests.servers import amqp_url, redis_url, sweep_amqp, sweep_redis
 
     os.makedirs(RESULTS, exist_ok=True)
     url = os.environ.get("REDIS_URL") or redis_url()
-    print("backends:", flush=True)
-    data = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "machine": machine(),
-            "backends": backends.run(url)}
-    print("celery workload:", flush=True)
-    data["workload"] = workload.run(url)
+    rabbit = amqp_url()
+    try:
+        print("backends:", flush=True)
+        data = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "machine": machine(),
+                "backends": backends.run(url, rabbit)}
+        print("celery workload:", flush=True)
+        data["workload"] = workload.run(url, rabbit)
+    finally:  # the benchmarks' own queues and keys (their names carry this run's tags)
+        sweep_amqp(rabbit)
+        sweep_redis(url)
+        sweep_redis(workload.broker_url(url))
     with open(os.path.join(RESULTS, "results.json"), "w") as f:
         json.dump(data, f, indent=2)
     with open(os.path.join(RESULTS, "results.md"), "w") as f:

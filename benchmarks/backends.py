@@ -10,8 +10,9 @@ import multiprocessing
 import statistics
 import tempfile
 import time
-import uuid
 from typing import Any, Dict, List
+
+from tests.servers import unique_tag
 
 FORK = multiprocessing.get_context("fork")
 
@@ -36,7 +37,7 @@ def _loop(url: str, prefix: str, seconds: float, start: Any, out: Any) -> None:
 
 
 def measure(url: str, processes: int, seconds: float = 3.0) -> Dict[str, Any]:
-    prefix = f"bench{uuid.uuid4().hex[:6]}:"
+    prefix = f"{unique_tag()}:"
     start, out = FORK.Event(), FORK.Queue()
     procs = [FORK.Process(target=_loop, args=(url, prefix, seconds, start, out))
              for _ in range(processes)]
@@ -77,12 +78,36 @@ def redis_server_cost(url: str) -> Dict[str, Any]:
                     f"{row['pairs_per_s']} pairs/s"}
 
 
-def run(redis_url: str) -> List[Dict[str, Any]]:
+CONSUL_NOTE = "measured against the test double (says nothing about a real Consul's speed)"
+
+
+def consul_rows() -> List[Dict[str, Any]]:
+    """The Consul backend against tests/consul_double.py: the backend's round trips and CPU,
+    bound by a Python HTTP server sharing the cores, not by Consul."""
+    from tests.consul_double import ConsulDouble
+
+    double = ConsulDouble().start()
+    try:
+        rows = []
+        for processes in (1, 8):
+            row = {"backend": "consul", **measure(double.url, processes, seconds=2.0),
+                   "note": CONSUL_NOTE}
+            print(f"  {row}", flush=True)
+            rows.append(row)
+        return rows
+    finally:
+        double.stop()
+
+
+def run(redis_url: str, amqp_url: str) -> List[Dict[str, Any]]:
     sqlite = f"sqlite:///{tempfile.mkdtemp(prefix='bench-')}/bench.db"
+    slots = amqp_url.replace("amqp://", "amqp+slots://", 1)
     rows = []
     for name, url, counts in (("memory", "memory://bench", (1,)),
                               ("sqlite", sqlite, (1, 8)),
-                              ("redis", redis_url, (1, 8))):
+                              ("redis", redis_url, (1, 8)),
+                              ("amqp tokens", amqp_url, (1, 8)),
+                              ("amqp slots", slots, (1, 8))):
         for processes in counts:
             row = {"backend": name, **measure(url, processes)}
             print(f"  {row}", flush=True)
@@ -90,4 +115,5 @@ def run(redis_url: str) -> List[Dict[str, Any]]:
     row = redis_server_cost(redis_url)
     print(f"  {row}", flush=True)
     rows.append(row)
+    rows.extend(consul_rows())
     return rows

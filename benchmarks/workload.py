@@ -20,10 +20,10 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from typing import Any, Dict, List
 
 from tests.probe import Probe
+from tests.servers import redis_db, unique_tag
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TASKS, HOLD, LIMIT = 120, 0.05, 4
@@ -45,8 +45,9 @@ def _start_worker(env: Dict[str, str], name: str, concurrency: int, log: str):
 
 def run_setup(kind: str, broker: str, backend: str) -> Dict[str, Any]:
     tmp = tempfile.mkdtemp(prefix=f"bench-{kind}-")
+    tag = unique_tag()
     env = dict(os.environ, BENCH_BROKER=broker, BENCH_SEMAPHORE_BACKEND=backend,
-               BENCH_PREFIX=f"b{uuid.uuid4().hex[:6]}:", BENCH_QUEUE=f"bench{uuid.uuid4().hex[:6]}",
+               BENCH_PREFIX=f"{tag}:", BENCH_QUEUE=f"{tag}.q",
                BENCH_PROBE=os.path.join(tmp, "probe.log"), PYTHONPATH=ROOT)
     workers = [(f"{kind}1", 4)] if kind == "dedicated" else [(f"{kind}1", 4), (f"{kind}2", 4)]
     logs = [os.path.join(tmp, f"{name}.log") for name, _ in workers]
@@ -95,11 +96,20 @@ def analyse(probe: Probe) -> Dict[str, Any]:
     }
 
 
-def run(redis_url: str) -> List[Dict[str, Any]]:
-    broker = redis_url.rsplit("/", 1)[0] + "/12"
+def broker_url(redis_url: str) -> str:
+    """The workload's broker: database 12 of the benchmarks' Redis server."""
+    return redis_db(redis_url, 12)
+
+
+def run(redis_url: str, amqp_url: str) -> List[Dict[str, Any]]:
+    broker = broker_url(redis_url)
     rows = []
-    for kind in ("dedicated", "gate", "diy"):
-        row = run_setup(kind, broker, redis_url)
+    setups = [("dedicated", "dedicated", redis_url), ("gate", "gate", redis_url),
+              ("gate amqp tokens", "gate", amqp_url),
+              ("gate amqp slots", "gate", amqp_url.replace("amqp://", "amqp+slots://", 1)),
+              ("diy", "diy", redis_url)]
+    for label, kind, backend in setups:
+        row = {**run_setup(kind, broker, backend), "setup": label}
         print(f"  {row}", flush=True)
         rows.append(row)
     return rows
