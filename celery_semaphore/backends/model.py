@@ -8,7 +8,7 @@ the contract test suite holds every backend to them. See :mod:`.base` for the ru
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Dict, Iterable, List, Optional, Set, Tuple
 
 from .base import Attempt, Backend, Grant, HolderInfo, Meta, SemaphoreStatus, WaiterInfo
@@ -55,7 +55,18 @@ class State:
     # -- (de)serialization, for backends that store the state as one document ---------------
 
     def dumps(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"))
+        # Field by field, not dataclasses.asdict: asdict deep-copies every meta dict, and
+        # dumping the state was a tenth of a busy semaphore's client CPU.
+        document = {
+            "limit": self.limit,
+            "declared": self.declared,
+            "holders": {holder: vars(entry) for holder, entry in self.holders.items()},
+            "waiters": {holder: vars(entry) for holder, entry in self.waiters.items()},
+            "epochs": self.epochs,
+            "next_ticket": self.next_ticket,
+            "extra": self.extra,
+        }
+        return json.dumps(document, separators=(",", ":"))
 
     @classmethod
     def loads(cls, text: str) -> "State":
