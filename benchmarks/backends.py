@@ -12,7 +12,7 @@ import tempfile
 import time
 from typing import Any, Dict, List
 
-from tests.servers import unique_tag
+from tests.servers import slots_url, unique_tag
 
 FORK = multiprocessing.get_context("fork")
 
@@ -101,7 +101,7 @@ def consul_rows() -> List[Dict[str, Any]]:
 
 def run(redis_url: str, amqp_url: str) -> List[Dict[str, Any]]:
     sqlite = f"sqlite:///{tempfile.mkdtemp(prefix='bench-')}/bench.db"
-    slots = amqp_url.replace("amqp://", "amqp+slots://", 1)
+    slots = slots_url(amqp_url)
     rows = []
     for name, url, counts in (("memory", "memory://bench", (1,)),
                               ("sqlite", sqlite, (1, 8)),

@@ -23,7 +23,7 @@ import time
 from typing import Any, Dict, List
 
 from tests.probe import Probe
-from tests.servers import redis_db, unique_tag
+from tests.servers import redis_db, slots_url, unique_tag
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TASKS, HOLD, LIMIT = 120, 0.05, 4
@@ -106,7 +106,7 @@ def run(redis_url: str, amqp_url: str) -> List[Dict[str, Any]]:
     rows = []
     setups = [("dedicated", "dedicated", redis_url), ("gate", "gate", redis_url),
               ("gate amqp tokens", "gate", amqp_url),
-              ("gate amqp slots", "gate", amqp_url.replace("amqp://", "amqp+slots://", 1)),
+              ("gate amqp slots", "gate", slots_url(amqp_url)),
               ("diy", "diy", redis_url)]
     for label, kind, backend in setups:
         row = {**run_setup(kind, broker, backend), "setup": label}

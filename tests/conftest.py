@@ -82,6 +82,6 @@ def spec(request, tmp_path):
     elif kind == "amqp":
         url = request.getfixturevalue("amqp_url")
     else:
-        url = request.getfixturevalue("amqp_url").replace("amqp://", "amqp+slots://", 1)
+        url = servers.slots_url(request.getfixturevalue("amqp_url"))
     yield BackendSpec(kind, url, options)
     close_all()

@@ -65,6 +65,12 @@ def redis_broker(url: str) -> str:
     return redis_db(url, BROKER_DB)
 
 
+def slots_url(amqp_url: str) -> str:
+    """The slot-queue backend's URL on the broker at ``amqp_url`` (``amqp+slots://...``)."""
+    scheme, rest = amqp_url.split("://", 1)
+    return f"{scheme}+slots://{rest}"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -5,7 +5,6 @@ token count after many reject/requeue cycles. Token counts are read from the bro
 
 import multiprocessing
 import os
-import shutil
 import signal
 import subprocess
 import threading
@@ -26,7 +25,7 @@ FORK = multiprocessing.get_context("fork")
 
 @pytest.fixture(params=["amqp", "amqp+slots"])
 def rabbit(request, amqp_url):
-    url = amqp_url if request.param == "amqp" else amqp_url.replace("amqp://", "amqp+slots://", 1)
+    url = amqp_url if request.param == "amqp" else servers.slots_url(amqp_url)
     prefix = f"{servers.unique_tag()}:"
     yield url, {"key_prefix": prefix}
     close_all()
@@ -107,7 +106,7 @@ def retrying(fn, seconds=60):
 
 
 def restart_broker(amqp_url):
-    ctl = shutil.which("rabbitmqctl") or "/usr/sbin/rabbitmqctl"
+    ctl = servers.rabbitmqctl()
     if not os.path.exists(ctl):
         pytest.fail("restarting the broker needs rabbitmqctl on this machine (Debian package "
                     "rabbitmq-server)", pytrace=False)
@@ -277,7 +276,7 @@ def test_slot_backend_url_and_a_missing_broker(amqp_url):
     from celery_semaphore import BackendUnavailable
     from celery_semaphore.backends.rabbitmq_slots import SlotQueueBackend
 
-    backend = get_backend(amqp_url.replace("amqp://", "amqp+slots://", 1))
+    backend = get_backend(servers.slots_url(amqp_url))
     assert isinstance(backend, SlotQueueBackend)
     assert backend.broker_url.startswith("amqp://")
     port = servers.free_port()

@@ -59,7 +59,7 @@ def urls(combo, redis_url, amqp_url, tmp_dir):
         "redis": redis_url,
         "sqlite": f"sqlite:///{tmp_dir}/sem.db",
         "tokens": None,  # unset: an AMQP broker gives the token backend on its own URL
-        "slots": amqp_url.replace("amqp://", "amqp+slots://", 1),
+        "slots": servers.slots_url(amqp_url),
     }[backend_kind]
     return broker, backend
 
