@@ -84,6 +84,9 @@ class ConsulDouble:
         self.deadlines: Dict[str, float] = {}
         self.lock_delays: Dict[str, float] = {}
         self._server: Optional[ThreadingHTTPServer] = None
+        # Answers of KV reads at the current index, encoded once: a write wakes every blocking
+        # query on the prefix at once, and they would otherwise each render the same answer.
+        self._answers: Dict[Tuple[int, str, str], Tuple[int, Optional["Encoded"]]] = {}
         self._stopped = threading.Event()
 
     # -- life cycle --------------------------------------------------------------------------
@@ -185,6 +188,18 @@ class ConsulDouble:
 
     # -- reads ---------------------------------------------------------------------------------
 
+    def _kv_answer(self, key: str, query: Dict[str, str]) -> Tuple[int, Optional["Encoded"]]:
+        """``_kv_read``'s answer, JSON-encoded, cached until the next write."""
+        form = json.dumps([query.get(k) for k in ("recurse", "keys", "separator")])
+        cached = self._answers.get((self.index, key, form))
+        if cached is None:
+            if len(self._answers) > 1000 or any(i != self.index for i, _, _ in self._answers):
+                self._answers.clear()
+            index, body = self._kv_read(key, query)
+            cached = (index, None if body is None else Encoded(json.dumps(body).encode()))
+            self._answers[(self.index, key, form)] = cached
+        return cached
+
     def _kv_read(self, key: str, query: Dict[str, str]) -> Tuple[int, Any]:
         if "recurse" in query or "keys" in query:
             entries = sorted((e for k, e in self.kv.items() if k.startswith(key)),
@@ -248,7 +263,7 @@ class ConsulDouble:
 
     def _kv(self, method: str, key: str, query: Dict[str, str], body: bytes):
         if method == "GET":
-            index, result = self.blocking(query, lambda: self._kv_read(key, query))
+            index, result = self.blocking(query, lambda: self._kv_answer(key, query))
             return (200 if result is not None else 404), result, index
         if method == "PUT":
             with self.cond:
@@ -378,6 +393,10 @@ class ConsulDouble:
                 self.deadlines[session["ID"]] = time.monotonic() + seconds * self.ttl_multiplier
 
 
+class Encoded(bytes):
+    """A response body already encoded as JSON."""
+
+
 def _render(entry: Dict[str, Any]) -> Dict[str, Any]:
     out = dict(entry)
     out["Value"] = base64.b64encode(entry["Value"]).decode() if entry["Value"] else None
@@ -410,7 +429,10 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             status, result, index = self.store.handle(self.command, parts.path, query, body,
                                                       token)
-            payload = b"" if status == 404 and result is None else json.dumps(result).encode()
+            if isinstance(result, Encoded):
+                payload = bytes(result)
+            else:
+                payload = b"" if status == 404 and result is None else json.dumps(result).encode()
             content_type = "application/json"
         except HTTPError as exc:
             status, index = exc.code, None
