@@ -39,6 +39,12 @@ def admin(url):
     return ConsulConfig.parse(url).client()
 
 
+def contenders(url, prefix, name):
+    """The contender keys of a semaphore (``<prefix><session>``)."""
+    _, keys = admin(url).kv.get(f"{kv_root(prefix)}{name}/", keys=True)
+    return [k for k in keys or [] if not k.endswith("/.lock")]
+
+
 def lock_doc(url, prefix, name):
     _, pair = admin(url).kv.get(f"{kv_root(prefix)}{name}/.lock")
     return json.loads(pair["Value"])
@@ -96,17 +102,25 @@ def test_a_holder_that_stops_renewing_is_pruned_and_its_session_destroyed(consul
     assert stale.release() is False and fresh.release() is True
 
 
-def test_release_and_reset_destroy_sessions_and_contender_keys(consul_url, prefix):
+def test_release_lends_the_session_to_our_next_waiter_and_reset_destroys_sessions(
+    consul_url, prefix
+):
     s = sem(consul_url, prefix, "r", 2)
     a, b = s.acquire(), s.acquire()
-    sessions = lock_doc(consul_url, prefix, "r")["Holders"]
+    sessions = lock_doc(consul_url, prefix, "r")["Sessions"]
+    mine, theirs = sessions[a.holder], sessions[b.holder]
     a.release()
     get_backend(consul_url, key_prefix=prefix).reset("r")
     client = admin(consul_url)
-    assert all(client.session.info(sid)[1] is None for sid in sessions)
-    _, keys = client.kv.get(f"{kv_root(prefix)}r/", keys=True)
-    assert keys == [f"{kv_root(prefix)}r/.lock"]  # only the epochs are kept
+    assert client.session.info(theirs)[1] is None  # reset: destroyed at once
     assert not b.verify()
+    c = s.acquire()  # this process's next holder reuses the released session
+    assert lock_doc(consul_url, prefix, "r")["Sessions"] == {c.holder: mine}
+    c.release()
+    # Unused, a released session lives spare_keep (1 s) more, then goes with its key.
+    assert wait_until(lambda: client.session.info(mine)[1] is None, timeout=5)
+    _, keys = client.kv.get(f"{kv_root(prefix)}r/", keys=True)
+    assert keys == [f"{kv_root(prefix)}r/.lock"]
 
 
 def test_a_failed_try_acquire_leaves_no_session_behind(consul_url, prefix):
@@ -118,6 +132,41 @@ def test_a_failed_try_acquire_leaves_no_session_behind(consul_url, prefix):
     _, after = admin(consul_url).session.list()
     assert len(after) == len(before)
     held.release()
+
+
+def test_a_waiter_whose_early_session_died_gets_a_new_one_on_admission(consul_url, prefix):
+    s = sem(consul_url, prefix, "e", 1)
+    held = s.acquire()
+    results = []
+    waiter = threading.Thread(target=lambda: results.append(s.acquire(timeout=20)))
+    waiter.start()
+    client = admin(consul_url)
+    holding = set(lock_doc(consul_url, prefix, "e")["Holders"])
+
+    def early_sessions():  # contender keys are named after their session
+        return {k.rsplit("/", 1)[1] for k in contenders(consul_url, prefix, "e")} - holding
+
+    assert wait_until(early_sessions)  # made while it waits first in line
+    destroyed = early_sessions()
+    for session in destroyed:
+        client.session.destroy(session)  # an operator, or a missed renewal
+    held.release()
+    waiter.join(10)
+    (lease,) = results
+    assert lease.verify()
+    (session,) = lock_doc(consul_url, prefix, "e")["Holders"]
+    assert session not in destroyed and client.session.info(session)[1] is not None
+    lease.release()
+
+
+def test_close_destroys_the_sessions_kept_for_reuse(consul_url, prefix):
+    backend = ConsulBackend(consul_url, key_prefix=prefix, spare_keep=60)
+    s = Semaphore("k", 1, backend, key_prefix=prefix)
+    s.acquire().release()  # its session is kept for a minute for this process's next holder
+    (key,) = contenders(consul_url, prefix, "k")
+    assert admin(consul_url).session.info(key.rsplit("/", 1)[1])[1] is not None
+    backend.close()
+    assert contenders(consul_url, prefix, "k") == []
 
 
 # -- limits and wake-ups across processes ---------------------------------------------------

@@ -18,10 +18,17 @@ contract of :mod:`.base`. A semaphore ``name`` lives under the KV prefix
   whose session no longer holds a contender key, so a session Consul invalidates (TTL,
   failed node check, ``consul session destroy``) drops its holder on the next operation.
   ``renew`` renews the session and fails (None) when Consul no longer knows it. Whenever a
-  holder leaves ``.lock`` (release, expiry, pruning, reset) its session is destroyed after the
-  CAS, which deletes its contender key; a failed acquire destroys the session it made.
-* Waiters have no session: their queue entry in ``.lock`` expires after ``waiter_ttl`` unless
-  they retry, as in the other backends.
+  holder leaves ``.lock`` (expiry, pruning, reset, another process's release) its session is
+  destroyed after the CAS, which deletes its contender key; a failed acquire destroys the
+  session it made. A process's own release keeps the session (and its key) as a *spare* for
+  that process's next holder on the name, for ``spare_keep`` seconds (1 s), then destroys it:
+  a worker that runs guarded tasks back to back makes no session per task, which spares
+  Consul three Raft writes (session create, key acquire, session destroy) per admission.
+  No two holders ever share a session.
+* Waiters have no session in ``.lock``: their queue entry expires after ``waiter_ttl`` unless
+  they retry, as in the other backends. A waiter within one round of holders from admission
+  (or with a spare at hand) gets its session while it waits, so that its admission is one
+  read and one check-and-set; a waiting process renews it past half its TTL.
 * Wake-ups: while a process has queued waiters on a name, one daemon thread per name runs
   blocking queries (``?index=&wait=``, consistent) on the prefix and calls a waiter's callback
   when the rules would admit it; a process also wakes its own waiters directly after its own
@@ -79,6 +86,8 @@ LOCK_KEY = ".lock"
 MIN_SESSION_TTL, MAX_SESSION_TTL = 10, 86400
 #: CAS attempts before an operation gives up (each retry waits a little longer, with jitter).
 MAX_ATTEMPTS = 200
+#: Spare sessions (see ConsulBackend._give_spare) kept per semaphore name and process.
+MAX_SPARES = 8
 _UNAVAILABLE = (consul.ConsulException, requests.RequestException, OSError,
                 http.client.HTTPException)
 
@@ -241,10 +250,14 @@ class _Box(Box):
     """A semaphore's state inside one CAS attempt, with what ``.lock`` keeps beside it."""
 
     def __init__(self, state: Optional[State], now: float, epochs: Dict[int, int],
-                 sessions: Dict[str, str]) -> None:
+                 sessions: Dict[str, str], live: Set[str]) -> None:
         super().__init__(state, now)
         self.epochs = epochs
-        self.sessions = sessions
+        self.sessions = sessions  # holder -> its session
+        self.live = live  # sessions that held a key under the prefix when it was read
+        #: Sessions this operation gives back to this process (a release, a cancel): they
+        #: become spares instead of being destroyed.
+        self.spare: Set[str] = set()
 
     def new_state(self, limit: int) -> State:
         return State(limit=limit, epochs=dict(self.epochs))
@@ -264,8 +277,8 @@ class _Snapshot:
 
     def box(self, now: float, idle_ttl: float) -> Tuple[_Box, Set[Tuple[str, str]]]:
         """A private copy, pruned: expired entries and holders whose session is gone."""
-        state = State.loads(self.state.dumps()) if self.state is not None else None
-        box = _Box(state, now, dict(self.epochs), dict(self.sessions))
+        state = State.from_dict(self.raw["State"]) if self.state is not None else None
+        box = _Box(state, now, dict(self.epochs), dict(self.sessions), set(self.live))
         before: Set[Tuple[str, str]] = set()
         if state is not None:
             before = state.admissible()
@@ -296,12 +309,11 @@ def _coalesce(old: Optional[State], new: Optional[State], now: float, waiter_ttl
 
 def _encode(box: _Box) -> Dict[str, Any]:
     state = box.state
-    sessions = {h: s for h, s in box.sessions.items() if state is not None and h in state.holders}
-    box.sessions = sessions
+    box.sessions = {h: s for h, s in box.sessions.items() if state and h in state.holders}
     return {
         "Limit": state.limit if state is not None else 0,
-        "Holders": sorted(sessions.values()),
-        "Sessions": sessions,
+        "Holders": sorted(box.sessions.values()),
+        "Sessions": box.sessions,
         "State": json.loads(state.dumps()) if state is not None else None,
         "Epochs": {str(k): v for k, v in (state.epochs if state else box.epochs).items()},
     }
@@ -322,6 +334,7 @@ class ConsulBackend(ModelBackend):
         timeout: Optional[float] = None,
         watch_wait: float = 10.0,
         wake_pause: float = 0.05,
+        spare_keep: float = 1.0,
         **options: Any,
     ) -> None:
         super().__init__(url, **options)
@@ -333,10 +346,18 @@ class ConsulBackend(ModelBackend):
         self._closed = threading.Event()
         self._watch_threads: Dict[str, threading.Thread] = {}
         self._clients: List[consul.Consul] = []
-        # Sessions made while their holder waits near the head of the line, so that its
-        # admission is one read and one check-and-set: (name, holder) -> (session, made at).
-        self._ready: Dict[Tuple[str, str], Tuple[str, float]] = {}
-        self._ready_lock = threading.Lock()
+        self.spare_keep = spare_keep
+        self._new_session_pools()
+
+    def _new_session_pools(self) -> None:
+        self._sessions_lock = threading.Lock()
+        #: Every session this process made and may still use: session -> (TTL, renewed at).
+        self._owned: Dict[str, Tuple[int, float]] = {}
+        #: Sessions made in advance for our queued waiters: (name, holder) -> session.
+        self._ready: Dict[Tuple[str, str], str] = {}
+        #: Sessions our releases gave back, for our next waiters: name -> [(session, since)].
+        self._spares: Dict[str, List[Tuple[str, float]]] = {}
+        self._sweeper: Optional[threading.Timer] = None
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {_masked(self.url)}>"
@@ -390,18 +411,22 @@ class ConsulBackend(ModelBackend):
 
     def _destroy(self, session: str) -> None:
         """Destroy a session: Consul deletes its contender key (behavior delete)."""
+        with self._sessions_lock:
+            self._owned.pop(session, None)
         try:
             self._call(self.client.session.destroy, session)
         except BackendUnavailable as exc:  # its TTL will end it
             logger.warning("could not destroy consul session %s: %s", session, exc)
 
-    def _new_contender(self, name: str, holder: str, ttl: float) -> str:
-        """A session for ``holder`` and its contender key ``<prefix><session>``."""
+    def _new_contender(self, name: str, ttl: int) -> str:
+        """A session (TTL ``ttl`` seconds) and its contender key ``<prefix><session>``."""
         session = self._call(
             self.client.session.create, name=f"celery-semaphore {name}", behavior="delete",
-            ttl=session_ttl(ttl), lock_delay=0,
+            ttl=ttl, lock_delay=0,
         )
-        body = json.dumps({"holder": holder, "client": self.client_id})
+        with self._sessions_lock:
+            self._owned[session] = (ttl, time.monotonic())
+        body = json.dumps({"client": self.client_id})
         try:
             made = self._call(self.client.kv.put, self.prefix(name) + session, body,
                               acquire=session)
@@ -414,6 +439,81 @@ class ConsulBackend(ModelBackend):
                 f"consul refused the contender key of semaphore {name!r} (session invalidated?)"
             )
         return session
+
+    # -- sessions this process made: kept for its waiters, reused after a release ------------
+
+    def _renew_session(self, session: str) -> bool:
+        """Renew one of our sessions; False when Consul no longer knows it."""
+        try:
+            self._call(self.client.session.renew, session)
+        except BackendUnavailable as exc:
+            if not isinstance(exc.__cause__, consul.NotFound):
+                raise
+            with self._sessions_lock:
+                self._owned.pop(session, None)
+            return False
+        with self._sessions_lock:
+            if session in self._owned:
+                self._owned[session] = (self._owned[session][0], time.monotonic())
+        return True
+
+    def _usable(self, session: str, ttl: int) -> bool:
+        """Ours, with TTL ``ttl``, and renewed less than half its TTL ago (renewing it if
+        not): good enough to become a holder's session, which its lease keeps renewing."""
+        with self._sessions_lock:
+            owned = self._owned.get(session)
+        if owned is None or owned[0] != ttl:
+            return False
+        return time.monotonic() - owned[1] < ttl / 2 or self._renew_session(session)
+
+    def _take_spare(self, name: str, ttl: int, live: Optional[Set[str]]) -> Optional[str]:
+        """A session that a release of ours on ``name`` gave back, if still good (and in
+        ``live``, the sessions holding keys in the caller's read, when given)."""
+        with self._sessions_lock:
+            spares = self._spares.get(name, [])
+            picked = [s for s, _ in spares if self._owned.get(s, (0,))[0] == ttl]
+            if not picked:
+                return None
+            session = picked[-1]
+            spares[:] = [(s, at) for s, at in spares if s != session]
+        if (live is None or session in live) and self._usable(session, ttl):
+            return session
+        self._destroy(session)
+        return self._take_spare(name, ttl, live)
+
+    def _give_spare(self, name: str, session: str) -> None:
+        """Keep a session no holder uses any more for this process's next waiter on ``name``;
+        it is destroyed after ``spare_keep`` seconds unused, or at :meth:`close`."""
+        with self._sessions_lock:
+            if session not in self._owned or self._closed.is_set():
+                extra = [session]
+            else:
+                spares = self._spares.setdefault(name, [])
+                spares.append((session, time.monotonic()))
+                extra = [s for s, _ in spares[:-MAX_SPARES]]
+                del spares[:-MAX_SPARES]
+                if self._sweeper is None:
+                    self._sweeper = threading.Timer(self.spare_keep, self._sweep_spares)
+                    self._sweeper.daemon = True
+                    self._sweeper.start()
+        for old in extra:
+            self._destroy(old)
+
+    def _sweep_spares(self) -> None:
+        cutoff = time.monotonic() - self.spare_keep
+        with self._sessions_lock:
+            self._sweeper = None
+            stale = [s for spares in self._spares.values() for s, at in spares if at <= cutoff]
+            for name in list(self._spares):
+                self._spares[name] = [(s, at) for s, at in self._spares[name] if at > cutoff]
+                if not self._spares[name]:
+                    del self._spares[name]
+            if self._spares and not self._closed.is_set():
+                self._sweeper = threading.Timer(self.spare_keep / 2, self._sweep_spares)
+                self._sweeper.daemon = True
+                self._sweeper.start()
+        for session in stale:
+            self._destroy(session)
 
     # -- the rules in a CAS loop on .lock ----------------------------------------------------
 
@@ -441,9 +541,11 @@ class ConsulBackend(ModelBackend):
             raise BackendUnavailable(
                 f"consul semaphore {name!r}: {MAX_ATTEMPTS} check-and-set attempts lost"
             )
-        for holder, session in snap.sessions.items():
-            if box.sessions.get(holder) != session:
-                self._destroy(session)
+        in_use = set(box.sessions.values())
+        for session in set(snap.sessions.values()) - in_use - box.spare:
+            self._destroy(session)  # its holder left: Consul deletes its contender key
+        for session in box.spare - in_use:
+            self._give_spare(name, session)
         for client, holder in wakeups(before, box.state):
             self._send_wakeup(client, name, holder)
         return result
@@ -465,10 +567,11 @@ class ConsulBackend(ModelBackend):
         self, name: str, holder: str, *, limit: int, ttl: float, meta: Meta, wait: bool
     ) -> Attempt:
         meta = as_json(meta)
-        made: List[str] = []  # the session made for this holder, kept across CAS retries
-        ready = self._take_ready(name, holder, ttl)
-        if ready is not None:
-            made.append(ready)
+        ttl_s = session_ttl(ttl)
+        with self._sessions_lock:
+            ready = self._ready.pop((name, holder), None)
+        # The session this call gives the holder; kept across check-and-set retries.
+        mine: List[str] = [ready] if ready is not None and self._usable(ready, ttl_s) else []
 
         def op(box: Box) -> Attempt:
             assert isinstance(box, _Box)
@@ -480,51 +583,49 @@ class ConsulBackend(ModelBackend):
                 client=self.client_id, now=box.now, waiter_ttl=self.waiter_ttl,
             )
             if attempt.grant is not None and not held:
-                if not made:
-                    made.append(self._new_contender(name, holder, ttl))
-                box.sessions[holder] = made[0]
+                if mine and mine[0] not in box.live:  # Consul invalidated it meanwhile
+                    self._destroy(mine.pop())
+                if not mine:
+                    mine[:] = [self._take_spare(name, ttl_s, box.live)
+                               or self._new_contender(name, ttl_s)]
+                box.sessions[holder] = mine[0]
             return attempt
 
         try:
             attempt = self._run(name, op)
         except BaseException:
-            for session in made:
+            for session in mine:
                 self._destroy(session)
             raise
-        if made and attempt.grant is None:  # admitted on an attempt that lost its CAS
-            if attempt.position is not None and attempt.position < attempt.limit:
-                self._keep_ready(name, holder, made[0])
-            else:
-                self._destroy(made[0])
-        elif attempt.position is not None and attempt.position < attempt.limit:
-            # Within one round of holders from a slot: make the session now, not on admission.
-            self._keep_ready(name, holder, self._new_contender(name, holder, ttl))
-        if attempt.position is not None:  # queued: watch the prefix for this waiter
+        if attempt.grant is None and attempt.position is not None:
+            # Queued. Within one round of holders from admission (or with a spare at hand),
+            # get the session now, so that the admission is one read and one check-and-set.
+            if not mine and (attempt.position < attempt.limit or self._spares.get(name)):
+                mine.append(self._take_spare(name, ttl_s, None)
+                            or self._new_contender(name, ttl_s))
+            if mine:
+                with self._sessions_lock:
+                    self._ready[(name, holder)] = mine[0]
             self._ensure_watcher(name)
+        elif attempt.grant is None and mine:  # admitted on a try that lost its CAS, then not
+            self._give_spare(name, mine[0])
         return attempt
 
-    def _keep_ready(self, name: str, holder: str, session: str) -> None:
-        with self._ready_lock:
-            self._ready[(name, holder)] = (session, time.monotonic())
+    def release(self, name: str, holder: str) -> bool:
+        def op(box: Box) -> bool:
+            assert isinstance(box, _Box)
+            if box.state is None or not box.state.release(holder):
+                return False
+            box.spare.add(box.sessions[holder])  # for our next waiter on this name
+            return True
 
-    def _take_ready(self, name: str, holder: str, ttl: float) -> Optional[str]:
-        """The session made while ``holder`` waited, if young enough to hold the lease (a
-        waiter does not renew it: past half its TTL it is destroyed and made anew)."""
-        with self._ready_lock:
-            ready = self._ready.pop((name, holder), None)
-        if ready is None:
-            return None
-        session, made_at = ready
-        if time.monotonic() - made_at < session_ttl(ttl) / 2:
-            return session
-        self._destroy(session)
-        return None
+        return self._run(name, op)
 
     def cancel(self, name: str, holder: str) -> None:
-        with self._ready_lock:
+        with self._sessions_lock:
             ready = self._ready.pop((name, holder), None)
         if ready is not None:
-            self._destroy(ready[0])
+            self._give_spare(name, ready)
         super().cancel(name, holder)
 
     def renew(self, name: str, holder: str, ttl: float) -> Optional[float]:
@@ -539,6 +640,10 @@ class ConsulBackend(ModelBackend):
                     raise
                 box.state.release(holder)  # Consul invalidated the session: the lease is lost
                 return None
+            with self._sessions_lock:
+                owned = self._owned.get(box.sessions[holder])
+                if owned is not None:
+                    self._owned[box.sessions[holder]] = (owned[0], time.monotonic())
             return box.state.renew(holder, ttl, box.now)
 
         return self._run(name, op)
@@ -630,16 +735,20 @@ class ConsulBackend(ModelBackend):
         self._local = threading.local()
         self._watch_threads = {}
         self._clients = []
-        self._ready = {}  # the parent's waiters' sessions stay the parent's
-        self._ready_lock = threading.Lock()
+        self._new_session_pools()  # the parent's sessions stay the parent's
 
     def close(self) -> None:
         """Stop the watchers (each after its current blocking query) and close connections."""
-        with self._ready_lock:
-            ready, self._ready = list(self._ready.values()), {}
-        for session, _ in ready:
-            self._destroy(session)
         self._closed.set()
+        with self._sessions_lock:
+            unused = list(self._ready.values())
+            unused += [session for spares in self._spares.values() for session, _ in spares]
+            self._ready, self._spares = {}, {}
+            if self._sweeper is not None:
+                self._sweeper.cancel()
+                self._sweeper = None
+        for session in unused:
+            self._destroy(session)
         with self._watch_lock:
             clients, self._clients = self._clients, []
         for client in clients:
