@@ -3,6 +3,7 @@ results.md, *.png}. The README's benchmark table is results.md."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -55,7 +56,7 @@ def markdown(data) -> str:
     ]) + "\n"
 
 
-def plots(data) -> None:
+def plots(data, out: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -68,7 +69,7 @@ def plots(data) -> None:
     ax.set_ylabel("acquire+release pairs/s")
     ax.set_title("Backend throughput")
     fig.tight_layout()
-    fig.savefig(os.path.join(RESULTS, "backends.png"), dpi=110)
+    fig.savefig(os.path.join(out, "backends.png"), dpi=110)
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
     setups = [r["setup"] for r in data["workload"]]
@@ -80,13 +81,20 @@ def plots(data) -> None:
     right.set_yscale("log")
     right.set_title("Handoff latency p50 (ms, log)")
     fig.tight_layout()
-    fig.savefig(os.path.join(RESULTS, "workload.png"), dpi=110)
+    fig.savefig(os.path.join(out, "workload.png"), dpi=110)
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description="Run every benchmark (a few minutes) against the local Redis and RabbitMQ.")
+    parser.add_argument("--output", default=RESULTS, metavar="DIR",
+                        help="where results.json, results.md and the plots go "
+                             "(default: benchmarks/results, the README's figures)")
+    out = parser.parse_args(argv).output
     from tests.servers import amqp_url, redis_url, sweep_amqp, sweep_redis
 
-    os.makedirs(RESULTS, exist_ok=True)
+    os.makedirs(out, exist_ok=True)
     url = os.environ.get("REDIS_URL") or redis_url()
     rabbit = amqp_url()
     try:
@@ -99,11 +107,11 @@ def main() -> int:
         sweep_amqp(rabbit)
         sweep_redis(url)
         sweep_redis(workload.broker_url(url))
-    with open(os.path.join(RESULTS, "results.json"), "w") as f:
+    with open(os.path.join(out, "results.json"), "w") as f:
         json.dump(data, f, indent=2)
-    with open(os.path.join(RESULTS, "results.md"), "w") as f:
+    with open(os.path.join(out, "results.md"), "w") as f:
         f.write(markdown(data))
-    plots(data)
+    plots(data, out)
     print(markdown(data))
     return 0
 
