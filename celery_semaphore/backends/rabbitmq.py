@@ -12,6 +12,11 @@ in the durable classic queue ``<prefix><name>.registry``. Taking that message (`
 without ack, or a consumer when someone else has it) is the semaphore's mutex; the update
 publishes the new state and acks the old one in one AMQP transaction on that one queue, so a
 client that dies mid-update leaves the old state requeued by the broker, never two or none.
+Deletion removes the queue while holding its message. One window is left: a client killed
+between declaring a new registry queue and publishing its first state leaves it empty, and
+operations on that name time out (BackendUnavailable) until the queue is deleted by hand
+(``rabbitmqctl delete_queue <prefix><name>.registry``). Nothing recreates the message
+automatically: a frozen process may still hold it, and two states could admit twice the limit.
 Creation and deletion happen under ``<queue>.admin``, an exclusive queue (RESOURCE_LOCKED when
 another connection holds it). ``<prefix>names`` is a registry message of its own listing the
 names. Queues need no management plugin and live until ``reset``.
@@ -38,6 +43,7 @@ import queue
 import random
 import select
 import socket
+import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -55,7 +61,9 @@ from .model import Box, ModelBackend, State, as_json, wakeups
 
 logger = logging.getLogger(__name__)
 
-#: Errors after which the connection is unusable.
+#: Errors after which the connection is unusable. BackendUnavailable is an OSError too (a
+#: ConnectionError) but is raised by this module for a wait that timed out, with the
+#: connection fine: it is always caught before these.
 CONNECTION_ERRORS = (OSError, amqp_errors.ConnectionError, amqp_errors.RecoverableConnectionError)
 
 
@@ -117,11 +125,14 @@ class AMQPLink:
         self._stopped = True
         self._poke()
         self._thread.join(5)
+        if not self._thread.is_alive():
+            self._wake_r.close()
+            self._wake_w.close()
 
     def _poke(self) -> None:
         try:
             self._wake_w.send(b"x")
-        except OSError:
+        except OSError:  # closed by stop(), or full: the loop is awake either way
             pass
 
     # -- the I/O thread ------------------------------------------------------------------
@@ -199,6 +210,13 @@ class AMQPLink:
                 except CONNECTION_ERRORS as exc:
                     self.lost(exc)
         self._disconnect()
+        while True:  # calls that raced with stop(): fail them now rather than by their timeout
+            try:
+                _, _, future = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if future.set_running_or_notify_cancel():
+                future.set_exception(BackendUnavailable("the AMQP backend was closed"))
 
     def _drain(self, sock: socket.socket) -> None:
         """Handle the frames that arrived, without starving the commands or the heartbeats.
@@ -231,6 +249,8 @@ class AMQPLink:
                 continue
             try:
                 future.set_result(fn(*args))
+            except BackendUnavailable as exc:  # a wait that timed out: the connection is fine
+                future.set_exception(exc)
             except CONNECTION_ERRORS as exc:
                 self.lost(exc)
                 future.set_exception(BackendUnavailable(f"AMQP broker connection failed: {exc}"))
@@ -243,6 +263,8 @@ class AMQPLink:
             _, _, fn = heapq.heappop(self._timers)
             try:
                 fn()
+            except BackendUnavailable:
+                logger.exception("AMQP semaphore timer failed")
             except CONNECTION_ERRORS as exc:
                 self.lost(exc)
             except Exception:
@@ -416,16 +438,33 @@ class RabbitBackend(ModelBackend):
             return hand
         while self._spare and not self._spare[-1].is_open:
             self._spare.pop()
-        if self._spare:
-            channel = self._spare.pop()
-        else:
-            channel = self.link.connection().channel()
-            channel.basic_qos(0, 1, False)
-            watch_channel(channel, functools.partial(self._channel_closed, channel))
+        channel = self._spare.pop() if self._spare else self._new_hand_channel()
         hand = Hand(name, holder, channel)
         self._owners[id(channel)] = hand
         self._hands[(name, holder)] = hand
         return hand
+
+    def _new_hand_channel(self) -> amqp.Channel:
+        channel = self.link.connection().channel()
+        channel.basic_qos(0, 1, False)
+        watch_channel(channel, functools.partial(self._channel_closed, channel))
+        return channel
+
+    def _rehome(self, hand: Hand) -> None:
+        """Move a hand that holds nothing to a fresh channel (the broker closed its own)."""
+        old = hand.channel
+        self._tainted.discard(id(old))
+        if self._owners.get(id(old)) is hand:
+            del self._owners[id(old)]
+        try:
+            if old.is_open:
+                old.close()
+        except amqp_errors.ChannelError:
+            pass
+        hand.channel = self._new_hand_channel()
+        hand.lost = False
+        hand.consumer_tag = None
+        self._owners[id(hand.channel)] = hand
 
     def _channel_closed(self, channel: amqp.Channel) -> None:
         self._tainted.add(id(channel))  # reopened by py-amqp without its prefetch: retire it
@@ -516,18 +555,31 @@ class RabbitBackend(ModelBackend):
         try:
             message = channel.basic_get(queue_name, no_ack=False)
             if message is None:
-                got: List[amqp.Message] = []
-                tag = channel.basic_consume(queue_name, callback=got.append)
-                try:
-                    self.link.wait_for(lambda: bool(got), self.registry_timeout, queue_name)
-                finally:
-                    if channel.is_open:  # prefetch 1: nothing more comes while we hold it
-                        channel.basic_cancel(tag, nowait=True)
-                message = got[0]
+                message = self._wait_for_message(channel, queue_name)
         except amqp_errors.NotFound:  # deleted by a reset elsewhere
+            message = None
+        if message is None:
             self._known.discard(queue_name)
-            return None
         return message
+
+    def _wait_for_message(self, channel: amqp.Channel, queue_name: str
+                          ) -> Optional[amqp.Message]:
+        """Consume the registry message when its holder gives it back; None when the queue
+        is deleted meanwhile (the broker cancels our consumer)."""
+        got: List[amqp.Message] = []
+        cancelled: List[str] = []
+        tag = channel.basic_consume(queue_name, callback=got.append, on_cancel=cancelled.append)
+        try:
+            self.link.wait_for(lambda: bool(got or cancelled), self.registry_timeout,
+                               queue_name)
+        finally:
+            if channel.is_open and not cancelled:
+                # Synchronous: a delivery that crossed our cancel lands in ``got`` before the
+                # CancelOk, instead of in a callback nobody reads (prefetch 1: at most one).
+                channel.basic_cancel(tag)
+            if got and sys.exc_info()[0] is not None:
+                self._give_back(got.pop())
+        return got[0] if got else None
 
     def _put(self, message: amqp.Message, queue_name: str, body: str) -> None:
         channel = self._channel("tx")
@@ -565,11 +617,13 @@ class RabbitBackend(ModelBackend):
 
     def _delete(self, message: amqp.Message, queue_name: str, after: Callable[[], None]) -> None:
         with self._admin_lock(queue_name) as lock:
-            channel = self._channel("tx")
-            channel.basic_ack(message.delivery_tag)
-            channel.tx_commit()
+            # Deleted while we hold its message: the message goes with the queue, so no moment
+            # leaves an empty registry queue that every later _take would wait on forever.
             lock.queue_delete(queue_name)
             self._known.discard(queue_name)
+            channel = self._channel("tx")
+            channel.basic_ack(message.delivery_tag)  # a no-op for the broker now
+            channel.tx_commit()
             after()
 
     def _update_document(self, queue_name: str, change: Callable[[Any], Any], default: Any) -> Any:
@@ -593,6 +647,8 @@ class RabbitBackend(ModelBackend):
     def _run_here(self, name: str, op: Callable[[Box], Any]) -> Any:
         """ModelBackend's atomic section: take the state, apply ``op``, store (I/O thread)."""
         queue_name = self.queue_name(name, "registry")
+        if self._wake_queue is None and self._watchers:
+            self._listen_here()  # after a reconnect: the old wake-up queue died with it
         for _ in range(10):
             message = self._take(queue_name)
             state = State.loads(_text(message.body)) if message is not None else None
@@ -602,32 +658,48 @@ class RabbitBackend(ModelBackend):
                 state.prune(now, self.idle_ttl)
             old_limit = state.limit if state is not None else None
             box = Box(state, now)
-            try:
-                result = op(box)
-            except BaseException:
-                if message is not None:
-                    self._give_back(message)
-                raise
             if message is None:
+                result = op(box)
                 if box.state is None:
                     return result
                 if not self._create(queue_name, functools.partial(self._created, name, box.state)):
                     continue  # another client created it first: decide again on its state
                 self._update_document(self.names_queue, functools.partial(_add, name), [])
-            elif box.state is None:
-                self._delete(message, queue_name, functools.partial(self._after_reset, name, state))
             else:
-                if old_limit is not None and box.state.limit != old_limit:
-                    self._resize_physical(name, box.state, old_limit)
-                body = box.state.dumps()
-                if body == _text(message.body):
-                    self._give_back(message)
-                else:
-                    self._put(message, queue_name, body)
+                result = self._settle(message, queue_name, name, box, op, state, old_limit)
             for client, holder in wakeups(before, box.state):
                 self._send_wakeup(client, name, holder)
             return result
         raise BackendUnavailable(f"semaphore {name!r}: the registry kept changing under us")
+
+    def _settle(self, message: amqp.Message, queue_name: str, name: str, box: Box,
+                op: Callable[[Box], Any], state: State, old_limit: int) -> Any:
+        """Apply ``op`` to the registry state held in ``message`` and store the outcome. Any
+        failure before the store gives the message back: the registry is never left held
+        by a live connection that will not touch it again."""
+        settled = False
+        try:
+            result = op(box)
+            if box.state is None:
+                self._delete(message, queue_name,
+                             functools.partial(self._after_reset, name, state))
+                return result
+            if box.state.limit != old_limit:
+                self._resize_physical(name, box.state, old_limit)
+            body = box.state.dumps()
+            settled = True
+            if body == _text(message.body):
+                self._give_back(message)
+            else:
+                self._put(message, queue_name, body)
+            return result
+        except BaseException:
+            if not settled and self.link.conn is not None:
+                try:
+                    self._give_back(message)
+                except CONNECTION_ERRORS + (amqp_errors.ChannelError,):
+                    pass  # the broker requeues what a closed channel or connection held
+            raise
 
     def _created(self, name: str, state: State) -> str:
         self._create_physical(name, state)
@@ -680,6 +752,8 @@ class RabbitBackend(ModelBackend):
         raise NotImplementedError
 
     def _resize_physical(self, name: str, state: State, old_limit: int) -> None:
+        """Change the physical side to ``state.limit`` (registry message held; acks and
+        rejects on the ``tx`` channel commit with the new registry state)."""
         raise NotImplementedError
 
     def _delete_physical(self, name: str, state: State) -> None:
@@ -702,8 +776,13 @@ class RabbitBackend(ModelBackend):
         channel = self._channel("wake")
         queue_name = f"{self.key_prefix}wake.{self.client_id}"
         channel.queue_declare(queue_name, exclusive=True, auto_delete=True)
-        channel.basic_consume(queue_name, no_ack=True, callback=self._on_wakeup)
+        channel.basic_consume(queue_name, no_ack=True, callback=self._on_wakeup,
+                              on_cancel=self._wake_queue_gone)
         self._wake_queue = queue_name
+
+    def _wake_queue_gone(self, consumer_tag: str) -> None:
+        """Someone deleted our wake-up queue: listen again on the next operation."""
+        self._wake_queue = None
 
     def _on_wakeup(self, message: amqp.Message) -> None:
         try:

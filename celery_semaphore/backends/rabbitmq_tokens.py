@@ -22,8 +22,9 @@ Beyond the blog, and why:
   generation (a duplicate left by a shrink and regrow, or by re-creation) is acked away when
   seen, so drift heals itself.
 * **Resize** runs while holding the registry message, so two resizes never interleave: grow
-  publishes new tokens; shrink acks the surplus tokens in the queue and holders of surplus
-  tokens ack theirs on release.
+  publishes new tokens before the registry lists them; shrink acks the surplus tokens in the
+  queue in the same AMQP transaction that commits the smaller limit, and holders of surplus
+  tokens ack theirs on release. An interrupted grow leaves stale tokens, which heal as below.
 * **Classic queue.** Quorum queues drop a message requeued more than ``delivery-limit`` times
   (20 by default in RabbitMQ 4), which would shrink the semaphore to zero over time; classic
   queues have no delivery limit.
@@ -102,6 +103,8 @@ class TokenBackend(RabbitBackend):
     def _resize_physical(self, name: str, state: State, old_limit: int) -> None:
         tokens: Dict[str, int] = state.extra.setdefault("tokens", {})
         if state.limit > old_limit:
+            # Published before the registry lists them: if we die first, they are stale
+            # tokens (not listed) and whoever takes one acks it away.
             generation = next_epoch(max(tokens.values(), default=0), time.time())
             for number in range(old_limit, state.limit):
                 tokens[str(number)] = generation
@@ -112,8 +115,10 @@ class TokenBackend(RabbitBackend):
             self._ack_surplus(name, tokens)
 
     def _ack_surplus(self, name: str, tokens: Dict[str, int]) -> None:
-        """Ack the queued tokens that are no longer current; requeue the rest."""
-        channel = self._channel("confirm")
+        """Ack the queued tokens that are no longer current; requeue the rest. On the
+        registry's transactional channel: the acks take effect with the smaller limit's
+        commit, or not at all (a connection lost before it returns every token)."""
+        channel = self._channel("tx")
         taken: List[amqp.Message] = []
         while True:
             message = channel.basic_get(self.tokens_queue(name), no_ack=False)
@@ -140,19 +145,32 @@ class TokenBackend(RabbitBackend):
                 hand.message = hand.channel.basic_get(queue_name, no_ack=False)
             except amqp.exceptions.NotFound:  # reset meanwhile; the channel held nothing
                 self._known.discard(queue_name)
-                hand.lost = False
+                self._rehome(hand)  # the broker closed its channel (py-amqp reopened it bare)
 
     def _consume(self, hand: Hand) -> None:
         if hand.consumer_tag is None and hand.message is None:
             hand.consumer_tag = hand.channel.basic_consume(
                 self.tokens_queue(hand.name),
                 callback=lambda message: self._on_token(hand, message),
+                on_cancel=lambda tag: self._consumer_cancelled(hand, tag),
             )
+
+    def _consumer_cancelled(self, hand: Hand, tag: str) -> None:
+        """The broker cancelled our consumer: the token queue was deleted (a reset)."""
+        if hand.consumer_tag == tag:
+            hand.consumer_tag = None
+            self._known.discard(self.tokens_queue(hand.name))
+            self._notify(hand.name, hand.holder)  # re-try: the semaphore is gone or new
 
     def _stop_consuming(self, hand: Hand) -> None:
         tag, hand.consumer_tag = hand.consumer_tag, None
         if tag is not None and hand.channel.is_open:
+            # nowait (this runs inside delivery callbacks too): py-amqp would keep the
+            # callbacks until a CancelOk it never reads; without them it rejects (requeues)
+            # a token that crossed the cancel.
             hand.channel.basic_cancel(tag, nowait=True)
+            hand.channel.callbacks.pop(tag, None)
+            hand.channel.cancel_callbacks.pop(tag, None)
 
     def _on_token(self, hand: Hand, message: amqp.Message) -> None:
         self._stop_consuming(hand)
@@ -189,9 +207,27 @@ class TokenBackend(RabbitBackend):
         if stale_hand is not None and stale_hand.lost:
             self._release_here(name, holder)  # its token is gone: so is its lease
         hand = self._open_hand(name, holder)
+        granted_before = hand.granted
         # Tokens whose slot another lease still holds (the broker returned them when their
         # holder's connection died): set aside while we look for a usable one.
         parked: List[amqp.Message] = []
+        try:
+            return self._look_for_token(hand, name, holder, limit, ttl, meta, wait,
+                                        requested_at, parked)
+        except BaseException:
+            if not granted_before:  # give back what this call took, or it is stuck with us
+                try:
+                    for message in parked:
+                        hand.channel.basic_reject(message.delivery_tag, requeue=True)
+                    self._drop_evidence(hand, keep=True)
+                    self._close_hand(hand)
+                except Exception:  # the connection is gone: the broker returns it all
+                    pass
+            raise
+
+    def _look_for_token(self, hand: Hand, name: str, holder: str, limit: int, ttl: float,
+                        meta: Meta, wait: bool, requested_at: float,
+                        parked: List[amqp.Message]) -> Attempt:
         created = False
         for _ in range(limit + 64):
             self._take_token(hand)
@@ -216,8 +252,8 @@ class TokenBackend(RabbitBackend):
         if attempt.grant is None and wait and parked and hand.message is None:
             # Keep one until its lease ends: we are in line for that slot anyway.
             hand.message = parked.pop(0)
-        for message in parked:
-            hand.channel.basic_reject(message.delivery_tag, requeue=True)
+        while parked:
+            hand.channel.basic_reject(parked.pop().delivery_tag, requeue=True)
         if attempt.grant is not None:
             self._stop_consuming(hand)
             if not hand.granted:
