@@ -14,7 +14,7 @@ import amqp
 import pytest
 from kombu import Connection
 
-from celery_semaphore import Semaphore
+from celery_semaphore import BackendUnavailable, Semaphore
 from celery_semaphore.backends import close_all, get_backend
 from tests import servers
 from tests.test_contract import Probe
@@ -191,6 +191,56 @@ def test_a_channel_closed_by_the_broker_is_a_lost_lease(amqp_url, tokens):
 # -- resizing -----------------------------------------------------------------------------
 
 
+def test_a_registry_held_too_long_elsewhere_costs_only_that_call(rabbit, amqp_url):
+    """A process frozen while it holds one semaphore's registry message: another process's
+    call on that semaphore times out, and nothing else of that process is lost."""
+    url, options = rabbit
+    other = Semaphore("other", 1, url, ttl=30, registry_timeout=1, **options)
+    lease = other.acquire(timeout=10)
+    frozen = Semaphore("frozen", 1, url, registry_timeout=1, **options)
+    frozen.resize(1)  # creates its registry queue
+    with Connection(amqp_url) as holder:  # what a frozen process holding it looks like
+        channel = holder.channel()
+        message = channel.basic_get(f"{options['key_prefix']}frozen.registry", no_ack=False)
+        assert message is not None
+        with pytest.raises(BackendUnavailable):
+            frozen.try_acquire()
+        assert lease.verify() and lease.renew()  # same backend, same connection: unharmed
+        channel.basic_reject(message.delivery_tag, requeue=True)
+    assert frozen.try_acquire() is not None
+    lease.release()
+
+
+@pytest.fixture
+def tagged():
+    yield {"key_prefix": f"{servers.unique_tag()}:"}
+    close_all()
+
+
+def test_a_registry_queue_deleted_under_a_waiting_call_costs_nothing_else(rabbit, amqp_url):
+    """An operator deletes a registry queue (``rabbitmqctl delete_queue``) while a call here
+    waits for its message: the broker cancels that consumer, the call carries on as for a
+    new semaphore, and the connection (with a lease on another semaphore) stays up."""
+    url, options = rabbit
+    kept = Semaphore("kept", 1, url, ttl=30, **options).acquire(timeout=10)
+    doomed = Semaphore("doomed", 1, url, ttl=30, registry_timeout=20, **options)
+    doomed.resize(1)
+    registry = f"{options['key_prefix']}doomed.registry"
+    results = []
+    with Connection(amqp_url) as holder:
+        channel = holder.channel()
+        assert channel.basic_get(registry, no_ack=False) is not None  # a frozen holder
+        caller = threading.Thread(target=lambda: results.append(doomed.try_acquire()))
+        caller.start()
+        time.sleep(0.5)  # the call now waits for the registry message
+        holder.channel().queue_delete(registry)
+        caller.join(15)
+    assert results and results[0] is not None and results[0].verify()
+    assert kept.verify() and kept.renew() and not kept.lost
+    results[0].release()
+    kept.release()
+
+
 def test_resize_up_and_down_under_load(rabbit, amqp_url, tokens):
     url, options = rabbit
     sem = Semaphore("load", 2, url, ttl=30, poll_interval=0.2, **options)
@@ -285,3 +335,45 @@ def test_slot_backend_url_and_a_missing_broker(amqp_url):
         dead.ping()
     assert str(port) in str(err.value) and "secret" not in str(err.value)
     close_all()
+
+
+# -- slot queues: shrink, claims ------------------------------------------------------------
+
+
+def test_a_holder_of_a_slot_removed_by_a_shrink_keeps_it(amqp_url, tagged):
+    sem = Semaphore("shrunk", 3, servers.slots_url(amqp_url), ttl=30, **tagged)
+    leases = [sem.acquire(timeout=10) for _ in range(3)]
+    assert sorted(lease.token.slot for lease in leases) == [0, 1, 2]
+    sem.resize(1)
+    assert all(lease.verify() for lease in leases)  # counted against the new limit
+    for lease in leases:
+        lease.release()
+    assert sem.try_acquire() is not None and sem.try_acquire() is None
+
+
+def test_a_slot_still_claimed_elsewhere_keeps_the_waiter_first_in_line(amqp_url, tagged):
+    """The registry grants slot 0, but a holder whose lease lapsed still has its B queue: the
+    caller gives the slot back and stays first in line, ahead of a later waiter."""
+    url = servers.slots_url(amqp_url)
+    sem = Semaphore("claimed", 1, url, ttl=30, poll_interval=0.1, **tagged)
+    sem.resize(1)
+    with Connection(amqp_url) as stale:  # the lapsed holder's exclusive B queue
+        stale.channel().queue_declare(f"{tagged['key_prefix']}claimed.held.0", exclusive=True)
+        results = []
+        first = threading.Thread(target=lambda: results.append(("first", sem.acquire(20))))
+        first.start()
+        assert wait_until(lambda: sem.status().waiting == 1)
+        second = threading.Thread(target=lambda: results.append(("second", sem.acquire(20))))
+        second.start()
+        assert wait_until(lambda: sem.status().waiting == 2)
+        time.sleep(0.3)  # both keep trying while slot 0 stays claimed
+        assert not results
+        first_holder = sem.status().waiters[0].holder
+    # The stale connection closed: its B queue is gone.
+    first.join(20)
+    assert results and results[0][0] == "first"
+    results[0][1].release()
+    second.join(20)
+    assert [who for who, _ in results] == ["first", "second"]
+    assert first_holder == results[0][1].holder
+    results[1][1].release()

@@ -7,7 +7,8 @@ Each slot ``i`` of a semaphore is a durable queue ``<prefix><name>.slot.<i>`` (a
 ``0 <= i < limit``), so the limit survives broker restarts and an operator sees it with
 ``rabbitmqctl list_queues``. A holder of slot ``i`` declares ``<prefix><name>.held.<i>`` as an
 exclusive queue (a *B queue*) on its connection: the broker refuses a second holder with
-RESOURCE_LOCKED and deletes the B queue when the holder's connection dies.
+RESOURCE_LOCKED and deletes the B queue when the holder's connection dies. Exclusivity is per
+connection, so within one process (one connection) the backend checks its own hands first.
 
 Beyond amqp-locks, and why:
 
@@ -23,7 +24,7 @@ Beyond amqp-locks, and why:
 * **Waiting** is not push by nature here: there is nothing to consume. Waiters are woken by
   the registry's wake-up messages (sent by the operation that made them admissible) and poll
   as a fallback.
-* **Verify** probes the holder's own B queue on its channel and the slot's A queue.
+* **Verify** probes the holder's own B queue on its channel, then reads the registry.
 
 Guarantee under a partition: the broker deletes a cut-off holder's B queue once it notices the
 connection is gone (heartbeat), but the registry lease still blocks the slot until it expires,
@@ -32,6 +33,7 @@ and the holder's Lease reports the loss by its local deadline.
 
 from __future__ import annotations
 
+import functools
 import random
 import time
 from typing import Any, Optional, Set
@@ -39,7 +41,7 @@ from typing import Any, Optional, Set
 from amqp import exceptions as amqp_errors
 
 from .base import Attempt, Meta
-from .model import State
+from .model import State, Waiter
 from .rabbitmq import Hand, RabbitBackend
 
 
@@ -94,8 +96,18 @@ class SlotQueueBackend(RabbitBackend):
     def _delete_physical(self, name: str, state: State) -> None:
         self._delete_slots(name, 0, state.limit)
 
+    def _claimed_by_another_hand(self, hand: Hand, slot: int) -> bool:
+        """Exclusive queues belong to the connection: a second hand of this process would
+        re-declare a B queue this process holds without an error, so look here first."""
+        return any(
+            other is not hand and other.claimed and not other.lost and other.name == hand.name
+            and other.slot == slot for other in self._hands.values()
+        )
+
     def _claim(self, hand: Hand, slot: int) -> bool:
         """Declare the slot's B queue on the hand's channel; False if another holds it."""
+        if self._claimed_by_another_hand(hand, slot):
+            return False
         try:
             hand.channel.queue_declare(self.held_queue(hand.name, slot), exclusive=True,
                                        auto_delete=False)
@@ -107,7 +119,9 @@ class SlotQueueBackend(RabbitBackend):
 
     def _drop_evidence(self, hand: Hand, keep: bool) -> None:
         claimed, hand.claimed = hand.claimed, False
-        if claimed and hand.slot is not None and hand.channel.is_open:
+        if claimed and hand.slot is not None and hand.channel.is_open and not (
+            self._claimed_by_another_hand(hand, hand.slot)
+        ):
             try:
                 hand.channel.queue_delete(self.held_queue(hand.name, hand.slot))
             except amqp_errors.ChannelError:
@@ -145,12 +159,21 @@ class SlotQueueBackend(RabbitBackend):
                     hand.granted = True
                     self._arm_deadline(hand, attempt.grant.ttl, requested_at)
                 return attempt
-            # Granted by the registry, but the previous holder's B queue is still there.
+            # Granted by the registry, but the previous holder's B queue is still there: give
+            # the slot back and stay first in line (we were), then try another slot.
             locked.add(attempt.grant.slot)
-            self._run_here(name, lambda box: box.state.release(holder) if box.state else None)
+            self._run_here(name, functools.partial(self._back_to_the_head, holder, meta, wait))
             self._close_hand(hand)
             time.sleep(random.uniform(0.001, 0.005) * (attempt_number + 1))
-        return Attempt(None, None, 0.05, attempt.limit)
+        return Attempt(None, 0 if wait else None, 0.05, attempt.limit)
+
+    def _back_to_the_head(self, holder: str, meta: Meta, wait: bool, box: Any) -> None:
+        state = box.state
+        if state is None or not state.release(holder) or not wait:
+            return
+        ticket = min((w.ticket for w in state.waiters.values()), default=state.next_ticket) - 1
+        state.waiters[holder] = Waiter(ticket, box.now, box.now + self.waiter_ttl,
+                                       self.client_id, meta)
 
     def _release_here(self, name: str, holder: str) -> bool:
         released = self._run_here(
@@ -187,10 +210,9 @@ class SlotQueueBackend(RabbitBackend):
         if hand is not None:
             if hand.lost or hand.slot is None:  # lost: its channel may be of a dead connection
                 return False
-            try:  # the holder's own claim, on its own channel; then the slot itself
+            try:  # the holder's own claim, on its own channel (a shrink may have removed the
+                # slot's A queue: its holder keeps the slot until it releases)
                 hand.channel.queue_declare(self.held_queue(name, hand.slot), passive=True)
-                self._channel("probe").queue_declare(self.slot_queue(name, hand.slot),
-                                                     passive=True)
             except amqp_errors.NotFound:
                 return False
         return super()._verify_here(name, holder)
