@@ -378,6 +378,7 @@ class RabbitBackend(ModelBackend):
     def _reset_connection_state(self) -> None:
         """Forget everything tied to the connection. Hands are kept: see _connection_lost."""
         self._channels: Dict[str, amqp.Channel] = {}
+        self._retired: List[amqp.Channel] = []
         self._known: Set[str] = set()  # registry queues seen to exist
         self._owners: Dict[int, Hand] = {}  # id(channel) -> the hand using it
         self._spare: List[amqp.Channel] = []
@@ -408,15 +409,28 @@ class RabbitBackend(ModelBackend):
 
     def _channel(self, role: str) -> amqp.Channel:
         """A long-lived channel of the connection: ``tx`` (registry), ``confirm``, ``probe``."""
+        while self._retired:  # reopened by py-amqp after the broker closed them: unused
+            retired = self._retired.pop()
+            try:
+                if retired.is_open:
+                    retired.close()
+            except amqp_errors.ChannelError:
+                pass
         channel = self._channels.get(role)
         if channel is None or not channel.is_open:
             channel = self.link.connection().channel()
             if role == "tx":
                 channel.basic_qos(0, 1, False)
                 channel.tx_select()
-                watch_channel(channel, functools.partial(self._channels.pop, role, None))
+                watch_channel(channel, functools.partial(self._retire, role, channel))
             self._channels[role] = channel
         return channel
+
+    def _retire(self, role: str, channel: amqp.Channel) -> None:
+        """The broker closed ``channel`` (py-amqp reopens it bare): use a new one for the role."""
+        if self._channels.get(role) is channel:
+            del self._channels[role]
+        self._retired.append(channel)
 
     def _connection_lost(self) -> None:
         # Hands stay known, marked lost, so that renewals report the lease lost.
