@@ -7,10 +7,13 @@ this project's code, so the Consul backend is tested against Consul's protocol:
   ``ModifyIndex`` are the indexes of the writes that created / last changed it, and deletes
   leave a tombstone index so that a listing's ``X-Consul-Index`` rises when a key goes away;
 * ``GET /v1/kv/<key>`` (``?recurse``, ``?keys``, ``?separator``, ``?index=&wait=`` blocking,
-  ``?consistent``/``?stale`` accepted), ``PUT`` (``?cas``, ``?acquire``, ``?release``,
-  ``?flags``) answering ``true``/``false``, ``DELETE`` (``?recurse``, ``?cas``); values are
-  base64 in JSON, ``LockIndex`` counts successful acquisitions, an acquire of a key locked by
-  another session answers ``false``, an unknown session is an error (500);
+  ``?consistent``/``?stale`` accepted; a single key answers with the KV table's index, a
+  listing with the highest index under its prefix, tombstones included), ``PUT`` (``?cas``,
+  ``?acquire``, ``?release``, ``?flags``; values over 512 KiB refused with 413; a write equal
+  to the entry leaves its ``ModifyIndex``) answering ``true``/``false``, ``DELETE``
+  (``?recurse``, ``?cas``; a cas delete of a missing key succeeds); values are base64 in JSON,
+  ``LockIndex`` counts successful acquisitions, an acquire of a key locked by another session
+  answers ``false``, an unknown session is an error (500);
 * sessions with ``TTL`` (a Go duration string; Consul refuses less than 10 s, here
   ``min_ttl``), ``Behavior`` ``release``/``delete``, ``LockDelay``; a session is invalidated by
   ``/v1/session/destroy`` or when its TTL passes unrenewed (Consul waits up to twice the TTL:
@@ -37,6 +40,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 _UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 _DURATION = re.compile(r"(\d+(?:\.\d*)?)(ns|us|µs|ms|s|m|h)")
 MAX_WAIT = 600.0
+MAX_VALUE_SIZE = 512 * 1024  # Consul's default kv_max_value_size
 DEFAULT_WAIT = 300.0
 
 
@@ -147,6 +151,9 @@ class ConsulDouble:
             entry["Session"] = session
         if lock_index is not None:
             entry["LockIndex"] = lock_index
+        if old is not None and all(old[k] == entry[k] for k in
+                                   ("Value", "Flags", "Session", "LockIndex")):
+            return  # Consul skips a write equal to the entry: ModifyIndex stays
         self.kv[key] = entry
         self.tombstones.pop(key, None)
         self.kv_index = index
@@ -220,10 +227,8 @@ class ConsulDouble:
                         keys.append(name)
                 return max(index, 1), keys or None
             return max(index, 1), [_render(e) for e in entries] or None
-        entry = self.kv.get(key)
-        if entry is None:
-            return max(self.kv_index, 1), None
-        return entry["ModifyIndex"], [_render(entry)]
+        entry = self.kv.get(key)  # a single key answers with the KV table's index
+        return max(self.kv_index, 1), None if entry is None else [_render(entry)]
 
     def blocking(self, query: Dict[str, str], read: Any) -> Tuple[int, Any]:
         """Run ``read`` (returns index, body) as Consul's blocking queries do."""
@@ -266,6 +271,9 @@ class ConsulDouble:
             index, result = self.blocking(query, lambda: self._kv_answer(key, query))
             return (200 if result is not None else 404), result, index
         if method == "PUT":
+            if len(body) > MAX_VALUE_SIZE:
+                raise HTTPError(413, f"Request body({len(body)} bytes) too large, max size: "
+                                     f"{MAX_VALUE_SIZE} bytes")
             with self.cond:
                 return 200, self._kv_put(key, query, body or None), None
         if method == "DELETE":
@@ -312,7 +320,9 @@ class ConsulDouble:
             keys = [k for k in self.kv if k.startswith(key)]
         elif "cas" in query:
             old = self.kv.get(key)
-            if old is None or int(query["cas"]) == 0 or old["ModifyIndex"] != int(query["cas"]):
+            if old is None:
+                return True  # Consul: nothing to delete is a success, whatever the index
+            if old["ModifyIndex"] != int(query["cas"]):
                 return False
             keys = [key]
         else:

@@ -9,6 +9,7 @@ import base64
 import http.client
 import json
 import multiprocessing
+import os
 import threading
 import time
 
@@ -169,6 +170,45 @@ def test_close_destroys_the_sessions_kept_for_reuse(consul_url, prefix):
     assert contenders(consul_url, prefix, "k") == []
 
 
+def test_short_lived_threads_leave_no_connection_open(consul_url, prefix):
+    """Callers' threads, the spare-session sweeper and the watchers come and go; they share
+    a few pooled HTTP connections (one per thread would pile up to Consul's per-client
+    connection limit in a long-lived worker)."""
+    from celery_semaphore.backends import consul as module
+
+    fds = len(os.listdir("/proc/self/fd"))
+    backend = ConsulBackend(consul_url, key_prefix=prefix, spare_keep=0.05)
+    s = Semaphore("t", 1, backend, key_prefix=prefix)
+    for _ in range(10):
+        held = s.acquire()
+        waiter = threading.Thread(target=lambda: s.acquire(timeout=10).release())
+        waiter.start()  # queues, so a watcher thread starts
+        assert wait_until(lambda: s.status().waiting == 1)
+        held.release()
+        waiter.join(10)
+        time.sleep(0.15)  # the sweeper destroys the spare session
+    transport = backend.client.http
+    assert len(transport._idle) <= module.MAX_IDLE_CONNECTIONS
+    assert len(os.listdir("/proc/self/fd")) < fds + 8  # not one per thread (30 threads ran)
+    backend.close()
+    assert transport._idle == []
+
+
+def test_a_lock_document_over_consuls_value_limit_is_refused_clearly(consul_url, prefix,
+                                                                     monkeypatch):
+    from celery_semaphore.backends import consul as module
+
+    monkeypatch.setattr(module, "MAX_VALUE_SIZE", 3000)  # Consul's is 512 KiB
+    s = sem(consul_url, prefix, "v", 1)
+    held = s.acquire()
+    backend = get_backend(consul_url, key_prefix=prefix)
+    with pytest.raises(BackendUnavailable, match="512 KiB value limit"):
+        for n in range(50):
+            backend.acquire("v", f"w{n}", limit=1, ttl=30, meta={"pad": "x" * 50}, wait=True)
+    assert s.status().held == 1  # nothing half-written
+    assert held.release()  # a smaller document still goes through
+
+
 # -- limits and wake-ups across processes ---------------------------------------------------
 
 
@@ -314,7 +354,14 @@ def test_double_kv_put_get_cas_and_indexes(double):
     assert keys == ["a/b", "a/c"]
     _, _, entries = call(double, "GET", "/v1/kv/a/?recurse&consistent")
     assert [e["Key"] for e in entries] == ["a/b", "a/c"] and entries[1]["Value"] is None
+    _, single, _ = call(double, "GET", "/v1/kv/a/b")
+    assert single > index2  # a single key answers with the KV table's index (a/c was last)
+    assert call(double, "PUT", "/v1/kv/a/c", b"")[2] is True  # equal to the entry: no write
     _, list_index, _ = call(double, "GET", "/v1/kv/a/?recurse")
+    assert list_index == single
+    assert call(double, "DELETE", "/v1/kv/a/nothing?cas=5")[2] is True  # nothing to delete
+    status, _, message = call(double, "PUT", "/v1/kv/a/big", b"x" * (512 * 1024 + 1))
+    assert status == 413 and "too large" in message
     assert call(double, "DELETE", f"/v1/kv/a/b?cas={index}")[2] is False
     assert call(double, "DELETE", f"/v1/kv/a/b?cas={index2}")[2] is True
     _, after, _ = call(double, "GET", "/v1/kv/a/?recurse")

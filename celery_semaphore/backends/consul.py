@@ -19,16 +19,18 @@ contract of :mod:`.base`. A semaphore ``name`` lives under the KV prefix
   failed node check, ``consul session destroy``) drops its holder on the next operation.
   ``renew`` renews the session and fails (None) when Consul no longer knows it. Whenever a
   holder leaves ``.lock`` (expiry, pruning, reset, another process's release) its session is
-  destroyed after the CAS, which deletes its contender key; a failed acquire destroys the
-  session it made. A process's own release keeps the session (and its key) as a *spare* for
-  that process's next holder on the name, for ``spare_keep`` seconds (1 s), then destroys it:
-  a worker that runs guarded tasks back to back makes no session per task, which spares
-  Consul three Raft writes (session create, key acquire, session destroy) per admission.
-  No two holders ever share a session.
+  destroyed after the CAS, which deletes its contender key; an acquire that raises destroys
+  the sessions it made. A process's own release keeps the session (and its key) as a *spare*
+  for that process's next holder or waiter on the name; a spare nobody takes is destroyed
+  ``spare_keep`` to 1.5 x ``spare_keep`` seconds later (1 s by default), and at
+  :meth:`close`. A worker that runs guarded tasks back to back thus makes no session per task,
+  which spares Consul three Raft writes (session create, key acquire, session destroy) per
+  admission. No two holders ever share a session.
 * Waiters have no session in ``.lock``: their queue entry expires after ``waiter_ttl`` unless
   they retry, as in the other backends. A waiter within one round of holders from admission
   (or with a spare at hand) gets its session while it waits, so that its admission is one
-  read and one check-and-set; a waiting process renews it past half its TTL.
+  read and one check-and-set; each retry of the waiter (every ``waiter_ttl / 3`` at most)
+  renews that session once it is past half its TTL.
 * Wake-ups: while a process has queued waiters on a name, one daemon thread per name runs
   blocking queries (``?index=&wait=``, consistent) on the prefix and calls a waiter's callback
   when the rules would admit it; a process also wakes its own waiters directly after its own
@@ -42,7 +44,8 @@ contract of :mod:`.base`. A semaphore ``name`` lives under the KV prefix
 Time. Consul exposes no clock, so lease and waiter expiries in ``.lock`` use the clock of the
 client doing each operation (keep hosts NTP-synchronized: skew shortens or stretches leases by
 as much). Consul's own guarantee is the session: a holder that stops renewing loses its session
-after at most twice the session TTL (``max(10 s, ttl)``), whatever the clocks say, and is then
+once the session TTL (``max(10 s, ttl)``) has passed (Consul documents the TTL as a lower
+bound and typically invalidates within twice it), whatever the clocks say, and is then
 pruned. Fencing epochs are kept in ``.lock`` (also across ``reset`` and idle expiry, which keep
 an epochs-only ``.lock``), so they strictly increase per slot without relying on clocks; they
 also have :func:`.model.next_epoch`'s time floor. Deleting the prefix by hand forgets them.
@@ -61,7 +64,6 @@ import http.client
 import json
 import logging
 import math
-import os
 import random
 import ssl
 import threading
@@ -88,6 +90,10 @@ MIN_SESSION_TTL, MAX_SESSION_TTL = 10, 86400
 MAX_ATTEMPTS = 200
 #: Spare sessions (see ConsulBackend._give_spare) kept per semaphore name and process.
 MAX_SPARES = 8
+#: Keep-alive connections to Consul kept open while unused, per backend instance and process.
+MAX_IDLE_CONNECTIONS = 4
+#: Consul refuses KV values above 512 KiB (its default ``kv_max_value_size``).
+MAX_VALUE_SIZE = 512 * 1024
 _UNAVAILABLE = (consul.ConsulException, requests.RequestException, OSError,
                 http.client.HTTPException)
 
@@ -104,28 +110,39 @@ def kv_root(key_prefix: str) -> str:
 
 
 class _HTTPClient(consul.base.HTTPClient):
-    """py-consul's transport over one keep-alive ``http.client`` connection (a client serves one
-    thread). A third of the CPU time of py-consul's ``requests`` transport per request, which
-    matters because every operation is a few requests."""
+    """py-consul's transport over keep-alive ``http.client`` connections, shared by threads:
+    each request takes an idle connection (or opens one) and puts it back, at most
+    ``MAX_IDLE_CONNECTIONS`` stay open idle. A third of the CPU time of py-consul's
+    ``requests`` transport per request, which matters because every operation is a few
+    requests."""
 
     def __init__(self, host: str, port: int, scheme: str, verify: Union[bool, str],
                  timeout: float) -> None:
         super().__init__(host, port, scheme, verify)
         self.timeout = timeout
-        self._conn: Optional[http.client.HTTPConnection] = None
+        self._idle: List[http.client.HTTPConnection] = []
+        self._idle_lock = threading.Lock()
+        self._closed = False
 
     def _connection(self) -> http.client.HTTPConnection:
-        if self._conn is None:
-            if self.scheme == "https":
-                context = ssl.create_default_context(
-                    cafile=self.verify if isinstance(self.verify, str) else None)
-                if self.verify is False:
-                    context.check_hostname = False
-                    context.verify_mode = ssl.CERT_NONE
-                self._conn = http.client.HTTPSConnection(self.host, self.port, context=context)
-            else:
-                self._conn = http.client.HTTPConnection(self.host, self.port)
-        return self._conn
+        with self._idle_lock:
+            if self._idle:
+                return self._idle.pop()
+        if self.scheme == "https":
+            context = ssl.create_default_context(
+                cafile=self.verify if isinstance(self.verify, str) else None)
+            if self.verify is False:
+                context.check_hostname = False
+                context.verify_mode = ssl.CERT_NONE
+            return http.client.HTTPSConnection(self.host, self.port, context=context)
+        return http.client.HTTPConnection(self.host, self.port)
+
+    def _put_back(self, conn: http.client.HTTPConnection) -> None:
+        with self._idle_lock:
+            if not self._closed and len(self._idle) < MAX_IDLE_CONNECTIONS:
+                self._idle.append(conn)
+                return
+        conn.close()
 
     def _request(self, method: str, callback: Any, path: str, params: Any = None,
                  data: Union[str, bytes] = "", headers: Optional[Dict[str, str]] = None) -> Any:
@@ -145,12 +162,13 @@ class _HTTPClient(consul.base.HTTPClient):
                              headers=headers or {})
                 response = conn.getresponse()
                 payload = response.read()
-                break
             except (OSError, http.client.HTTPException):
                 conn.close()
-                self._conn = None
                 if attempt == 2 or method != "GET":
                     raise
+                continue
+            self._put_back(conn)
+            break
         return callback(consul.base.Response(response.status, response.headers,
                                              payload.decode("utf-8")))
 
@@ -171,9 +189,11 @@ class _HTTPClient(consul.base.HTTPClient):
         return self._request("POST", callback, path, params, data, headers)
 
     def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+        """Close the idle connections; those in use close as their requests end."""
+        with self._idle_lock:
+            idle, self._idle, self._closed = self._idle, [], True
+        for conn in idle:
+            conn.close()
 
 
 class _Consul(consul.Consul):
@@ -342,10 +362,9 @@ class ConsulBackend(ModelBackend):
         self.root = kv_root(self.key_prefix)
         self.watch_wait = watch_wait
         self.wake_pause = wake_pause
-        self._local = threading.local()
+        self._client: Optional[consul.Consul] = None
         self._closed = threading.Event()
         self._watch_threads: Dict[str, threading.Thread] = {}
-        self._clients: List[consul.Consul] = []
         self.spare_keep = spare_keep
         self._new_session_pools()
 
@@ -366,13 +385,13 @@ class ConsulBackend(ModelBackend):
 
     @property
     def client(self) -> consul.Consul:
-        """This thread's client (requests sessions are not shared between threads)."""
-        client = getattr(self._local, "client", None)
-        if client is None or self._local.pid != os.getpid():
-            client = self.config.client()
-            self._local.client, self._local.pid = client, os.getpid()
+        """This process's client; its transport pools connections across threads."""
+        client = self._client
+        if client is None:
             with self._watch_lock:
-                self._clients.append(client)
+                if self._client is None:
+                    self._client = self.config.client()
+                client = self._client
         return client
 
     def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -476,14 +495,24 @@ class ConsulBackend(ModelBackend):
                 return None
             session = picked[-1]
             spares[:] = [(s, at) for s, at in spares if s != session]
-        if (live is None or session in live) and self._usable(session, ttl):
+        if (live is None or session in live) and self._usable_or_destroyed(session, ttl):
             return session
         self._destroy(session)
         return self._take_spare(name, ttl, live)
 
+    def _usable_or_destroyed(self, session: str, ttl: int) -> bool:
+        """:meth:`_usable`, destroying the session if Consul cannot be asked (it would be
+        nobody's, yet live for up to twice its TTL)."""
+        try:
+            return self._usable(session, ttl)
+        except BaseException:
+            self._destroy(session)
+            raise
+
     def _give_spare(self, name: str, session: str) -> None:
         """Keep a session no holder uses any more for this process's next waiter on ``name``;
-        it is destroyed after ``spare_keep`` seconds unused, or at :meth:`close`."""
+        it is destroyed ``spare_keep`` to 1.5 x ``spare_keep`` seconds later if unused, or at
+        :meth:`close`."""
         with self._sessions_lock:
             if session not in self._owned or self._closed.is_set():
                 extra = [session]
@@ -499,7 +528,10 @@ class ConsulBackend(ModelBackend):
         for old in extra:
             self._destroy(old)
 
-    def _sweep_spares(self) -> None:
+    def _sweep_spares(self) -> None:  # a Timer thread of its own
+        self._sweep_spares_now()
+
+    def _sweep_spares_now(self) -> None:
         cutoff = time.monotonic() - self.spare_keep
         with self._sessions_lock:
             self._sweeper = None
@@ -530,8 +562,14 @@ class ConsulBackend(ModelBackend):
             unchanged = doc == {k: v for k, v in snap.raw.items() if k != "Touched"} or (
                 box.state is None and snap.lock_index == 0  # nothing to keep, nothing kept
             )
-            if unchanged or self._call(self.client.kv.put, self.prefix(name) + LOCK_KEY,
-                                       json.dumps({**doc, "Touched": now}),
+            value = json.dumps({**doc, "Touched": now})
+            if not unchanged and len(value.encode()) > MAX_VALUE_SIZE:
+                raise BackendUnavailable(
+                    f"consul semaphore {name!r}: .lock would exceed Consul's 512 KiB value limit "
+                    f"({len(box.state.waiters) if box.state else 0} waiters): lower "
+                    f"semaphore_worker_max_waiting or the number of waiting callers"
+                )
+            if unchanged or self._call(self.client.kv.put, self.prefix(name) + LOCK_KEY, value,
                                        cas=snap.lock_index):
                 break
             # Lost the race: retry at once, then back off with jitter to spread contenders.
@@ -571,7 +609,14 @@ class ConsulBackend(ModelBackend):
         with self._sessions_lock:
             ready = self._ready.pop((name, holder), None)
         # The session this call gives the holder; kept across check-and-set retries.
-        mine: List[str] = [ready] if ready is not None and self._usable(ready, ttl_s) else []
+        mine: List[str] = []
+        if ready is not None:
+            if self._usable_or_destroyed(ready, ttl_s):
+                mine.append(ready)
+            else:
+                self._destroy(ready)
+
+        holds_with: List[Optional[str]] = [None]  # the holder's session after the last try
 
         def op(box: Box) -> Attempt:
             assert isinstance(box, _Box)
@@ -589,6 +634,7 @@ class ConsulBackend(ModelBackend):
                     mine[:] = [self._take_spare(name, ttl_s, box.live)
                                or self._new_contender(name, ttl_s)]
                 box.sessions[holder] = mine[0]
+            holds_with[0] = box.sessions.get(holder) if attempt.grant is not None else None
             return attempt
 
         try:
@@ -607,7 +653,8 @@ class ConsulBackend(ModelBackend):
                 with self._sessions_lock:
                     self._ready[(name, holder)] = mine[0]
             self._ensure_watcher(name)
-        elif attempt.grant is None and mine:  # admitted on a try that lost its CAS, then not
+        elif mine and holds_with[0] != mine[0]:
+            # Admitted on a try that lost its check-and-set, then not; or it already held.
             self._give_spare(name, mine[0])
         return attempt
 
@@ -639,6 +686,8 @@ class ConsulBackend(ModelBackend):
                 if not isinstance(exc.__cause__, consul.NotFound):
                     raise
                 box.state.release(holder)  # Consul invalidated the session: the lease is lost
+                with self._sessions_lock:
+                    self._owned.pop(box.sessions[holder], None)
                 return None
             with self._sessions_lock:
                 owned = self._owned.get(box.sessions[holder])
@@ -690,6 +739,14 @@ class ConsulBackend(ModelBackend):
 
     def _watch_loop(self, name: str) -> None:
         """Blocking queries on the prefix while this process has waiters on ``name``."""
+        try:
+            self._watch(name)
+        finally:
+            with self._watch_lock:
+                if self._watch_threads.get(name) is threading.current_thread():
+                    del self._watch_threads[name]
+
+    def _watch(self, name: str) -> None:
         index, failures = 0, 0
         watch_lock, watchers, threads = self._watch_lock, self._watchers, self._watch_threads
         while not self._closed.is_set():
@@ -732,9 +789,8 @@ class ConsulBackend(ModelBackend):
     def _forked(self) -> None:
         """The parent's watcher threads and HTTP connections do not exist in the child."""
         super()._forked()
-        self._local = threading.local()
+        self._client = None  # the parent's connections: dropped, not closed (shared sockets)
         self._watch_threads = {}
-        self._clients = []
         self._new_session_pools()  # the parent's sessions stay the parent's
 
     def close(self) -> None:
@@ -750,7 +806,6 @@ class ConsulBackend(ModelBackend):
         for session in unused:
             self._destroy(session)
         with self._watch_lock:
-            clients, self._clients = self._clients, []
-        for client in clients:
+            client, self._client = self._client, None
+        if client is not None:
             client.http.close()
-        self._local = threading.local()
