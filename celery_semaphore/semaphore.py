@@ -173,6 +173,11 @@ class Semaphore:
         self.meta = dict(meta or {})
         self.auto_renew = auto_renew
         self.backend = get_backend(backend, **options)
+        if self.ttl > self.backend.idle_ttl * 15 / 16:  # the state would expire under it
+            raise ConfigurationError(
+                f"ttl {self.ttl:g}s must stay below the backend's idle_ttl "
+                f"({self.backend.idle_ttl:g}s), which forgets a semaphore nobody touches"
+            )
 
     def _lease(self, holder: str, grant: Grant, requested_at: float, meta: Meta, limit: Any):
         lease = Lease(

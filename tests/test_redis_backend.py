@@ -290,3 +290,22 @@ def test_the_listener_outlives_a_server_restart(tmp_path, caplog):
         holder.close()
         proc.terminate()
         proc.wait(10)
+
+
+def test_a_holders_repeat_acquire_restores_a_config_that_expired(backends, server, prefix):
+    """Keys of one semaphore can expire apart (each has its own TTL): a holder asking again
+    must not leave a config without its limit (status would then say nobody holds)."""
+    backend = backends()
+    assert backend.acquire("cfg", "h1", limit=2, ttl=30, meta={}, wait=False).grant
+    server.delete(f"{prefix}{{cfg}}:config")
+    assert backend.acquire("cfg", "h1", limit=2, ttl=30, meta={}, wait=False).grant
+    status = backend.status("cfg")
+    assert status is not None and status.limit == 2 and status.held == 1
+
+
+def test_a_lease_longer_than_the_idle_ttl_is_refused(redis_url, prefix):
+    from celery_semaphore import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="idle_ttl"):
+        Semaphore("long", 1, redis_url, ttl=100, key_prefix=prefix, idle_ttl=60)
+    Semaphore("long", 1, redis_url, ttl=50, key_prefix=prefix, idle_ttl=60)  # fine

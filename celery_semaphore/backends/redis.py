@@ -8,7 +8,8 @@ Guarantees:
 * Time comes from the server's ``TIME``, never a client clock; leases and waiter entries are
   stored as absolute expiries (microseconds), so client clock skew changes nothing.
 * The six keys of a semaphore share the hash tag ``{name}`` (``<prefix>{name}:holders`` ...):
-  one script touches one Redis Cluster slot. Every key has a TTL: none expires while the
+  one script touches one Redis Cluster slot (the client is a plain ``redis.Redis``: Redis
+  Cluster itself is not supported yet). Every key has a TTL: none expires while the
   semaphore is used, and an idle semaphore leaves nothing behind after ``idle_ttl``.
 * Wake-ups: a script that makes waiters admissible publishes ``name\\nholder`` on the channel
   ``<prefix>wake:<client id>`` of each waiter's process; one daemon thread per backend instance

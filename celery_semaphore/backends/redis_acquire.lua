@@ -26,7 +26,8 @@ local touched = cfg[2]
 if mine then  -- a current holder gets its grant back unchanged
   local held_slot, epoch = string.match(mine, '^(%d+)\n(%d+)\n')
   local expires = tonumber(redis.call('ZSCORE', holders, holder))
-  redis.call('HSET', config, 'd:' .. declared_limit, int(now))
+  -- the limit too: a config that expired on its own must not come back without one
+  redis.call('HSET', config, 'limit', limit, 'd:' .. declared_limit, int(now))
   keep(touched)
   wake(before)
   return {1, tonumber(held_slot), tonumber(epoch), expires, now, limit}
