@@ -243,13 +243,13 @@ def test_a_forked_child_gets_its_own_wakeups(backends):
     assert 0 <= admitted_after.value < 5  # woken, not the 30 s poll
 
 
-def _start_redis(port, workdir):
+def _start_redis(port, workdir, *options):
     import shutil
     import subprocess
 
     proc = subprocess.Popen(
         [shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind",
-         "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(workdir)],
+         "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(workdir), *options],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     client = redis.Redis(port=port)
@@ -309,3 +309,75 @@ def test_a_lease_longer_than_the_idle_ttl_is_refused(redis_url, prefix):
     with pytest.raises(ConfigurationError, match="idle_ttl"):
         Semaphore("long", 1, redis_url, ttl=100, key_prefix=prefix, idle_ttl=60)
     Semaphore("long", 1, redis_url, ttl=50, key_prefix=prefix, idle_ttl=60)  # fine
+
+
+def test_a_server_that_cannot_serve_raises_backend_unavailable(tmp_path):
+    """OOM (maxmemory, no eviction), BUSY (another client's script overran) and NOPERM are
+    Redis saying "not now", like a lost connection: one exception type for callers to handle."""
+    from tests.servers import free_port
+
+    port = free_port()
+    proc, client = _start_redis(port, tmp_path)
+    backend = RedisBackend(f"redis://127.0.0.1:{port}/0")
+    try:
+        client.config_set("maxmemory", 1)
+        with pytest.raises(BackendUnavailable, match="OOM|maxmemory"):
+            backend.acquire("full", "h", limit=1, ttl=30, meta={}, wait=False)
+        client.config_set("maxmemory", 0)
+
+        client.config_set("busy-reply-threshold", 50)
+        runaway = threading.Thread(target=_run_forever_script, args=(port,), daemon=True)
+        runaway.start()
+        assert wait_until(lambda: _busy_reply(backend))
+        for call in (lambda: backend.acquire("x", "h", limit=1, ttl=30, meta={}, wait=False),
+                     lambda: backend.verify("x", "h"), backend.ping):
+            with pytest.raises(BackendUnavailable, match="BUSY"):
+                call()
+        redis.Redis(port=port).script_kill()
+        runaway.join(10)
+
+        client.acl_setuser("limited", enabled=True, nopass=True, commands=["+ping", "+hello"],
+                           keys=["*"])
+        limited = RedisBackend(f"redis://limited@127.0.0.1:{port}/0")
+        with pytest.raises(BackendUnavailable, match="NOPERM|permission"):
+            limited.acquire("x", "h", limit=1, ttl=30, meta={}, wait=False)
+        limited.close()
+        assert backend.acquire("x", "h", limit=1, ttl=30, meta={}, wait=False).grant
+    finally:
+        backend.close()
+        proc.terminate()
+        proc.wait(10)
+
+
+def _run_forever_script(port):
+    try:
+        redis.Redis(port=port).eval("while true do end", 0)
+    except redis.ResponseError:  # killed by the test's SCRIPT KILL
+        pass
+
+
+def _busy_reply(backend):
+    try:
+        backend.ping()
+    except BackendUnavailable as exc:
+        return "BUSY" in str(exc)
+    return False
+
+
+def test_a_redis_cluster_node_is_refused_with_a_clear_error(tmp_path):
+    from celery_semaphore import ConfigurationError
+    from tests.servers import free_port
+
+    port = free_port()
+    proc, _ = _start_redis(port, tmp_path, "--cluster-enabled", "yes",
+                           "--cluster-config-file", str(tmp_path / "nodes.conf"))
+    backend = RedisBackend(f"redis://127.0.0.1:{port}/0")
+    try:
+        for call in (lambda: backend.acquire("x", "h", limit=1, ttl=30, meta={}, wait=False),
+                     lambda: backend.verify("x", "h")):
+            with pytest.raises(ConfigurationError, match="Redis Cluster is not supported"):
+                call()
+    finally:
+        backend.close()
+        proc.terminate()
+        proc.wait(10)

@@ -15,6 +15,10 @@ Guarantees:
   ``<prefix>wake:<client id>`` of each waiter's process; one daemon thread per backend instance
   listens, resubscribing after connection loss. A wake-up is a hint: waiters also poll.
 
+Errors: a lost or refused connection, a timeout, a read-only replica, ``OOM``, ``BUSY`` (another
+client's script overran) and ``NOPERM`` raise :class:`BackendUnavailable`; a Redis Cluster node
+raises :class:`ConfigurationError`; anything else is redis-py's own exception.
+
 Not guaranteed: replication is asynchronous, so after a failover the new primary may not have
 seen the latest grants and a slot can be granted twice. Fencing tokens are the defence.
 """
@@ -35,7 +39,7 @@ from kombu.utils.url import maybe_sanitize_url
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from ..exceptions import BackendUnavailable
+from ..exceptions import BackendUnavailable, ConfigurationError
 from .base import (
     DEFAULT_IDLE_TTL,
     DEFAULT_WAITER_TTL,
@@ -54,8 +58,20 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 #: The keys of one semaphore, in the order the scripts receive them (see redis_prelude.lua).
 KEY_SUFFIXES = ("config", "holders", "hinfo", "queue", "wexp", "winfo")
 _SCRIPTS = ("acquire", "release", "renew", "cancel", "resize", "status", "reset")
-#: Errors that mean "Redis cannot serve us now". ReadOnlyError: a failover left us on a replica.
-_UNAVAILABLE = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ReadOnlyError)
+#: Errors that mean "Redis cannot serve us now". ReadOnlyError: a failover left us on a replica;
+#: OutOfMemoryError: maxmemory reached with a no-eviction policy; NoPermissionError: an ACL
+#: that does not allow our commands. A ``BUSY`` reply (another client's script overran) too.
+_UNAVAILABLE = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ReadOnlyError,
+                redis.exceptions.OutOfMemoryError, redis.exceptions.NoPermissionError)
+#: Replies only a Redis Cluster node gives (MOVED and ASK are AskErrors).
+_CLUSTER = (redis.exceptions.AskError, redis.exceptions.ClusterDownError,
+            redis.exceptions.TryAgainError, redis.exceptions.ClusterCrossSlotError)
+
+
+def _busy(exc: redis.RedisError) -> bool:
+    # A pipeline prefixes the reply: "Command # 1 (TIME) of pipeline caused error: BUSY ...".
+    return isinstance(exc, redis.ResponseError) and str(exc).rpartition(
+        "caused error: ")[2].startswith("BUSY ")
 
 
 @functools.cache
@@ -135,16 +151,24 @@ class RedisBackend(Backend):
     def _keys(self, name: str) -> List[str]:
         return [f"{self.key_prefix}{{{name}}}:{suffix}" for suffix in KEY_SUFFIXES]
 
-    def _unavailable(self, exc: Exception) -> NoReturn:
-        raise BackendUnavailable(
-            f"semaphore backend {maybe_sanitize_url(self.url)} unavailable: {exc}"
-        ) from exc
+    def _unavailable(self, exc: redis.RedisError) -> NoReturn:
+        """Raise BackendUnavailable when ``exc`` means Redis cannot serve us now,
+        ConfigurationError when the server is a Redis Cluster node; re-raise anything else."""
+        url = maybe_sanitize_url(self.url)
+        if isinstance(exc, _CLUSTER):
+            raise ConfigurationError(
+                f"semaphore backend {url} is a Redis Cluster node ({exc}); Redis Cluster is "
+                "not supported, use a standalone Redis server"
+            ) from exc
+        if not (isinstance(exc, _UNAVAILABLE) or _busy(exc)):
+            raise exc
+        raise BackendUnavailable(f"semaphore backend {url} unavailable: {exc}") from exc
 
     def _call(self, script: str, name: str, *args: Any) -> Any:
         argv = [self._idle_ms, self._channel_prefix, name, *args]
         try:
             return self._scripts[script](keys=self._keys(name), args=argv)
-        except _UNAVAILABLE as exc:
+        except redis.RedisError as exc:
             self._unavailable(exc)
 
     # -- operations --------------------------------------------------------------------------
@@ -184,7 +208,7 @@ class RedisBackend(Backend):
             pipe.time()
             pipe.zscore(self._keys(name)[1], holder)
             (seconds, micros), expires = pipe.execute()
-        except _UNAVAILABLE as exc:
+        except redis.RedisError as exc:
             self._unavailable(exc)
         return expires is not None and expires > seconds * 1_000_000 + micros
 
@@ -226,7 +250,7 @@ class RedisBackend(Backend):
         try:
             keys = self.client.scan_iter(match=f"{escaped}{{*}}:config", count=1000)
             return sorted({key[start:end] for key in keys})
-        except _UNAVAILABLE as exc:
+        except redis.RedisError as exc:
             self._unavailable(exc)
 
     def reset(self, name: str) -> bool:
@@ -235,7 +259,7 @@ class RedisBackend(Backend):
     def ping(self) -> None:
         try:
             self.client.ping()
-        except _UNAVAILABLE as exc:
+        except redis.RedisError as exc:
             self._unavailable(exc)
 
     def close(self) -> None:
