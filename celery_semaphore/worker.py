@@ -14,7 +14,7 @@ from .backends import get_backend
 from .exceptions import ConfigurationError
 from .gate import Gate
 from .names import validate_limit, validate_template
-from .settings import Settings
+from .settings import Settings, lookup
 
 logger = logging.getLogger(__name__)
 
@@ -38,10 +38,11 @@ class SemaphoreStep(bootsteps.StartStopStep):
         try:
             settings = Settings.from_app(app)
             check_tasks(app, settings)
-            url = settings.backend_url(app)
+            backend = get_backend(settings.backend_url(app), key_prefix=settings.key_prefix)
+            check_lease_ttls(app, settings, backend.idle_ttl)
         except ConfigurationError as exc:
             raise ImproperlyConfigured(f"celery-semaphore: {exc}") from None
-        self.gate = Gate(consumer, settings, get_backend(url, key_prefix=settings.key_prefix))
+        self.gate = Gate(consumer, settings, backend)
         consumer.semaphore_gate = self.gate
 
     def start(self, consumer: Any) -> None:
@@ -73,6 +74,23 @@ def check_tasks(app: Any, settings: Settings) -> None:
             settings.for_task(task)
         except ConfigurationError as exc:
             raise ConfigurationError(f"task {name}: {exc}") from None
+
+
+def check_lease_ttls(app: Any, settings: Settings, idle_ttl: float) -> None:
+    """Fail worker start on a lease TTL the backend would outlast: it forgets a semaphore
+    untouched for ``idle_ttl``, and a lease must be renewed well before that."""
+    ceiling = idle_ttl * 15 / 16
+    key = lookup(app, "semaphore_lease_ttl")[1]
+    if settings.lease_ttl > ceiling:
+        raise ConfigurationError(f"{key} ({settings.lease_ttl:g}s) must not exceed 15/16 of the "
+                                 f"backend's idle_ttl ({idle_ttl:g}s)")
+    for name, task in list(app.tasks.items()):
+        if getattr(task, "semaphore", None) is not None:
+            ttl = settings.for_task(task).lease_ttl
+            if ttl > ceiling:
+                raise ConfigurationError(
+                    f"task {name}: semaphore_lease_ttl ({ttl:g}s) must not exceed 15/16 of "
+                    f"the backend's idle_ttl ({idle_ttl:g}s)")
 
 
 @inspect_command(alias="semaphores")

@@ -204,12 +204,18 @@ def test_sigkilled_worker_frees_its_slot_within_the_lease_ttl(redis_url, tmp_pat
         cluster.stop()
 
 
-def test_bad_settings_stop_the_worker_naming_the_setting(redis_url, tmp_path):
+@pytest.mark.parametrize("lease_ttl, problem", [
+    (-5, "positive"),
+    (30 * 24 * 3600, "idle_ttl"),  # the backend (idle_ttl 7 days) would forget the semaphore
+])
+def test_bad_settings_stop_the_worker_naming_the_setting(redis_url, tmp_path, lease_ttl,
+                                                         problem):
     env = cluster_env(str(tmp_path), servers.redis_broker(redis_url), redis_url, RESULTS,
-                      CS_SETTINGS=json.dumps({"semaphore_lease_ttl": -5}))
+                      CS_SETTINGS=json.dumps({"semaphore_lease_ttl": lease_ttl}))
     worker = Worker(env, "bad", 1)
     assert worker.proc.wait(30) != 0
-    assert "semaphore_lease_ttl" in worker.output()
+    output = worker.output()
+    assert "semaphore_lease_ttl" in output and problem in output
 
 
 def test_requeue_past_the_per_worker_bound_loses_nothing(redis_url, tmp_path):
