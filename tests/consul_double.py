@@ -30,6 +30,7 @@ import base64
 import json
 import random
 import re
+import socket
 import threading
 import time
 import uuid
@@ -417,6 +418,10 @@ def _render(entry: Dict[str, Any]) -> Dict[str, Any]:
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+    # Consul (Go's net/http) listens with the kernel's somaxconn backlog; socketserver's
+    # default of 5 drops the SYNs of a few dozen processes connecting at once, and each
+    # dropped SYN costs its client a one-second retransmission.
+    request_queue_size = socket.SOMAXCONN
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         pass  # a client that hung up (killed test processes): nothing to report
