@@ -286,7 +286,7 @@ def test_live_resize_under_load(broker, redis_url, amqp_url, tmp_path):
     broker_url = servers.redis_broker(redis_url) if broker == "redis" else amqp_url
     # A control exchange of its own: `workers` hears only this test's two workers.
     settings = json.dumps({"control_exchange": servers.unique_tag()})
-    cluster = Cluster(str(tmp_path), broker_url, redis_url, CS_SETTINGS=settings)
+    cluster = Cluster(str(tmp_path), redis_url, broker_url, redis_url, CS_SETTINGS=settings)
     backlog = None
 
     def cli(*args):

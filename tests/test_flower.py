@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture
 def flower_cluster(redis_url, tmp_path):
-    cluster = Cluster(str(tmp_path), servers.redis_broker(redis_url),
+    cluster = Cluster(str(tmp_path), redis_url, servers.redis_broker(redis_url),
                       f"sqlite:///{tmp_path}/sem.db", workers=1)
     port = free_port()
     env = dict(cluster.env, FLOWER_UNAUTHENTICATED_API="true")

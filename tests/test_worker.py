@@ -23,12 +23,14 @@ pytestmark = pytest.mark.slow
 
 # broker-backend
 COMBOS = ["redis-redis", "redis-sqlite", "amqp-redis", "amqp-sqlite", "amqp-tokens", "amqp-slots"]
-RESULTS = "redis://127.0.0.1:6379/13"
+RESULTS_DB = 13  # the result backend: this database of the tests' Redis server
 
 
 class Cluster:
-    def __init__(self, tmp_dir, broker, backend, workers=2, concurrency=4, **env_extra):
-        self.env = cluster_env(tmp_dir, broker, backend, RESULTS, **env_extra)
+    def __init__(self, tmp_dir, redis_url, broker, backend, workers=2, concurrency=4,
+                 **env_extra):
+        results = servers.redis_db(redis_url, RESULTS_DB)
+        self.env = cluster_env(tmp_dir, broker, backend, results, **env_extra)
         self.app = create_app(self.env)
         self.probe = Probe(self.env["CS_PROBE"])
         self.backend = get_backend(backend or broker, key_prefix=self.env["CS_KEY_PREFIX"])
@@ -68,7 +70,7 @@ def urls(combo, redis_url, amqp_url, tmp_dir):
 def cluster(request, redis_url, amqp_url, tmp_path_factory):
     tmp_dir = str(tmp_path_factory.mktemp(request.param))
     broker, backend = urls(request.param, redis_url, amqp_url, tmp_dir)
-    cluster = Cluster(tmp_dir, broker, backend)
+    cluster = Cluster(tmp_dir, redis_url, broker, backend)
     yield cluster
     cluster.stop()
 
@@ -185,7 +187,7 @@ def test_current_lease_inside_the_task(cluster):
 
 def test_sigkilled_worker_frees_its_slot_within_the_lease_ttl(redis_url, tmp_path):
     ttl = 3.0
-    cluster = Cluster(str(tmp_path), servers.redis_broker(redis_url), redis_url,
+    cluster = Cluster(str(tmp_path), redis_url, servers.redis_broker(redis_url), redis_url,
                       workers=1, CS_LEASE_TTL=str(ttl))
     try:
         slow = cluster.task("slow")
@@ -210,7 +212,8 @@ def test_sigkilled_worker_frees_its_slot_within_the_lease_ttl(redis_url, tmp_pat
 ])
 def test_bad_settings_stop_the_worker_naming_the_setting(redis_url, tmp_path, lease_ttl,
                                                          problem):
-    env = cluster_env(str(tmp_path), servers.redis_broker(redis_url), redis_url, RESULTS,
+    env = cluster_env(str(tmp_path), servers.redis_broker(redis_url), redis_url,
+                      servers.redis_db(redis_url, RESULTS_DB),
                       CS_SETTINGS=json.dumps({"semaphore_lease_ttl": lease_ttl}))
     worker = Worker(env, "bad", 1)
     assert worker.proc.wait(30) != 0
@@ -219,7 +222,7 @@ def test_bad_settings_stop_the_worker_naming_the_setting(redis_url, tmp_path, le
 
 
 def test_requeue_past_the_per_worker_bound_loses_nothing(redis_url, tmp_path):
-    cluster = Cluster(str(tmp_path), servers.redis_broker(redis_url), redis_url,
+    cluster = Cluster(str(tmp_path), redis_url, servers.redis_broker(redis_url), redis_url,
                       workers=1, CS_SETTINGS=json.dumps({"semaphore_worker_max_waiting": 2}))
     try:
         guarded = cluster.task("guarded")
@@ -232,7 +235,7 @@ def test_requeue_past_the_per_worker_bound_loses_nothing(redis_url, tmp_path):
 
 
 def test_max_wait_fails_the_task_with_a_clear_error(redis_url, tmp_path):
-    cluster = Cluster(str(tmp_path), servers.redis_broker(redis_url), redis_url,
+    cluster = Cluster(str(tmp_path), redis_url, servers.redis_broker(redis_url), redis_url,
                       workers=1, CS_SETTINGS=json.dumps({"semaphore_max_wait": 1.0}))
     try:
         slow = cluster.task("slow")
@@ -252,7 +255,8 @@ def test_worker_shutdown_releases_and_loses_nothing(how, redis_url, tmp_path):
     """Warm: the running task finishes, then its slot is freed. Cold: the task dies with the
     pool and the slot is freed at exit, not after the lease TTL. Requests that waited in the
     stopped worker run later on another worker."""
-    cluster = Cluster(str(tmp_path), servers.redis_broker(redis_url), redis_url, workers=1)
+    cluster = Cluster(str(tmp_path), redis_url, servers.redis_broker(redis_url), redis_url,
+                      workers=1)
     try:
         slow = cluster.task("slow")
         running = slow.delay("k0", 1.5)
