@@ -103,6 +103,26 @@ def test_a_holder_that_stops_renewing_is_pruned_and_its_session_destroyed(consul
     assert stale.release() is False and fresh.release() is True
 
 
+def test_sessions_another_process_pruned_are_forgotten(consul_url, prefix):
+    """A lease of ours that another process pruned (and whose session it destroyed) must not
+    stay in our table of sessions for ever: one entry per lost lease would add up."""
+    ours, theirs = (ConsulBackend(consul_url, key_prefix=prefix) for _ in range(2))
+    try:
+        assert ours.acquire("c", "a", limit=1, ttl=0.3, meta={}, wait=False).grant
+        [session] = ours._owned
+        time.sleep(0.4)
+        assert theirs.acquire("c", "b", limit=1, ttl=30, meta={}, wait=False).grant  # prunes a
+        assert admin(consul_url).session.info(session)[1] is None
+        ttl, renewed = ours._owned[session]
+        ours._owned[session] = (ttl, renewed - 2 * ttl - 1)  # twice its TTL without renewal
+        assert theirs.release("c", "b")
+        assert ours.acquire("c", "c", limit=1, ttl=30, meta={}, wait=False).grant
+        assert session not in ours._owned and len(ours._owned) == 1
+    finally:
+        ours.close()
+        theirs.close()
+
+
 def test_release_lends_the_session_to_our_next_waiter_and_reset_destroys_sessions(
     consul_url, prefix
 ):

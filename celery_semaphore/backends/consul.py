@@ -443,8 +443,12 @@ class ConsulBackend(ModelBackend):
             self.client.session.create, name=f"celery-semaphore {name}", behavior="delete",
             ttl=ttl, lock_delay=0,
         )
+        now = time.monotonic()
         with self._sessions_lock:
-            self._owned[session] = (ttl, time.monotonic())
+            # Forget sessions nobody renewed for twice their TTL: Consul has invalidated them
+            # (a lease of ours that another process pruned and destroyed leaves one behind).
+            self._owned = {s: v for s, v in self._owned.items() if now - v[1] <= 2 * v[0]}
+            self._owned[session] = (ttl, now)
         body = json.dumps({"client": self.client_id})
         try:
             made = self._call(self.client.kv.put, self.prefix(name) + session, body,
