@@ -349,6 +349,17 @@ def test_a_server_that_cannot_serve_raises_backend_unavailable(tmp_path):
         proc.wait(10)
 
 
+def _free(port):
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def _run_forever_script(port):
     try:
         redis.Redis(port=port).eval("while true do end", 0)
@@ -369,6 +380,8 @@ def test_a_redis_cluster_node_is_refused_with_a_clear_error(tmp_path):
     from tests.servers import free_port
 
     port = free_port()
+    while port + 10000 > 65535 or not _free(port + 10000):  # the cluster bus port
+        port = free_port()
     proc, _ = _start_redis(port, tmp_path, "--cluster-enabled", "yes",
                            "--cluster-config-file", str(tmp_path / "nodes.conf"))
     backend = RedisBackend(f"redis://127.0.0.1:{port}/0")
