@@ -1,8 +1,17 @@
 """Guarded tasks called eagerly (``task.apply()``, ``task_always_eager``) hold the semaphore too.
 
 There is no worker gate on that path, so the calling thread blocks in :meth:`Semaphore.acquire`
-(bounded by ``semaphore_max_wait``) around the task body, through Celery's ``task_prerun`` and
-``task_postrun`` signals, which fire in the process that runs the body.
+(bounded by ``semaphore_max_wait``) before the body and releases after it:
+
+* acquire in ``before_start``, which :func:`guard_eager_calls` gives the app's ``Task`` class:
+  an exception there (``SemaphoreTimeout``, ``BackendUnavailable``, a template the call cannot
+  fill) fails the call like one from the body, which then does not run;
+* release in the ``task_postrun`` signal, which fires on every ending of the call.
+
+A task whose class does not reach that ``before_start`` (a ``base=`` that is not the app's
+``Task``, or its own ``before_start`` that does not call ``super()``) acquires in
+``task_prerun`` instead, where Celery only logs an exception: a failed acquire is logged and
+the body runs without a slot. Call ``super().before_start(...)`` from such a method.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ from .tasks import LEASE_KEY, Guards
 
 _guards: "weakref.WeakKeyDictionary[Any, Tuple[Guards, str]]" = weakref.WeakKeyDictionary()
 _LEASE_ATTR = "_celery_semaphore_lease"
+_GUARD_ATTR = "_celery_semaphore_eager_guard"
 
 
 def _guards_for(app: Any) -> Tuple[Guards, str]:
@@ -26,10 +36,32 @@ def _guards_for(app: Any) -> Tuple[Guards, str]:
     return cached
 
 
+def guard_eager_calls(app: Any) -> None:
+    """Give ``app.Task`` a ``before_start`` that acquires for eager calls (idempotent)."""
+    base = app.Task
+    if getattr(base.__dict__.get("before_start"), _GUARD_ATTR, False):
+        return
+
+    def before_start(self: Any, task_id: str, args: Any, kwargs: Any) -> None:
+        acquire_for_eager(self)
+        super(base, self).before_start(task_id, args, kwargs)
+
+    setattr(before_start, _GUARD_ATTR, True)
+    base.before_start = before_start
+
+
+def acquires_in_before_start(task: Any) -> bool:
+    """True when ``task``'s ``before_start`` is (or calls up to) the eager guard."""
+    return any(getattr(klass.__dict__.get("before_start"), _GUARD_ATTR, False)
+               for klass in type(task).__mro__)
+
+
 def acquire_for_eager(task: Any) -> None:
     request = getattr(task, "request", None)
     if request is None or not request.is_eager or not getattr(task, "semaphore", None):
         return
+    if getattr(request, _LEASE_ATTR, None) is not None:
+        return  # acquired already (task_prerun, for a class without the guard)
     guards, url = _guards_for(task.app)
     guard = guards.resolve_call(task, request.args, request.kwargs, request.headers)
     if guard is None:

@@ -11,6 +11,12 @@ from celery.worker.control import inspect_command
 
 from . import states
 from .backends import get_backend
+from .eager import (
+    acquire_for_eager,
+    acquires_in_before_start,
+    guard_eager_calls,
+    release_for_eager,
+)
 from .exceptions import ConfigurationError
 from .gate import Gate
 from .names import validate_limit, validate_template
@@ -112,6 +118,7 @@ def install(app: Any) -> Any:
         return app
     states.register_precedence()
     app.steps["consumer"].add(SemaphoreStep)
+    guard_eager_calls(app)
     signals.task_prerun.connect(_eager_acquire, weak=False, dispatch_uid="celery_semaphore_pre")
     signals.task_postrun.connect(_eager_release, weak=False, dispatch_uid="celery_semaphore_post")
     setattr(app, _INSTALLED, True)
@@ -119,13 +126,10 @@ def install(app: Any) -> Any:
 
 
 def _eager_acquire(sender: Any = None, task: Any = None, **kwargs: Any) -> None:
-    """Eager calls (``task.apply()``, ``task_always_eager``) hold the semaphore in-process."""
-    from .eager import acquire_for_eager
-
-    acquire_for_eager(task)
+    """Eager calls of a task whose class lacks the ``before_start`` guard acquire here."""
+    if task is not None and not acquires_in_before_start(task):
+        acquire_for_eager(task)
 
 
 def _eager_release(sender: Any = None, task: Any = None, **kwargs: Any) -> None:
-    from .eager import release_for_eager
-
     release_for_eager(task)

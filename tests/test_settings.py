@@ -137,3 +137,40 @@ def test_eager_calls_hold_the_semaphore():
     from celery_semaphore.backends import get_backend
 
     assert get_backend("memory://eager", key_prefix="semaphore:").status("eager").held == 0
+
+
+def test_an_eager_call_that_gets_no_slot_fails_without_running_the_body():
+    """Celery only logs an exception raised in a task_prerun receiver: the acquire must happen
+    where its exception fails the call (before_start), or the body runs without a slot."""
+    from celery_semaphore import Semaphore, SemaphoreTimeout
+    from celery_semaphore.backends import get_backend
+
+    app = make_app(semaphore_backend="memory://eager-full", semaphore_max_wait=0.2)
+    install(app)
+    ran, started = [], []
+
+    @app.task(semaphore="full", limit=1, shared=False)
+    def plain():
+        ran.append("plain")
+
+    class Audited(app.Task):
+        def before_start(self, task_id, args, kwargs):
+            started.append(task_id)
+            super().before_start(task_id, args, kwargs)
+
+    @app.task(base=Audited, semaphore="full", limit=1, shared=False)
+    def audited():
+        ran.append("audited")
+
+    holder = Semaphore("full", 1, "memory://eager-full").acquire()
+    for guarded in (plain, audited):
+        result = guarded.apply()
+        assert result.state == "FAILURE" and isinstance(result.result, SemaphoreTimeout)
+        with pytest.raises(SemaphoreTimeout):
+            guarded.apply(throw=True)
+    assert ran == [] and len(started) == 2  # the subclass's own before_start still runs
+    holder.release()
+    assert plain.apply().state == "SUCCESS" and audited.apply().state == "SUCCESS"
+    assert ran == ["plain", "audited"]
+    backend = get_backend("memory://eager-full", key_prefix="semaphore:")
+    assert backend.status("full").held == 0
