@@ -56,6 +56,8 @@ logger = logging.getLogger(__name__)
 #: Message headers the gate writes when it requeues a request.
 REQUEUES_HEADER = "semaphore_requeues"
 FIRST_WAIT_HEADER = "semaphore_first_wait"
+#: What the gate adds to a request; kept out of messages the task publishes (``self.retry``).
+GATE_HEADERS = (REQUEUES_HEADER, FIRST_WAIT_HEADER, LEASE_KEY)
 #: Endings the pool reports before the child process has exited.
 CHILD_KILLED = (TimeLimitExceeded, Terminated, WorkerLostError, SystemExit, KeyboardInterrupt)
 #: Seconds to wait for a timed-out or terminated pool child to exit before releasing anyway.

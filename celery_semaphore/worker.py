@@ -18,7 +18,7 @@ from .eager import (
     release_for_eager,
 )
 from .exceptions import ConfigurationError
-from .gate import Gate
+from .gate import GATE_HEADERS, Gate
 from .names import validate_limit, validate_template
 from .settings import Settings, lookup
 
@@ -121,6 +121,8 @@ def install(app: Any) -> Any:
     guard_eager_calls(app)
     signals.task_prerun.connect(_eager_acquire, weak=False, dispatch_uid="celery_semaphore_pre")
     signals.task_postrun.connect(_eager_release, weak=False, dispatch_uid="celery_semaphore_post")
+    signals.before_task_publish.connect(_strip_gate_headers, weak=False,
+                                        dispatch_uid="celery_semaphore_publish")
     setattr(app, _INSTALLED, True)
     return app
 
@@ -129,6 +131,16 @@ def _eager_acquire(sender: Any = None, task: Any = None, **kwargs: Any) -> None:
     """Eager calls of a task whose class lacks the ``before_start`` guard acquire here."""
     if task is not None and not acquires_in_before_start(task):
         acquire_for_eager(task)
+
+
+def _strip_gate_headers(headers: Optional[dict] = None, **kwargs: Any) -> None:
+    """Keep what the gate adds to a running request out of messages it publishes: a retry
+    copies the request's custom headers, and would carry the lease (the backend URL with its
+    password) and the requeue count and first-wait time (so ``semaphore_max_wait`` would count
+    from the first run's wait)."""
+    if headers:
+        for key in GATE_HEADERS:
+            headers.pop(key, None)
 
 
 def _eager_release(sender: Any = None, task: Any = None, **kwargs: Any) -> None:

@@ -174,3 +174,35 @@ def test_an_eager_call_that_gets_no_slot_fails_without_running_the_body():
     assert ran == ["plain", "audited"]
     backend = get_backend("memory://eager-full", key_prefix="semaphore:")
     assert backend.status("full").held == 0
+
+
+def test_a_retry_does_not_carry_the_gates_headers():
+    """self.retry() copies the request's custom headers into the new message: the lease (with
+    the backend URL and its password) and the requeue bookkeeping must stay out of it."""
+    from celery_semaphore.gate import FIRST_WAIT_HEADER, REQUEUES_HEADER
+    from celery_semaphore.tasks import LEASE_KEY
+
+    app = make_app(task_default_queue="retry-headers")
+    install(app)
+
+    @app.task(bind=True, semaphore="r", limit=1, shared=False)
+    def flaky(self):
+        pass
+
+    flaky.push_request(
+        id="t1", task=flaky.name, args=[], kwargs={}, retries=0, is_eager=False,
+        called_directly=False, delivery_info={"exchange": "", "routing_key": "retry-headers"},
+        **{REQUEUES_HEADER: 3, FIRST_WAIT_HEADER: 1.0, "semaphore": "r",
+           LEASE_KEY: {"name": "r", "holder": "h", "backend": "redis://:s3cret@h:6379/0"}})
+    try:
+        flaky.retry(countdown=5, throw=False)
+    finally:
+        flaky.pop_request()
+    with app.connection() as connection:
+        message = connection.SimpleQueue("retry-headers").get(timeout=5)
+        headers = message.headers
+        message.ack()
+    assert headers["id"] == "t1" and headers["retries"] == 1
+    assert headers["semaphore"] == "r"  # a per-call override belongs to the call: it stays
+    assert not {REQUEUES_HEADER, FIRST_WAIT_HEADER, LEASE_KEY} & set(headers)
+    assert "s3cret" not in repr(headers)
