@@ -108,23 +108,21 @@ class IOThread:
             self._cond.notify()
 
     def _run(self) -> None:
+        """Run each callable when due; once stopped, run what is left at once, then exit."""
         while True:
             with self._cond:
                 while True:
-                    if self._stopped and not self._due_now():
-                        return
-                    if self._heap and self._heap[0][0] <= time.monotonic():
+                    if self._heap and (self._stopped or self._heap[0][0] <= time.monotonic()):
                         _, _, fn, args = heapq.heappop(self._heap)
                         break
+                    if self._stopped:
+                        return
                     timeout = self._heap[0][0] - time.monotonic() if self._heap else None
                     self._cond.wait(timeout)
             try:
                 fn(*args)
             except Exception:
                 logger.exception("celery-semaphore: %r failed", fn)
-
-    def _due_now(self) -> bool:
-        return bool(self._heap) and self._heap[0][0] <= time.monotonic()
 
 
 class LoopCaller:
@@ -206,6 +204,7 @@ class Pending:
     done: bool = False
     generation: int = 0
     backend_down: bool = False
+    maybe_granted: bool = False  # an acquire raised: the backend may have granted unseen
     entered_wall: float = field(default_factory=time.time)
 
     @property
@@ -376,7 +375,7 @@ class Gate:
             if not pending.backend_down:
                 logger.warning("celery-semaphore: %s waits: backend unavailable: %s",
                                pending.request.id, exc)
-            pending.backend_down = True
+            pending.backend_down = pending.maybe_granted = True
             self._schedule(pending, min(guard.settings.poll_interval, 1.0))
             return
         pending.backend_down = False
@@ -409,9 +408,12 @@ class Gate:
                   "attempt": pending.requeues + 1}
         pending.request.send_event(WAITING_EVENT, **fields)
         if not pending.request.ignore_result:
-            self.io.call(self._store_waiting, pending.request, fields)
+            self.io.call(self._store_waiting, pending, fields)
 
-    def _store_waiting(self, request: Any, fields: Dict[str, Any]) -> None:  # I/O thread
+    def _store_waiting(self, pending: Pending, fields: Dict[str, Any]) -> None:  # I/O thread
+        if pending.granted or pending.done:  # it may have run and stored its outcome already
+            return
+        request = pending.request
         backend = request.task.backend
         if getattr(backend, "persistent", True) and type(backend).__name__ != "DisabledBackend":
             try:
@@ -521,7 +523,8 @@ class Gate:
             self._pump()
 
     def _release_after_exit(self, lease: Lease, pid: int, deadline: float) -> None:  # I/O
-        if process_alive(pid) and time.monotonic() < deadline:
+        # At worker shutdown the pool has been stopped first: release now, not never.
+        if self._running and process_alive(pid) and time.monotonic() < deadline:
             self.io.call(self._release_after_exit, lease, pid, deadline, delay=0.005)
             return
         default_keeper.discard(lease)
@@ -535,9 +538,12 @@ class Gate:
 
     def _revoked(self, task_id: str) -> None:
         for entry in list(self.held.values()):
-            if entry.request.id == task_id and entry.request.time_start is None:
+            request = entry.request
+            if (request.id == task_id and request.time_start is None
+                    and getattr(request, "_already_revoked", False)):
                 # Revoked or expired before a pool process took it: no pool callback comes.
-                self._finished(entry.request)
+                # (Another delivery of the same task id may hold a slot too, and run.)
+                self._finished(request)
 
     def _release(self, lease: Lease) -> None:  # I/O thread
         try:
@@ -647,7 +653,9 @@ class Gate:
     def _cancel_in_backend(self, pending: Pending) -> None:  # I/O thread
         try:
             self.backend.cancel(pending.guard.name, pending.holder)
-        except Exception as exc:  # the waiter entry expires after waiter_ttl
+            if pending.maybe_granted:  # a grant whose reply was lost would hold a slot
+                self.backend.release(pending.guard.name, pending.holder)
+        except Exception as exc:  # the waiter entry expires after waiter_ttl, a grant its TTL
             logger.debug("celery-semaphore: cancel failed: %s", exc)
 
     def _fail(self, request: Any, exc: BaseException) -> None:

@@ -28,16 +28,19 @@ class LeaseKeeper:
     """Renews leases from a daemon thread started on first use (per process)."""
 
     def __init__(self) -> None:
+        self._forked()
+        if hasattr(os, "register_at_fork"):
+            # A fork can happen while the keeper's thread holds the condition's lock; the
+            # child would wait for it for ever. The parent's leases are not the child's.
+            os.register_at_fork(after_in_child=self._forked)
+
+    def _forked(self) -> None:
         self._due: Dict["Lease", float] = {}
         self._cond = threading.Condition()
         self._thread: Optional[threading.Thread] = None
-        self._pid = os.getpid()
 
     def add(self, lease: "Lease") -> None:
         with self._cond:
-            if self._pid != os.getpid():  # forked: the parent's thread does not exist here
-                self._due.clear()
-                self._thread, self._pid = None, os.getpid()
             self._due[lease] = time.monotonic() + lease.ttl / 3
             if self._thread is None:
                 self._thread = threading.Thread(
@@ -79,6 +82,8 @@ class LeaseKeeper:
             return
         if renewed:
             self._reschedule(lease, lease.ttl / 3)
+        elif lease.released:  # released while this renewal was due: nothing was lost
+            self.discard(lease)
         else:
             logger.error("lease %r lost: the backend no longer holds it", lease)
             self.discard(lease)
