@@ -20,6 +20,8 @@ Release, exactly once, on every way a task ends (all in the main process):
   terminate: the request's ``on_success``/``on_failure`` pool callbacks, which the gate wraps;
 * revoked or expired before running: the ``task_revoked`` signal;
 * warm or cold shutdown: the consumer step's ``shutdown`` releases what is left;
+* a broker reconnect: the consumer drops the jobs no pool child has acknowledged, with their
+  callbacks; their leases stop being renewed and lapse after the lease TTL;
 * a whole worker dying: the lease's TTL.
 """
 
@@ -270,7 +272,27 @@ class Gate:
                 except Exception as exc:  # the channel may be gone; the broker redelivers
                     logger.debug("celery-semaphore: reject on stop failed: %s", exc)
                 worker_state.task_ready(pending.request)
+            for holder, entry in list(self.held.items()):
+                if self._flushed_by_the_pool(entry.request):
+                    # No pool callback will come, and a child may have the job already: stop
+                    # renewing and let the lease lapse (``semaphore_lease_ttl``).
+                    logger.warning("celery-semaphore: %s was dropped by the pool on a broker "
+                                   "reconnect; its slot of %r frees when its lease lapses",
+                                   entry.request.id, entry.lease.name)
+                    del self.held[holder]
+                    default_keeper.discard(entry.lease)
         self.loop.stop()
+
+    def _flushed_by_the_pool(self, request: Any) -> bool:
+        """True when the prefork pool dropped this request's job: on a broker reconnect the
+        consumer flushes the jobs no pool child has acknowledged (the broker redelivers them)
+        and their callbacks never run. A job written to a child before the flush still runs."""
+        cache = getattr(getattr(self.consumer.pool, "_pool", None), "_cache", None)
+        ref = getattr(request, "_apply_result", None)
+        if not isinstance(cache, dict) or ref is None or request.time_start is not None:
+            return False
+        job = ref()
+        return job is None or getattr(job, "_job", None) not in cache
 
     def shutdown(self) -> None:
         """The worker exits: release every lease still held, then stop the I/O thread."""

@@ -9,7 +9,7 @@ import json
 import os
 import time
 
-from celery import Celery
+from celery import Celery, signals
 from celery.exceptions import SoftTimeLimitExceeded
 
 import celery_semaphore
@@ -35,6 +35,9 @@ def create_app(env):
     if env.get("CS_SETTINGS"):
         app.conf.update(json.loads(env["CS_SETTINGS"]))
     celery_semaphore.install(app)
+    if env.get("CS_CHILD_START_DELAY"):  # pool children that take this long to come up
+        delay = float(env["CS_CHILD_START_DELAY"])
+        signals.worker_process_init.connect(lambda **kwargs: time.sleep(delay), weak=False)
     probe = Probe(env.get("CS_PROBE", "/tmp/celery-semaphore-probe.log"))
 
     def body(key, hold):

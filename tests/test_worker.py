@@ -9,6 +9,7 @@ import signal
 import time
 
 import pytest
+import redis
 from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
 
 from celery_semaphore import SemaphoreTimeout
@@ -280,3 +281,46 @@ def test_worker_shutdown_releases_and_loses_nothing(how, redis_url, tmp_path):
         assert all(n == 1 for k, n in cluster.probe.completed("slow:k").items() if k != "slow:k0")
     finally:
         cluster.stop()
+
+
+def test_a_job_the_pool_drops_on_a_broker_reconnect_does_not_keep_its_slot(redis_url, tmp_path):
+    """On a broker reconnect the consumer drops the jobs no pool child has taken yet, and their
+    pool callbacks never run: the gate must stop renewing their leases (before: renewed, so
+    held, until the worker stopped). Here the job waits for a pool child that takes 2.5 s to
+    start (max-tasks-per-child 1) while the test cuts the worker's broker connections."""
+    ttl = 2.0
+    broker = servers.redis_broker(redis_url)
+    cluster = Cluster(str(tmp_path), redis_url, broker, redis_url, workers=0,
+                      CS_LEASE_TTL=str(ttl), CS_CHILD_START_DELAY="2.5")
+    try:
+        worker = Worker(cluster.env, "flushed", 1, extra=["--max-tasks-per-child", "1"])
+        worker.wait_ready()
+        cluster.workers.append(worker)
+        slow = cluster.task("slow")
+        first, second = slow.delay("a", 0.1), slow.delay("b", 0.1)
+        assert first.get(timeout=30) == "a"
+        assert wait_until(lambda: _holders(cluster, "slow") == [second.id], timeout=10)
+        assert not cluster.started("slow:b")  # granted, waiting for the next pool child
+        cut = _kill_clients(redis.Redis.from_url(broker))
+        assert cut and wait_until(lambda: "Trying to re-establish" in worker.output(), 5)
+        # The dropped job's lease lapses; the broker redelivers the message, which runs.
+        assert second.get(timeout=30) == "b"
+        assert cluster.probe.max_concurrent() == 1
+        assert wait_until(lambda: cluster.held("slow") == 0, timeout=ttl + 5)
+    finally:
+        cluster.stop()
+
+
+def _holders(cluster, name):
+    status = cluster.backend.status(name)
+    return [h.meta.get("task_id") for h in status.holders] if status else []
+
+
+def _kill_clients(client):
+    """Close every connection to the client's Redis database (the worker's broker ones)."""
+    db = client.connection_pool.connection_kwargs.get("db", 0)
+    ours = client.client_id()
+    ids = [c["id"] for c in client.client_list() if int(c["db"]) == db and c["id"] != ours]
+    for client_id in ids:
+        client.client_kill_filter(_id=client_id)
+    return ids
