@@ -18,6 +18,8 @@ Release, exactly once, on every way a task ends (all in the main process):
 
 * success, failure, retry, time limits, a killed child (WorkerLostError), revoke with
   terminate: the request's ``on_success``/``on_failure`` pool callbacks, which the gate wraps;
+* a hard time limit: also ``on_timeout`` (gevent and eventlet call nothing else; prefork
+  calls ``on_failure`` too, and the first of the two releases);
 * revoked or expired before running: the ``task_revoked`` signal;
 * warm or cold shutdown: the consumer step's ``shutdown`` releases what is left;
 * a broker reconnect: the consumer drops the jobs no pool child has acknowledged, with their
@@ -526,7 +528,15 @@ class Gate:
             finally:
                 self._finished(request, getattr(exc_info, "exception", None))
 
-        request.on_success, request.on_failure = success, failure
+        def timeout(soft: bool, limit: float) -> Any:
+            try:
+                return on_timeout(soft, limit)
+            finally:
+                if not soft:  # gevent and eventlet never call on_failure for a hard limit
+                    self._finished(request, TimeLimitExceeded(limit))
+
+        on_timeout = request.on_timeout
+        request.on_success, request.on_failure, request.on_timeout = success, failure, timeout
 
     def _finished(self, request: Any, exc: Optional[BaseException] = None) -> None:
         with self.lock:
@@ -534,7 +544,7 @@ class Gate:
             if entry is not None and self.held.pop(entry.lease.holder, None) is not None:
                 pid = request.worker_pid
                 exc = getattr(exc, "exc", exc)  # billiard's ExceptionWithTraceback
-                if isinstance(exc, CHILD_KILLED) and pid:
+                if isinstance(exc, CHILD_KILLED) and pid and pid != os.getpid():
                     # Celery reports these before the pool child has died; the body may
                     # still run (a finally block, a handler): keep the slot until it exits.
                     self.io.call(self._release_after_exit, entry.lease, pid,

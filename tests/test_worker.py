@@ -166,6 +166,28 @@ def test_time_limits_free_the_slot(cluster):
     assert wait_until(lambda: cluster.held("limited") == 0)
 
 
+def test_gevent_pool_hard_time_limit_frees_the_slot(redis_url, tmp_path):
+    """gevent (and eventlet) report a hard time limit through the request's on_timeout only,
+    never on_failure: the gate must release there, once the limit has unwound the body."""
+    cluster = Cluster(str(tmp_path), redis_url, servers.redis_broker(redis_url), redis_url,
+                      workers=0)
+    try:
+        worker = Worker(cluster.env, "green", 4, pool="gevent")
+        worker.wait_ready()
+        cluster.workers.append(worker)
+        limited = cluster.task("time_limited")
+        hard = limited.delay("g1", 5.0, obey_soft_limit=False)  # hard limit 1 s
+        after = limited.delay("g2", 0.01)
+        after.get(timeout=15)
+        with pytest.raises(TimeLimitExceeded):
+            hard.get(timeout=5)
+        runs = cluster.probe.intervals()
+        assert runs["limited:g2"][0][0] - runs["limited:g1"][0][0] >= 1.0e9  # after the limit
+        assert wait_until(lambda: cluster.held("limited") == 0)
+    finally:
+        cluster.stop()
+
+
 def test_failure_and_retry_release(cluster):
     fails, retrying = cluster.task("fails"), cluster.task("retrying")
     failures = [fails.delay(f"e{i}") for i in range(3)]
