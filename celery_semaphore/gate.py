@@ -142,34 +142,41 @@ class LoopCaller:
         self.after = after  # runs after each call, outside the lock
         self._calls: Deque[Tuple[Callable[..., Any], tuple]] = deque()
         self._rfd = self._wfd = -1
+        # Held while the pipe is written or closed: a write racing stop() could otherwise hit
+        # the fd number after it was closed and reused (the reconnected broker's socket).
+        self._pipe_lock = threading.Lock()
 
     def start(self) -> None:
-        if self.hub is not None and self._rfd < 0:
+        with self._pipe_lock:
+            if self.hub is None or self._rfd >= 0:
+                return
             self._rfd, self._wfd = os.pipe()
             os.set_blocking(self._rfd, False)
             os.set_blocking(self._wfd, False)
-            self.hub.add_reader(self._rfd, self._drain)
+        self.hub.add_reader(self._rfd, self._drain)
 
     def stop(self) -> None:
-        if self._rfd >= 0:
+        with self._pipe_lock:
+            rfd, wfd, self._rfd, self._wfd = self._rfd, self._wfd, -1, -1
+        if rfd >= 0:
             try:
-                self.hub.remove_reader(self._rfd)
+                self.hub.remove_reader(rfd)
             except Exception:
                 pass
-            os.close(self._rfd)
-            os.close(self._wfd)
-            self._rfd = self._wfd = -1
+            os.close(rfd)
+            os.close(wfd)
         self._drain_calls()
 
     def post(self, fn: Callable[..., Any], *args: Any) -> None:
-        if self._wfd < 0:
-            self._run(fn, args)
-            return
-        self._calls.append((fn, args))
-        try:
-            os.write(self._wfd, b"\0")
-        except (BlockingIOError, OSError):  # a full pipe already wakes the hub
-            pass
+        with self._pipe_lock:
+            if self._wfd >= 0:
+                self._calls.append((fn, args))
+                try:
+                    os.write(self._wfd, b"\0")
+                except (BlockingIOError, OSError):  # a full pipe already wakes the hub
+                    pass
+                return
+        self._run(fn, args)  # no loop to wake (synloop, or stopped): run it here
 
     def _drain(self) -> None:
         try:
