@@ -462,10 +462,9 @@ class Gate:
         if pending.done:
             self.io.call(self._release, lease)
             return
-        if self._is_revoked(request):
+        if request.revoked():  # by id, by stamped header or expired: announced and acked
             self._drop(pending)
             self.io.call(self._release, lease)
-            request.revoked()  # announces, acks, sends task_revoked
             return
         if self._free_processes() <= 0:
             # The pool filled up meanwhile: never sit on a slot waiting for a process.
@@ -613,10 +612,9 @@ class Gate:
         now, wall = time.monotonic(), time.time()
         for pending in list(self.pending.values()):
             settings = pending.guard.settings
-            if self._is_revoked(pending.request):
+            if pending.request.revoked():  # Celery's own test; announces and acks
                 self._drop(pending)
                 self.io.call(self._cancel_in_backend, pending)
-                pending.request.revoked()
             elif settings.max_wait is not None and wall - pending.first_wait > settings.max_wait:
                 self._drop(pending)
                 self.io.call(self._cancel_in_backend, pending)
@@ -626,14 +624,6 @@ class Gate:
             elif now - pending.entered > settings.worker_max_hold:
                 self._requeue(pending)
         self._pump()
-
-    @staticmethod
-    def _is_revoked(request: Any) -> bool:
-        if request.id in worker_state.revoked:
-            return True
-        expires = request.expires
-        return expires is not None and datetime.now(
-            timezone.utc if expires.tzinfo else None) > expires
 
     def _requeue(self, pending: Pending) -> None:
         """Publish a copy of the message with a backoff ETA, then ack the original."""

@@ -112,15 +112,22 @@ def test_unguarded_tasks_flow_while_guarded_ones_wait(cluster):
     assert cluster.held("slow") == 1
     # A waiting request shows WAITING in the result backend.
     assert wait_until(lambda: waiting[0].state == "WAITING", timeout=5)
-    # Revoking a waiting task: it never runs.
+    # Revoking a waiting task, by id or by stamped header: it never runs.
     waiting[0].revoke()
     assert wait_until(lambda: waiting[0].state == "REVOKED", timeout=5)
+    stamped = slow.s("s1", 0.05)
+    stamped.stamp(batch="cancel-me")
+    stamped = stamped.apply_async()
+    assert wait_until(lambda: any(f"[{stamped.id}] received" in w.output()
+                                  for w in cluster.workers), timeout=5)
+    cluster.app.control.revoke_by_stamped_headers({"batch": "cancel-me"})
+    assert wait_until(lambda: stamped.state == "REVOKED", timeout=5)
     # Revoke with terminate frees the slot at once: the waiters run, one at a time.
     terminated_at = time.monotonic_ns()
     first.revoke(terminate=True)
     for result in waiting[1:]:
         result.get(timeout=30)
-    assert not cluster.started("slow:b1")
+    assert not cluster.started("slow:b1") and not cluster.started("slow:s1")
     assert cluster.probe.max_concurrent("slow:b") == 1
     b_starts = [runs[0][0] for key, runs in cluster.probe.intervals().items()
                 if key.startswith("slow:b")]
