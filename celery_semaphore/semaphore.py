@@ -10,6 +10,7 @@ to the protected resource where it can reject stale tokens.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -19,6 +20,8 @@ from .backends import get_backend
 from .backends.base import Backend, FencingToken, Grant, Meta, SemaphoreStatus, new_holder_id
 from .exceptions import ConfigurationError, SemaphoreTimeout
 from .names import validate_limit, validate_name
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_BACKEND = "redis://localhost:6379/0"
 DEFAULT_TTL = 60.0
@@ -62,6 +65,7 @@ class Lease:
         # than the backend's expiry whatever the network delay was.
         self._deadline = requested_at + grant.ttl
         self._released = False
+        self._releasing = False  # a release call is in flight
         self._lost = False
         self._lost_callbacks: List[Callable[["Lease"], None]] = []
         self._lock = threading.Lock()
@@ -101,16 +105,26 @@ class Lease:
     def release(self) -> bool:
         """Free the slot. True only for the call that freed it; False when it had expired.
 
-        Idempotent: later calls return False and touch nothing.
+        Idempotent: later calls return False and touch nothing. A call that raises (the
+        backend unreachable) leaves the lease held, to be released again; meanwhile it is no
+        longer renewed, so its TTL frees the slot if nobody does.
         """
         with self._lock:
-            if self._released:
+            if self._released or self._releasing:
                 return False
-            self._released = True
+            self._releasing = True
         from .keeper import default_keeper
 
         default_keeper.discard(self)
-        return self.backend.release(self.name, self.holder)
+        try:
+            freed = self.backend.release(self.name, self.holder)
+        except BaseException:
+            with self._lock:
+                self._releasing = False
+            raise
+        with self._lock:
+            self._released, self._releasing = True, False
+        return freed
 
     def renew(self, ttl: Optional[float] = None) -> bool:
         """Extend the lease to ``ttl`` seconds from now. Never re-acquires a lost lease."""
@@ -137,8 +151,15 @@ class Lease:
     def __enter__(self) -> "Lease":
         return self
 
-    def __exit__(self, *exc_info: Any) -> None:
-        self.release()
+    def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> None:
+        if exc_type is None:
+            self.release()
+            return
+        try:  # the body's exception is the one to surface
+            self.release()
+        except Exception as release_error:
+            logger.warning("releasing %r after %r failed (its TTL frees the slot): %s",
+                           self, exc, release_error)
 
     def __repr__(self) -> str:
         state = "released" if self._released else ("lost" if self.lost else "held")
@@ -195,8 +216,10 @@ class Semaphore:
         Raises :class:`SemaphoreTimeout` when ``timeout`` seconds pass first (the caller then
         leaves the queue). ``meta`` (JSON-able) is shown to operators in ``status``.
         """
-        if timeout is not None and (isinstance(timeout, bool) or timeout < 0):
+        if timeout is not None and (isinstance(timeout, bool) or not timeout >= 0):
             raise ConfigurationError(f"timeout must be None or >= 0, not {timeout!r}")
+        if timeout is not None and math.isinf(timeout):
+            timeout = None
         meta = {**self.meta, **(meta or {})}
         holder = new_holder_id()
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -243,9 +266,13 @@ class Semaphore:
         meta = {**self.meta, **(meta or {})}
         holder = new_holder_id()
         requested_at = time.monotonic()
-        attempt = self.backend.acquire(
-            self.name, holder, limit=self.limit, ttl=self.ttl, meta=meta, wait=False
-        )
+        try:
+            attempt = self.backend.acquire(
+                self.name, holder, limit=self.limit, ttl=self.ttl, meta=meta, wait=False
+            )
+        except BaseException:
+            self._abandon(holder)  # the backend may have granted, the reply lost
+            raise
         if attempt.grant is None:
             return None
         return self._lease(holder, attempt.grant, requested_at, meta, attempt.limit)

@@ -1,0 +1,80 @@
+"""The client API's own guarantees when a backend call fails half-way (a reply lost, a
+release that cannot reach the backend). The failures are injected into a real in-process
+backend: a lost reply cannot be produced on demand with a server."""
+
+import math
+
+import pytest
+
+from celery_semaphore import BackendUnavailable, ConfigurationError, Semaphore
+from celery_semaphore.backends.memory import MemoryBackend
+
+
+class Flaky(MemoryBackend):
+    """Applies each operation, then raises once for each name in ``fail_after``."""
+
+    def __init__(self, url="memory://", **options):
+        super().__init__(url, **options)
+        self.fail_after = set()
+
+    def _maybe_fail(self, operation):
+        if operation in self.fail_after:
+            self.fail_after.discard(operation)
+            raise BackendUnavailable(f"{operation}: reply lost")
+
+    def acquire(self, *args, **kwargs):
+        attempt = super().acquire(*args, **kwargs)
+        self._maybe_fail("acquire")
+        return attempt
+
+    def release(self, name, holder):
+        if "release-before" in self.fail_after:
+            self._maybe_fail("release-before")
+        return super().release(name, holder)
+
+
+@pytest.fixture
+def flaky():
+    return Flaky()
+
+
+def test_try_acquire_whose_reply_is_lost_leaves_no_holder(flaky):
+    sem = Semaphore("lost", 1, flaky)
+    flaky.fail_after.add("acquire")
+    with pytest.raises(BackendUnavailable):
+        sem.try_acquire()
+    assert sem.status().held == 0
+    assert sem.try_acquire() is not None
+
+
+def test_a_failed_release_can_be_retried(flaky):
+    lease = Semaphore("retry", 1, flaky).acquire()
+    flaky.fail_after.add("release-before")
+    with pytest.raises(BackendUnavailable):
+        lease.release()
+    assert not lease.released and flaky.status("retry").held == 1
+    assert lease.release() is True and lease.released
+    assert flaky.status("retry").held == 0
+
+
+def test_the_bodys_exception_wins_over_a_failed_release(flaky):
+    sem = Semaphore("body", 1, flaky)
+    with pytest.raises(ValueError, match="task failed"):
+        with sem.acquire() as lease:
+            flaky.fail_after.add("release-before")
+            raise ValueError("task failed")
+    assert lease.release() is True  # still held after the failed release: retried
+    with pytest.raises(BackendUnavailable):  # no body exception: the release error shows
+        with sem.acquire(timeout=0):
+            flaky.fail_after.add("release-before")
+
+
+@pytest.mark.parametrize("timeout", [math.nan, -1.0, True])
+def test_bad_timeouts_are_refused(flaky, timeout):
+    with pytest.raises(ConfigurationError):
+        Semaphore("t", 1, flaky).acquire(timeout=timeout)
+
+
+def test_an_infinite_timeout_waits_like_none(flaky):
+    lease = Semaphore("inf", 1, flaky).acquire(timeout=math.inf)
+    assert lease.release()
