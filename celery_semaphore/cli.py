@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import sys
 import time
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence
@@ -59,7 +60,7 @@ def semaphore_status(backend: Backend, name: str) -> SemaphoreStatus:
     """The snapshot of ``name``; raise UnknownSemaphore when the backend does not know it."""
     status = backend.status(validate_name(name))
     if status is None:
-        raise UnknownSemaphore(f"unknown semaphore {name!r}")
+        raise UnknownSemaphore(f"unknown semaphore {name!r} in {where(backend)}")
     return status
 
 
@@ -81,6 +82,9 @@ def release_holder(backend: Backend, name: str, holder: str) -> Dict[str, Any]:
         by_task = [h.holder for h in status.holders if h.meta.get("task_id") == holder]
         if len(by_task) == 1:
             (holder,) = by_task
+        elif by_task:
+            raise NotHeld(f"task id {holder} matches {len(by_task)} holders of semaphore "
+                          f"{name!r}: pass a holder id ({', '.join(sorted(by_task))})")
     entry = next((h for h in status.holders if h.holder == holder), None)
     if entry is None or not backend.release(name, holder):
         raise NotHeld(f"{holder} holds no slot of semaphore {name!r}")
@@ -226,6 +230,13 @@ def masked(url: str) -> str:
     return maybe_sanitize_url(url)
 
 
+def where(backend: Backend) -> str:
+    """The backend's URL without its password; an SQLite file's absolute path too (a relative
+    URL names a different file in each working directory)."""
+    path = getattr(backend, "path", None)
+    return f"{masked(backend.url)} (file {path})" if path else masked(backend.url)
+
+
 class Context:
     """What the subcommands share: the app (None without -A) and the backend, opened once."""
 
@@ -265,6 +276,12 @@ def _name(ctx: click.Context, param: click.Parameter, value: str) -> str:
         raise click.BadParameter(str(exc)) from None
 
 
+def _finite(value: float, param: click.Parameter, ctx: click.Context) -> float:
+    if not math.isfinite(value):  # FloatRange lets NaN through
+        raise click.BadParameter(f"must be a finite number of seconds, not {value}", ctx, param)
+    return value
+
+
 class PositiveInt(click.ParamType):
     """A limit: a positive integer, else a usage error (exit 2, with the usage line)."""
 
@@ -281,8 +298,8 @@ class PositiveInt(click.ParamType):
                 self.fail(f"must be a positive integer, not {value!r}", param, ctx)
         try:
             return validate_limit(number)
-        except InvalidLimit:
-            self.fail(f"must be a positive integer, not {number}", param, ctx)
+        except InvalidLimit as exc:
+            self.fail(str(exc).replace("limit ", "", 1), param, ctx)
 
 
 def _operational(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -410,7 +427,7 @@ def reset(obj: Context, name: str, yes: bool, as_json: bool) -> None:
     """Delete all state of NAME: limit, holders (they lose their slots) and waiters."""
     if not yes:
         if not sys.stdin.isatty():
-            raise click.ClickException("refusing to reset without confirmation: pass --yes")
+            raise click.UsageError("refusing to reset without confirmation: pass --yes")
         click.confirm(f"Delete all state of semaphore {name!r}?", abort=True, err=True)
     done = reset_semaphore(obj.backend, name)
     _emit(as_json, done,
@@ -439,7 +456,8 @@ def sync(obj: Context, dry_run: bool, as_json: bool) -> None:
 
 
 @semaphore.command()
-@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=2.0,
+@click.option("--timeout", type=click.FloatRange(min=0, max=3600, min_open=True), default=2.0,
+              callback=lambda ctx, param, value: _finite(value, param, ctx),
               show_default=True, help="Seconds to wait for the workers' replies.")
 @click.option("-d", "--destination", multiple=True, metavar="WORKER",
               help="Ask only this worker (repeatable).")

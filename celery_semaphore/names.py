@@ -9,6 +9,9 @@ from .exceptions import InvalidLimit, InvalidName
 #: Longest name, in UTF-8 bytes. Leaves room for key prefixes within RabbitMQ's 255-byte
 #: queue names and Redis/Consul key conventions.
 MAX_NAME_BYTES = 200
+#: Largest limit. Backends keep per-slot state (fencing epochs; RabbitMQ a token message or a
+#: queue per slot), and Redis stores numbers above 1e15 in a form it cannot read back as ints.
+MAX_LIMIT = 100_000
 
 # Whitespace and control characters cannot be typed safely on a command line; braces would
 # break Redis Cluster hash tags; glob characters would break key scans; "/" would nest Consul
@@ -37,11 +40,14 @@ def validate_name(name: object) -> str:
 
 
 def validate_limit(limit: object, what: str = "limit") -> int:
-    """Return ``limit`` if it is a positive int (bools rejected), else raise InvalidLimit."""
+    """Return ``limit`` if it is an int from 1 to MAX_LIMIT (bools rejected), else raise
+    InvalidLimit."""
     if isinstance(limit, bool) or not isinstance(limit, int):
         raise InvalidLimit(f"{what} must be a positive integer, not {limit!r}")
     if limit < 1:
         raise InvalidLimit(f"{what} must be a positive integer, not {limit}")
+    if limit > MAX_LIMIT:
+        raise InvalidLimit(f"{what} must be at most {MAX_LIMIT}, not {limit}")
     return limit
 
 

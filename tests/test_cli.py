@@ -110,18 +110,26 @@ def test_resize_status_list_release(cli):
     assert nobody.returncode == 1
     assert one_error_line(nobody) == "Error: waiter-1 holds no slot of semaphore 'thumbs'"
     assert cli.backend.status("thumbs").limit == 2
+    # a task id that several holders share names none of them
+    twins = [Semaphore("dups", 2, cli.url, key_prefix=cli.prefix).acquire(
+        meta={"task_id": "t-dup"}) for _ in range(2)]
+    ambiguous = cli("release", "dups", "t-dup")
+    assert ambiguous.returncode == 1
+    assert "task id t-dup matches 2 holders" in one_error_line(ambiguous)
+    assert all(twin.verify() for twin in twins)
 
 
 def test_reset_needs_confirmation_and_unknown_status_exits_1(cli):
     cli.backend.resize("gone", 2)
     refused = cli("reset", "gone")
-    assert refused.returncode == 1 and "pass --yes" in one_error_line(refused)
+    assert refused.returncode == 2 and "pass --yes" in refused.stderr
+    assert "Usage:" in refused.stderr
     assert cli.backend.status("gone").limit == 2
     done = cli("reset", "gone", "--yes", "--json")
     assert done.returncode == 0 and json.loads(done.stdout) == {"name": "gone", "reset": True}
     unknown = cli("status", "gone", "--json")
     assert unknown.returncode == 1 and unknown.stdout == ""
-    assert one_error_line(unknown) == "Error: unknown semaphore 'gone'"
+    assert one_error_line(unknown).startswith("Error: unknown semaphore 'gone' in ")
 
 
 USAGE_ERRORS = [
@@ -132,6 +140,10 @@ USAGE_ERRORS = [
     (("status", "x{y}"), "contains '{'"),
     (("release", "a/b", "h"), "contains '/'"),
     (("reset", "x", "--yes", "--bogus"), "No such option"),
+    (("resize", "x", "99999999999999999999999999"), "must be at most 100000"),
+    (("reset", "x"), "pass --yes"),  # no terminal to confirm on
+    (("workers", "--timeout", "nan"), "must be a finite number of seconds"),
+    (("workers", "--timeout", "inf"), "not in the range"),
 ]
 
 

@@ -81,3 +81,34 @@ def test_forked_child_gets_its_own_wake_ups(tmp_path):
     held.release()
     child.join(25)
     assert 0 <= result.value < 5  # polls are 20 s apart: only a wake-up is this fast
+
+
+def test_reads_do_not_create_the_database_file(tmp_path):
+    """An operator's `status` with a mistyped (or relative, other-directory) path must not
+    leave an empty database behind."""
+    path = tmp_path / "nowhere.db"
+    backend = get_backend(f"sqlite:///{path}")
+    assert backend.status("x") is None and backend.names() == []
+    assert backend.verify("x", "h") is False
+    assert not path.exists()
+
+
+def test_a_blocked_wakeup_directory_costs_only_the_wakeups(tmp_path, caplog):
+    """The socket directory's name is predictable: if it cannot be used (a file there, another
+    user's directory), waiters poll instead of failing."""
+    url = f"sqlite:///{tmp_path}/blocked.db"
+    backend = get_backend(url)
+    open(backend._socket_dir, "w").close()  # a file where the directory goes
+    try:
+        sem = Semaphore("blocked", 1, url, poll_interval=0.1)
+        held = sem.acquire()
+        got = []
+        waiter = threading.Thread(target=lambda: got.append(sem.acquire(timeout=10)))
+        waiter.start()
+        assert wait_until(lambda: sem.status().waiting == 1)
+        held.release()
+        waiter.join(10)
+        assert got and got[0].release()
+        assert "no wake-ups" in caplog.text
+    finally:
+        os.unlink(backend._socket_dir)

@@ -134,8 +134,11 @@ class State:
         queue = self.queue()
         rank = queue.index(holder) if holder in self.waiters else len(queue)
         used = {h.slot for h in self.holders.values()}
-        candidates = range(self.limit) if slots is None else sorted(slots)
-        free = [s for s in candidates if 0 <= s < self.limit and s not in used]
+        if slots is None:  # the lowest free slot: one of the first len(used) + 1 is free
+            lowest = next(s for s in range(len(used) + 1) if s not in used)
+            free = [lowest] if lowest < self.limit else []
+        else:
+            free = [s for s in sorted(slots) if 0 <= s < self.limit and s not in used]
         if len(self.holders) + rank < self.limit and free:
             slot = free[0]
             epoch = next_epoch(self.epochs.get(slot, 0), now)

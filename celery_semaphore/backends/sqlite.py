@@ -18,6 +18,7 @@ import logging
 import os
 import socket
 import sqlite3
+import stat
 import tempfile
 import threading
 import time
@@ -26,6 +27,7 @@ from typing import Any, Iterator, List, Optional
 from urllib.parse import unquote, urlsplit
 
 from ..exceptions import BackendUnavailable, ConfigurationError
+from .base import SemaphoreStatus
 from .model import Box, ModelBackend, State
 
 logger = logging.getLogger(__name__)
@@ -70,7 +72,10 @@ class SQLiteBackend(ModelBackend):
         self.path = database_path(url)
         self.busy_timeout = busy_timeout
         digest = hashlib.sha1(self.path.encode()).hexdigest()[:12]
-        self._socket_dir = os.path.join(tempfile.gettempdir(), f"celery-semaphore-{digest}")
+        # Per user: a directory another user made (mode 0700) would refuse our sockets.
+        self._socket_dir = os.path.join(tempfile.gettempdir(),
+                                        f"celery-semaphore-{os.getuid()}-{digest}")
+        self._listen_failed = False
         self._local = threading.local()
         self._listener: Optional[socket.socket] = None
         self._closed = threading.Event()
@@ -131,7 +136,7 @@ class SQLiteBackend(ModelBackend):
                 conn.execute("ROLLBACK")
             raise
 
-    def _stored_names(self) -> List[str]:
+    def _read_names(self) -> List[str]:
         with _no_fork:
             conn = self._connection()
             conn.execute("DELETE FROM semaphores WHERE expires <= ?", (time.time(),))
@@ -155,18 +160,50 @@ class SQLiteBackend(ModelBackend):
     def _start_listening(self) -> None:
         if self._listener is not None:
             return
-        os.makedirs(self._socket_dir, mode=0o700, exist_ok=True)
-        path = self._socket_path(self.client_id)
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        if os.path.exists(path):
-            os.unlink(path)
-        listener.bind(path)
-        listener.settimeout(1.0)
+        try:
+            listener = self._bind()
+        except OSError as exc:  # wake-ups are a hint: waiters poll
+            if not self._listen_failed:
+                logger.warning("celery-semaphore: no wake-ups for %s, waiters poll: %s",
+                               self.path, exc)
+            self._listen_failed = True
+            return
         self._listener = listener
         threading.Thread(
             target=self._listen, args=(listener,), name="celery-semaphore-sqlite-wake",
             daemon=True,
         ).start()
+
+    def _bind(self) -> socket.socket:
+        os.makedirs(self._socket_dir, mode=0o700, exist_ok=True)
+        info = os.lstat(self._socket_dir)
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+            raise PermissionError(f"{self._socket_dir} is not a directory of this user")
+        path = self._socket_path(self.client_id)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            if os.path.lexists(path):
+                os.unlink(path)
+            listener.bind(path)
+        except OSError:
+            listener.close()
+            raise
+        listener.settimeout(1.0)
+        return listener
+
+    # -- reads never create the database file (an operator's typo would leave one behind) ----
+
+    def _exists(self) -> bool:
+        return os.path.exists(self.path)
+
+    def status(self, name: str) -> Optional[SemaphoreStatus]:
+        return super().status(name) if self._exists() else None
+
+    def verify(self, name: str, holder: str) -> bool:
+        return self._exists() and super().verify(name, holder)
+
+    def _stored_names(self) -> List[str]:
+        return self._read_names() if self._exists() else []
 
     def _listen(self, listener: socket.socket) -> None:
         while not self._closed.is_set():
