@@ -51,9 +51,10 @@ def guard_eager_calls(app: Any) -> None:
 
 
 def acquires_in_before_start(task: Any) -> bool:
-    """True when ``task``'s ``before_start`` is (or calls up to) the eager guard."""
-    return any(getattr(klass.__dict__.get("before_start"), _GUARD_ATTR, False)
-               for klass in type(task).__mro__)
+    """True when the ``before_start`` that runs for ``task`` is the eager guard itself. An
+    override may or may not call ``super()``: then ``task_prerun`` acquires, and the guard,
+    if reached, finds the lease already taken."""
+    return getattr(getattr(type(task), "before_start", None), _GUARD_ATTR, False)
 
 
 def acquire_for_eager(task: Any) -> None:

@@ -18,12 +18,12 @@ Release, exactly once, on every way a task ends (all in the main process):
 
 * success, failure, retry, time limits, a killed child (WorkerLostError), revoke with
   terminate: the request's ``on_success``/``on_failure`` pool callbacks, which the gate wraps;
-* a hard time limit: also ``on_timeout`` (gevent and eventlet call nothing else; prefork
-  calls ``on_failure`` too, and the first of the two releases);
+* a hard time limit: also ``on_timeout`` (the gevent pool calls nothing else; prefork calls
+  ``on_failure`` too, and the first of the two releases);
 * revoked or expired before running: the ``task_revoked`` signal;
 * warm or cold shutdown: the consumer step's ``shutdown`` releases what is left;
 * a broker reconnect: the consumer drops the jobs no pool child has acknowledged, with their
-  callbacks; their leases stop being renewed and lapse after the lease TTL;
+  callbacks: released at once if no child got the job, else once that child moves on or exits;
 * a whole worker dying: the lease's TTL.
 """
 
@@ -233,6 +233,8 @@ class Held:
     request: Any
     lease: Lease
     guard: Guard
+    job: Any = None  # the pool's ApplyResult, once handed to the pool
+    orphan_of: Optional[int] = None  # the pool child running it with no callbacks left
 
 
 class Gate:
@@ -281,27 +283,44 @@ class Gate:
                 except Exception as exc:  # the channel may be gone; the broker redelivers
                     logger.debug("celery-semaphore: reject on stop failed: %s", exc)
                 worker_state.task_ready(pending.request)
-            for holder, entry in list(self.held.items()):
-                if self._flushed_by_the_pool(entry.request):
-                    # No pool callback will come, and a child may have the job already: stop
-                    # renewing and let the lease lapse (``semaphore_lease_ttl``).
-                    logger.warning("celery-semaphore: %s was dropped by the pool on a broker "
-                                   "reconnect; its slot of %r frees when its lease lapses",
-                                   entry.request.id, entry.lease.name)
-                    del self.held[holder]
-                    default_keeper.discard(entry.lease)
+            for entry in list(self.held.values()):
+                self._after_flush(entry)
         self.loop.stop()
 
-    def _flushed_by_the_pool(self, request: Any) -> bool:
-        """True when the prefork pool dropped this request's job: on a broker reconnect the
-        consumer flushes the jobs no pool child has acknowledged (the broker redelivers them)
-        and their callbacks never run. A job written to a child before the flush still runs."""
+    def _after_flush(self, entry: Held) -> None:
+        """On a broker reconnect the consumer flushes the prefork pool: jobs no child has
+        acknowledged leave the pool's cache and their callbacks never run (the broker
+        redelivers their messages). A job no child got never runs: release now. A job whose
+        write to a child had begun runs there unseen: release once that child has moved on to
+        another task or exited (``_check_orphans``)."""
+        request, job = entry.request, entry.job
         cache = getattr(getattr(self.consumer.pool, "_pool", None), "_cache", None)
-        ref = getattr(request, "_apply_result", None)
-        if not isinstance(cache, dict) or ref is None or request.time_start is not None:
-            return False
-        job = ref()
-        return job is None or getattr(job, "_job", None) not in cache
+        if (job is None or not isinstance(cache, dict) or request.time_start is not None
+                or getattr(job, "_job", None) in cache):
+            return
+        child = getattr(job, "_write_to", None)
+        if child is None:
+            logger.warning("celery-semaphore: %s was dropped by the pool on a broker reconnect "
+                           "before any child got it; releasing its slot", request.id)
+            self._forget(entry)
+        else:
+            logger.warning("celery-semaphore: %s runs in pool child %s without callbacks after a "
+                           "broker reconnect; its slot is released when that child moves on",
+                           request.id, child.pid)
+            entry.orphan_of = child.pid
+
+    def _check_orphans(self) -> None:
+        for entry in list(self.held.values()):
+            pid = entry.orphan_of
+            if pid is not None and (not process_alive(pid) or any(
+                    other.worker_pid == pid for other in list(worker_state.active_requests))):
+                self._forget(entry)
+
+    def _forget(self, entry: Held) -> None:
+        """Release a held slot no pool callback will release."""
+        if self.held.pop(entry.lease.holder, None) is entry:
+            default_keeper.discard(entry.lease)
+            self.io.call(self._release, entry.lease)
 
     def shutdown(self) -> None:
         """The worker exits: release every lease still held, then stop the I/O thread."""
@@ -353,6 +372,10 @@ class Gate:
             except IndexError:
                 return
             self.original(request)
+            entry = getattr(request, "semaphore_held", None)
+            ref = getattr(request, "_apply_result", None)
+            if entry is not None and ref is not None:
+                entry.job = ref()  # the request keeps only a weak reference
 
     # -- waiting -----------------------------------------------------------------------------
 
@@ -538,7 +561,7 @@ class Gate:
             try:
                 return on_timeout(soft, limit)
             finally:
-                if not soft:  # gevent and eventlet never call on_failure for a hard limit
+                if not soft:  # the gevent pool never calls on_failure for a hard limit
                     self._finished(request, TimeLimitExceeded(limit))
 
         on_timeout = request.on_timeout
@@ -550,7 +573,7 @@ class Gate:
             if entry is not None and self.held.pop(entry.lease.holder, None) is not None:
                 pid = request.worker_pid
                 exc = getattr(exc, "exc", exc)  # billiard's ExceptionWithTraceback
-                if isinstance(exc, CHILD_KILLED) and pid and pid != os.getpid():
+                if isinstance(exc, CHILD_KILLED) and pid and self._pool_forks():
                     # Celery reports these before the pool child has died; the body may
                     # still run (a finally block, a handler): keep the slot until it exits.
                     self.io.call(self._release_after_exit, entry.lease, pid,
@@ -559,6 +582,13 @@ class Gate:
                     default_keeper.discard(entry.lease)
                     self.io.call(self._release, entry.lease)
             self._pump()
+
+    def _pool_forks(self) -> bool:
+        """True for the prefork pool, whose killed tasks may run until their process exits;
+        other pools run tasks in this process (gevent's ``worker_pid`` is a greenlet's id)."""
+        from celery.concurrency.prefork import TaskPool
+
+        return isinstance(self.consumer.pool, TaskPool)
 
     def _release_after_exit(self, lease: Lease, pid: int, deadline: float) -> None:  # I/O
         # At worker shutdown the pool has been stopped first: release now, not never.
@@ -623,6 +653,7 @@ class Gate:
                     f"(semaphore_max_wait)"))
             elif now - pending.entered > settings.worker_max_hold:
                 self._requeue(pending)
+        self._check_orphans()
         self._pump()
 
     def _requeue(self, pending: Pending) -> None:

@@ -82,7 +82,7 @@ class LeaseKeeper:
             return
         if renewed:
             self._reschedule(lease, lease.ttl / 3)
-        elif lease.released:  # released while this renewal was due: nothing was lost
+        elif lease.released or lease.releasing:  # released meanwhile: nothing was lost
             self.discard(lease)
         else:
             logger.error("lease %r lost: the backend no longer holds it", lease)

@@ -75,6 +75,11 @@ class Lease:
         return self._released
 
     @property
+    def releasing(self) -> bool:
+        """True while a release call is in flight."""
+        return self._releasing
+
+    @property
     def lost(self) -> bool:
         """True once a renewal found the lease gone or the local deadline passed unrenewed."""
         return self._lost or (not self._released and time.monotonic() >= self._deadline)
@@ -94,9 +99,10 @@ class Lease:
         self._lost_callbacks.append(callback)
 
     def mark_lost(self) -> None:
-        """Record that the lease is gone and run the ``on_lost`` callbacks (once)."""
+        """Record that the lease is gone and run the ``on_lost`` callbacks (once); not while
+        it is being released (a renewal racing the release finds it gone)."""
         with self._lock:
-            if self._lost or self._released:
+            if self._lost or self._released or self._releasing:
                 return
             self._lost = True
         for callback in self._lost_callbacks:

@@ -262,6 +262,8 @@ def _answers(client):
         return client.ping()
     except redis.ConnectionError:
         return False
+    except redis.ResponseError:  # up, but refusing (MASTERDOWN)
+        return True
 
 
 def test_the_listener_outlives_a_server_restart(tmp_path, caplog):
@@ -343,6 +345,26 @@ def test_a_server_that_cannot_serve_raises_backend_unavailable(tmp_path):
             limited.acquire("x", "h", limit=1, ttl=30, meta={}, wait=False)
         limited.close()
         assert backend.acquire("x", "h", limit=1, ttl=30, meta={}, wait=False).grant
+    finally:
+        backend.close()
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_a_replica_cut_off_from_its_master_is_unavailable_not_a_cluster(tmp_path):
+    """MASTERDOWN (redis-py's MasterDownError is a ClusterDownError) comes from a plain replica
+    during a failover, not only from Redis Cluster."""
+    from tests.servers import free_port
+
+    port = free_port()
+    proc, _ = _start_redis(port, tmp_path, "--replicaof", "127.0.0.1", str(free_port()),
+                           "--replica-serve-stale-data", "no")
+    backend = RedisBackend(f"redis://127.0.0.1:{port}/0")
+    try:
+        with pytest.raises(BackendUnavailable, match="(?i)master is down"):
+            backend.verify("x", "h")
+        with pytest.raises(BackendUnavailable, match="(?i)master is down"):
+            backend.acquire("x", "h", limit=1, ttl=30, meta={}, wait=False)
     finally:
         backend.close()
         proc.terminate()

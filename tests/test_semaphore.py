@@ -78,3 +78,19 @@ def test_bad_timeouts_are_refused(flaky, timeout):
 def test_an_infinite_timeout_waits_like_none(flaky):
     lease = Semaphore("inf", 1, flaky).acquire(timeout=math.inf)
     assert lease.release()
+
+
+def test_a_renewal_racing_a_release_does_not_report_the_lease_lost(flaky):
+    lease = Semaphore("race", 1, flaky).acquire()
+    lost = []
+    lease.on_lost(lost.append)
+    release = flaky.release
+
+    def release_then_renewal_lands(name, holder):
+        freed = release(name, holder)
+        assert lease.renew() is False  # the keeper's renewal, landing after the release
+        return freed
+
+    flaky.release = release_then_renewal_lands
+    assert lease.release() is True
+    assert lost == [] and not lease.lost

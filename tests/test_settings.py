@@ -142,7 +142,7 @@ def test_eager_calls_hold_the_semaphore():
 def test_an_eager_call_that_gets_no_slot_fails_without_running_the_body():
     """Celery only logs an exception raised in a task_prerun receiver: the acquire must happen
     where its exception fails the call (before_start), or the body runs without a slot."""
-    from celery_semaphore import Semaphore, SemaphoreTimeout
+    from celery_semaphore import Semaphore, SemaphoreTimeout, current_lease
     from celery_semaphore.backends import get_backend
 
     app = make_app(semaphore_backend="memory://eager-full", semaphore_max_wait=0.2)
@@ -161,6 +161,18 @@ def test_an_eager_call_that_gets_no_slot_fails_without_running_the_body():
     @app.task(base=Audited, semaphore="full", limit=1, shared=False)
     def audited():
         ran.append("audited")
+
+    class NoSuper(app.Task):  # overrides before_start without calling super()
+        def before_start(self, task_id, args, kwargs):
+            started.append("no-super")
+
+    @app.task(base=NoSuper, semaphore="full", limit=1, shared=False)
+    def no_super():
+        lease = current_lease()
+        ran.append(("no-super", lease.name if lease else None))
+
+    assert no_super.apply().state == "SUCCESS"  # acquired in task_prerun instead
+    assert ran.pop() == ("no-super", "full") and started.pop() == "no-super"
 
     holder = Semaphore("full", 1, "memory://eager-full").acquire()
     for guarded in (plain, audited):

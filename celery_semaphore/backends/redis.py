@@ -15,9 +15,10 @@ Guarantees:
   ``<prefix>wake:<client id>`` of each waiter's process; one daemon thread per backend instance
   listens, resubscribing after connection loss. A wake-up is a hint: waiters also poll.
 
-Errors: a lost or refused connection, a timeout, a read-only replica, ``OOM``, ``BUSY`` (another
-client's script overran) and ``NOPERM`` raise :class:`BackendUnavailable`; a Redis Cluster node
-raises :class:`ConfigurationError`; anything else is redis-py's own exception.
+Errors: a lost or refused connection, a timeout, a read-only replica, ``MASTERDOWN`` (a replica
+cut off from its master), ``OOM``, ``BUSY`` (another client's script overran) and ``NOPERM``
+raise :class:`BackendUnavailable`; a Redis Cluster node raises :class:`ConfigurationError`;
+anything else is redis-py's own exception.
 
 Not guaranteed: replication is asynchronous, so after a failover the new primary may not have
 seen the latest grants and a slot can be granted twice. Fencing tokens are the defence.
@@ -62,7 +63,8 @@ _SCRIPTS = ("acquire", "release", "renew", "cancel", "resize", "status", "reset"
 #: OutOfMemoryError: maxmemory reached with a no-eviction policy; NoPermissionError: an ACL
 #: that does not allow our commands. A ``BUSY`` reply (another client's script overran) too.
 _UNAVAILABLE = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ReadOnlyError,
-                redis.exceptions.OutOfMemoryError, redis.exceptions.NoPermissionError)
+                redis.exceptions.OutOfMemoryError, redis.exceptions.NoPermissionError,
+                redis.exceptions.MasterDownError)  # a replica cut off from its master
 #: Replies only a Redis Cluster node gives (MOVED and ASK are AskErrors).
 _CLUSTER = (redis.exceptions.AskError, redis.exceptions.ClusterDownError,
             redis.exceptions.TryAgainError, redis.exceptions.ClusterCrossSlotError)
@@ -155,7 +157,7 @@ class RedisBackend(Backend):
         """Raise BackendUnavailable when ``exc`` means Redis cannot serve us now,
         ConfigurationError when the server is a Redis Cluster node; re-raise anything else."""
         url = maybe_sanitize_url(self.url)
-        if isinstance(exc, _CLUSTER):
+        if isinstance(exc, _CLUSTER) and not isinstance(exc, _UNAVAILABLE):
             raise ConfigurationError(
                 f"semaphore backend {url} is a Redis Cluster node ({exc}); Redis Cluster is "
                 "not supported, use a standalone Redis server"
