@@ -313,10 +313,12 @@ def test_worker_shutdown_releases_and_loses_nothing(how, redis_url, tmp_path):
 
 
 def test_a_job_the_pool_drops_on_a_broker_reconnect_does_not_keep_its_slot(redis_url, tmp_path):
-    """On a broker reconnect the consumer drops the jobs no pool child has taken yet, and their
-    pool callbacks never run: the gate must stop renewing their leases (before: renewed, so
-    held, until the worker stopped). Here the job waits for a pool child that takes 2.5 s to
-    start (max-tasks-per-child 1) while the test cuts the worker's broker connections."""
+    """On a broker reconnect the consumer drops the jobs no pool child has acknowledged, and
+    their pool callbacks never run (before: the lease was renewed, so the slot held, until the
+    worker stopped). Here the job waits for a pool child that takes 2.5 s to start
+    (max-tasks-per-child 1) while the test cuts the worker's broker connections: it was
+    already written to that child, which runs it unseen, so the slot is kept until the child
+    exits; then the broker's redelivery of the message runs, never beside it."""
     ttl = 2.0
     broker = servers.redis_broker(redis_url)
     cluster = Cluster(str(tmp_path), redis_url, broker, redis_url, workers=0,
@@ -332,7 +334,7 @@ def test_a_job_the_pool_drops_on_a_broker_reconnect_does_not_keep_its_slot(redis
         assert not cluster.started("slow:b")  # granted, waiting for the next pool child
         cut = _kill_clients(redis.Redis.from_url(broker))
         assert cut and wait_until(lambda: "Trying to re-establish" in worker.output(), 5)
-        # The dropped job's lease lapses; the broker redelivers the message, which runs.
+        # The broker redelivers the message, which runs once the unseen run has ended.
         assert second.get(timeout=30) == "b"
         assert cluster.probe.max_concurrent() == 1
         assert wait_until(lambda: cluster.held("slow") == 0, timeout=ttl + 5)
