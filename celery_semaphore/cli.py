@@ -276,7 +276,7 @@ def _name(ctx: click.Context, param: click.Parameter, value: str) -> str:
         raise click.BadParameter(str(exc)) from None
 
 
-def _finite(value: float, param: click.Parameter, ctx: click.Context) -> float:
+def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
     if not math.isfinite(value):  # FloatRange lets NaN through
         raise click.BadParameter(f"must be a finite number of seconds, not {value}", ctx, param)
     return value
@@ -457,7 +457,7 @@ def sync(obj: Context, dry_run: bool, as_json: bool) -> None:
 
 @semaphore.command()
 @click.option("--timeout", type=click.FloatRange(min=0, max=3600, min_open=True), default=2.0,
-              callback=lambda ctx, param, value: _finite(value, param, ctx),
+              callback=_finite,
               show_default=True, help="Seconds to wait for the workers' replies.")
 @click.option("-d", "--destination", multiple=True, metavar="WORKER",
               help="Ask only this worker (repeatable).")

@@ -43,6 +43,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from billiard.exceptions import WorkerLostError
 from celery import signals
+from celery.concurrency.prefork import TaskPool as PreforkPool
 from celery.exceptions import Terminated, TimeLimitExceeded
 from celery.worker import state as worker_state
 
@@ -294,9 +295,8 @@ class Gate:
         write to a child had begun runs there unseen: release once that child has moved on to
         another task or exited (``_check_orphans``)."""
         request, job = entry.request, entry.job
-        cache = getattr(getattr(self.consumer.pool, "_pool", None), "_cache", None)
-        if (job is None or not isinstance(cache, dict) or request.time_start is not None
-                or getattr(job, "_job", None) in cache):
+        if (job is None or request.time_start is not None or not self._pool_forks()
+                or job._job in self.consumer.pool._pool._cache):
             return
         child = getattr(job, "_write_to", None)
         if child is None:
@@ -586,9 +586,7 @@ class Gate:
     def _pool_forks(self) -> bool:
         """True for the prefork pool, whose killed tasks may run until their process exits;
         other pools run tasks in this process (gevent's ``worker_pid`` is a greenlet's id)."""
-        from celery.concurrency.prefork import TaskPool
-
-        return isinstance(self.consumer.pool, TaskPool)
+        return isinstance(self.consumer.pool, PreforkPool)
 
     def _release_after_exit(self, lease: Lease, pid: int, deadline: float) -> None:  # I/O
         # At worker shutdown the pool has been stopped first: release now, not never.

@@ -200,7 +200,7 @@ class Semaphore:
         self.meta = dict(meta or {})
         self.auto_renew = auto_renew
         self.backend = get_backend(backend, **options)
-        if self.ttl > self.backend.idle_ttl * 15 / 16:  # the state would expire under it
+        if self.ttl > self.backend.max_lease_ttl:  # the state would expire under it
             raise ConfigurationError(
                 f"ttl {self.ttl:g}s must stay below the backend's idle_ttl "
                 f"({self.backend.idle_ttl:g}s), which forgets a semaphore nobody touches"

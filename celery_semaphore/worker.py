@@ -11,6 +11,7 @@ from celery.worker.control import inspect_command
 
 from . import states
 from .backends import get_backend
+from .backends.base import Backend
 from .eager import (
     acquire_for_eager,
     acquires_in_before_start,
@@ -43,9 +44,8 @@ class SemaphoreStep(bootsteps.StartStopStep):
         app = consumer.app
         try:
             settings = Settings.from_app(app)
-            check_tasks(app, settings)
             backend = get_backend(settings.backend_url(app), key_prefix=settings.key_prefix)
-            check_lease_ttls(app, settings, backend.idle_ttl)
+            check_tasks(app, settings, backend)
         except ConfigurationError as exc:
             raise ImproperlyConfigured(f"celery-semaphore: {exc}") from None
         self.gate = Gate(consumer, settings, backend)
@@ -66,8 +66,10 @@ class SemaphoreStep(bootsteps.StartStopStep):
         self.gate.shutdown()
 
 
-def check_tasks(app: Any, settings: Settings) -> None:
-    """Fail worker start on a task whose semaphore options are wrong, naming the task."""
+def check_tasks(app: Any, settings: Settings, backend: Backend) -> None:
+    """Fail worker start on a task whose semaphore options are wrong, naming the task, or on a
+    lease TTL the backend would outlast (``Backend.max_lease_ttl``), naming the setting."""
+    _check_lease_ttl(lookup(app, "semaphore_lease_ttl")[1], settings.lease_ttl, backend)
     for name, task in list(app.tasks.items()):
         template = getattr(task, "semaphore", None)
         if template is None:
@@ -77,26 +79,15 @@ def check_tasks(app: Any, settings: Settings) -> None:
             limit = getattr(task, "limit", None)
             if limit is not None:
                 validate_limit(limit)
-            settings.for_task(task)
+            _check_lease_ttl("semaphore_lease_ttl", settings.for_task(task).lease_ttl, backend)
         except ConfigurationError as exc:
             raise ConfigurationError(f"task {name}: {exc}") from None
 
 
-def check_lease_ttls(app: Any, settings: Settings, idle_ttl: float) -> None:
-    """Fail worker start on a lease TTL the backend would outlast: it forgets a semaphore
-    untouched for ``idle_ttl``, and a lease must be renewed well before that."""
-    ceiling = idle_ttl * 15 / 16
-    key = lookup(app, "semaphore_lease_ttl")[1]
-    if settings.lease_ttl > ceiling:
-        raise ConfigurationError(f"{key} ({settings.lease_ttl:g}s) must not exceed 15/16 of the "
-                                 f"backend's idle_ttl ({idle_ttl:g}s)")
-    for name, task in list(app.tasks.items()):
-        if getattr(task, "semaphore", None) is not None:
-            ttl = settings.for_task(task).lease_ttl
-            if ttl > ceiling:
-                raise ConfigurationError(
-                    f"task {name}: semaphore_lease_ttl ({ttl:g}s) must not exceed 15/16 of "
-                    f"the backend's idle_ttl ({idle_ttl:g}s)")
+def _check_lease_ttl(key: str, ttl: float, backend: Backend) -> None:
+    if ttl > backend.max_lease_ttl:
+        raise ConfigurationError(f"{key} ({ttl:g}s) must not exceed 15/16 of the backend's "
+                                 f"idle_ttl ({backend.idle_ttl:g}s)")
 
 
 @inspect_command(alias="semaphores")

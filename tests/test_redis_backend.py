@@ -12,7 +12,7 @@ from celery_semaphore import BackendUnavailable, Semaphore
 from celery_semaphore.backends import get_backend
 from celery_semaphore.backends.redis import KEY_SUFFIXES, RedisBackend, _redis_url
 from tests import servers
-from tests.util import wait_until
+from tests.util import hand_over, wait_until
 
 FORK = multiprocessing.get_context("fork")
 
@@ -68,23 +68,13 @@ def test_unreachable_server_names_the_url_without_password():
 def test_wake_ups_survive_a_killed_pubsub_connection(redis_url, prefix):
     # Polls are 20 s apart here, so a prompt admission can only come from a wake-up.
     sem = Semaphore("wake", 1, redis_url, key_prefix=prefix, poll_interval=30, waiter_ttl=60)
-    held = sem.acquire()
     got = []
-    first = threading.Thread(target=lambda: got.append(sem.acquire(timeout=30)))
-    first.start()
-    assert wait_until(lambda: sem.status().waiting == 1)
-    held.release()
-    first.join(5)
+    hand_over(sem, sem.acquire(), got, join_timeout=5)
     assert got, "no wake-up before the kill"
     client = redis.Redis.from_url(redis_url)
     assert client.client_kill_filter(_type="pubsub") >= 1
     time.sleep(2.0)  # the listener resubscribes (backoff starts at 0.1 s)
-    second = threading.Thread(target=lambda: got.append(sem.acquire(timeout=30)))
-    second.start()
-    assert wait_until(lambda: sem.status().waiting == 1)
-    released_at = time.monotonic()
-    got[0].release()
-    second.join(10)
+    released_at = hand_over(sem, got[0], got, join_timeout=10)
     assert len(got) == 2 and time.monotonic() - released_at < 5
     got[1].release()
 

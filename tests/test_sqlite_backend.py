@@ -10,7 +10,7 @@ import pytest
 from celery_semaphore import ConfigurationError, Semaphore
 from celery_semaphore.backends import get_backend
 from celery_semaphore.backends.sqlite import database_path
-from tests.util import wait_until
+from tests.util import hand_over, wait_until
 
 FORK = multiprocessing.get_context("fork")
 
@@ -101,13 +101,8 @@ def test_a_blocked_wakeup_directory_costs_only_the_wakeups(tmp_path, caplog):
     open(backend._socket_dir, "w").close()  # a file where the directory goes
     try:
         sem = Semaphore("blocked", 1, url, poll_interval=0.1)
-        held = sem.acquire()
         got = []
-        waiter = threading.Thread(target=lambda: got.append(sem.acquire(timeout=10)))
-        waiter.start()
-        assert wait_until(lambda: sem.status().waiting == 1)
-        held.release()
-        waiter.join(10)
+        hand_over(sem, sem.acquire(), got, join_timeout=10, acquire_timeout=10)
         assert got and got[0].release()
         assert "no wake-ups" in caplog.text
     finally:

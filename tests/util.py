@@ -1,5 +1,6 @@
 """Small helpers shared by the tests."""
 
+import threading
 import time
 
 
@@ -11,3 +12,16 @@ def wait_until(predicate, timeout=10.0, interval=0.01):
             return True
         time.sleep(interval)
     return predicate()
+
+
+def hand_over(sem, holder, got, join_timeout, acquire_timeout=30.0):
+    """Queue one waiter on ``sem`` in a thread (its lease goes to the list ``got``), release
+    ``holder`` once the waiter is in line, and wait up to ``join_timeout`` seconds for it.
+    Returns the monotonic time of the release."""
+    waiter = threading.Thread(target=lambda: got.append(sem.acquire(timeout=acquire_timeout)))
+    waiter.start()
+    assert wait_until(lambda: sem.status().waiting == 1)
+    released_at = time.monotonic()
+    holder.release()
+    waiter.join(join_timeout)
+    return released_at

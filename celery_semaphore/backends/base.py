@@ -191,6 +191,12 @@ class Backend(abc.ABC):
         if hasattr(os, "register_at_fork"):  # POSIX
             os.register_at_fork(after_in_child=functools.partial(_after_fork, weakref.ref(self)))
 
+    @property
+    def max_lease_ttl(self) -> float:
+        """The longest lease this backend can keep: a semaphore untouched for ``idle_ttl`` is
+        forgotten, and a lease is renewed no later than its end."""
+        return self.idle_ttl * 15 / 16
+
     def _new_identity(self) -> None:
         self.client_id = f"{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
         self._watch_lock = threading.Lock()

@@ -136,7 +136,9 @@ class SQLiteBackend(ModelBackend):
                 conn.execute("ROLLBACK")
             raise
 
-    def _read_names(self) -> List[str]:
+    def _stored_names(self) -> List[str]:
+        if not self._exists():
+            return []
         with _no_fork:
             conn = self._connection()
             conn.execute("DELETE FROM semaphores WHERE expires <= ?", (time.time(),))
@@ -201,9 +203,6 @@ class SQLiteBackend(ModelBackend):
 
     def verify(self, name: str, holder: str) -> bool:
         return self._exists() and super().verify(name, holder)
-
-    def _stored_names(self) -> List[str]:
-        return self._read_names() if self._exists() else []
 
     def _listen(self, listener: socket.socket) -> None:
         while not self._closed.is_set():
