@@ -6,6 +6,9 @@ from celery_semaphore.backends import close_all
 from tests import servers
 
 BACKENDS = ["memory", "sqlite", "redis", "amqp", "amqp+slots", "consul"]
+#: Sweep every test name at the session's start and end, or (``CS_SWEEP=own``, for test runs
+#: made side by side against the same servers) only the names this run created.
+SWEEP_ALL = os.environ.get("CS_SWEEP", "all") != "own"
 
 
 @pytest.fixture(scope="session")
@@ -13,18 +16,19 @@ def redis_url():
     url = servers.redis_url()
     databases = (url, servers.redis_broker(url))
     for database in databases:
-        servers.sweep_redis(database, everything=True)  # what an interrupted run left
+        servers.sweep_redis(database, everything=SWEEP_ALL)  # what an interrupted run left
     yield url
     for database in databases:
-        servers.sweep_redis(database, everything=True)
+        servers.sweep_redis(database, everything=SWEEP_ALL)
 
 
 @pytest.fixture(scope="session")
 def amqp_url():
     url = servers.amqp_url()
-    servers.sweep_amqp(url, everything=True)  # durable queues left would slow every broker boot
+    # durable queues left behind would slow every broker boot
+    servers.sweep_amqp(url, everything=SWEEP_ALL)
     yield url
-    servers.sweep_amqp(url, everything=True)
+    servers.sweep_amqp(url, everything=SWEEP_ALL)
 
 
 @pytest.fixture(scope="session")
