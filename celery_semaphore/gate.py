@@ -49,7 +49,7 @@ from celery.worker import state as worker_state
 
 from .backends import close_all
 from .backends.base import Backend, Grant, new_holder_id
-from .exceptions import SemaphoreError, SemaphoreTimeout
+from .exceptions import ConfigurationError, SemaphoreError, SemaphoreTimeout
 from .keeper import default_keeper
 from .semaphore import Lease
 from .settings import Settings
@@ -348,6 +348,10 @@ class Gate:
             guard = self.guards.resolve(request)
         except SemaphoreError as exc:
             return self._fail(request, exc)
+        except Exception as exc:  # a poison message fails its own task, never the worker
+            return self._fail(request, ConfigurationError(
+                f"task {request.name}: cannot resolve its semaphore: "
+                f"{type(exc).__name__}: {exc}"))
         if guard is None:
             self._track(request)
             self.handoffs.append(request)

@@ -58,13 +58,16 @@ def validate_template(template: object, what: str = "semaphore") -> str:
     if not isinstance(template, str):
         raise InvalidName(f"{what} must be a string, not {template!r}")
     try:
-        fields = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+        parts = list(string.Formatter().parse(template))
     except ValueError as exc:
         raise InvalidName(f"{what} {template!r} is not a valid template: {exc}") from None
-    if any(not f for f in fields):
-        raise InvalidName(f"{what} {template!r}: a template field needs a parameter name")
-    sample = template
-    for f in fields:
-        sample = sample.replace("{" + f + "}", "x")
-    validate_name(sample)
+    sample = []
+    for literal, field_name, _, _ in parts:
+        sample.append(literal)
+        if field_name is None:
+            continue
+        if not field_name or field_name[0].isdigit():
+            raise InvalidName(f"{what} {template!r}: a template field needs a parameter name")
+        sample.append("x")
+    validate_name("".join(sample))
     return template

@@ -78,14 +78,20 @@ class Guards:
         """The guard of one call, None when unguarded; ConfigurationError when it cannot be
         built (the template names an argument the call lacks, or fills in a bad name)."""
         headers = headers or {}
-        template = headers.get("semaphore") or getattr(task, "semaphore", None)
+        template = headers.get("semaphore")
+        if template is not None:
+            validate_template(template, "header 'semaphore'")
+        else:
+            template = getattr(task, "semaphore", None)
         if not template:
             return None
         name = validate_name(self.fill(template, task, args, kwargs))
         settings = self.task_settings(task)
+        limit = headers.get("semaphore_limit")
+        if limit is not None:
+            return Guard(name, validate_limit(limit, "header 'semaphore_limit'"), settings)
         limit = (
-            headers.get("semaphore_limit")
-            or settings.limits.get(name)
+            settings.limits.get(name)
             or settings.limits.get(template)
             or getattr(task, "limit", None)
             or settings.default_limit
@@ -106,10 +112,15 @@ class Guards:
         bound.apply_defaults()
         try:
             return template.format_map(bound.arguments)
-        except (KeyError, IndexError, AttributeError) as exc:
+        except KeyError as exc:
             raise ConfigurationError(
                 f"task {task.name}: semaphore template {template!r} needs argument {exc}, "
                 "which the call does not provide"
+            ) from None
+        except Exception as exc:  # a field that indexes None, a format spec for another type...
+            raise ConfigurationError(
+                f"task {task.name}: cannot fill semaphore template {template!r} from the "
+                f"call's arguments: {type(exc).__name__}: {exc}"
             ) from None
 
 

@@ -97,6 +97,16 @@ def create_app(env):
             raise self.retry(countdown=0.1)
         return self.request.retries
 
+    @task(semaphore="sub:{p[c]}", limit=1)
+    def subscript(p, key):
+        body(f"subscript:{key}", 0.01)
+        return key
+
+    @task(semaphore="num:{n:d}", limit=1)
+    def numbered(n, key):
+        body(f"numbered:{key}", 0.01)
+        return key
+
     @task(semaphore="lease", limit=3)
     def lease_info():
         lease = celery_semaphore.current_lease()

@@ -1,0 +1,57 @@
+"""Faults a worker must survive: poison messages, backend and broker outages.
+
+Real ``celery worker`` subprocesses; concurrency and starts are read from the probe.
+"""
+
+import pytest
+
+from celery_semaphore import ConfigurationError
+from tests import servers
+from tests.test_worker import Cluster
+
+pytestmark = pytest.mark.slow
+
+
+POISON = [
+    # (task, args, headers, what the error says)
+    ("subscript", (None, "p1"), None, "sub:{p[c]}"),
+    ("subscript", ("str", "p2"), None, "sub:{p[c]}"),
+    ("numbered", ("seven", "p3"), None, "num:{n:d}"),
+    ("guarded", ("p4",), {"semaphore": 5}, "semaphore"),
+    ("guarded", ("p5",), {"semaphore": "{"}, "semaphore"),
+    ("guarded", ("p6",), {"semaphore": "{0}"}, "semaphore"),
+    ("guarded", ("p7",), {"semaphore_limit": 0}, "semaphore_limit"),
+    ("guarded", ("p8",), {"semaphore_limit": "two"}, "semaphore_limit"),
+]
+
+
+def test_a_poison_message_fails_its_task_alone(redis_url, tmp_path):
+    """Each malformed request fails with a clear error and is acknowledged; the worker goes
+    on running the good tasks sent before and after it (before: the event loop raised,
+    the worker exited, and the unacked message killed the next worker the same way)."""
+    cluster = Cluster(str(tmp_path), redis_url, servers.redis_broker(redis_url), redis_url,
+                      workers=1)
+    try:
+        good = cluster.task("guarded")
+        sent = []
+        for i, (name, args, headers, _) in enumerate(POISON):
+            sent.append(("good", good.delay(f"ok{i}", 0.01), None))
+            # Sent as raw messages: the client side refuses such options where it can.
+            bad = cluster.app.send_task(f"tests.celery_app.{name}", args=args,
+                                        headers=headers or {})
+            sent.append(("bad", bad, POISON[i][3]))
+        sent.append(("good", good.delay("last", 0.01), None))
+        for kind, result, says in sent:
+            if kind == "good":
+                result.get(timeout=20)
+            else:
+                with pytest.raises(ConfigurationError) as err:
+                    result.get(timeout=20)
+                assert says in str(err.value)
+        worker = cluster.workers[0]
+        assert worker.proc.poll() is None, worker.output()[-3000:]
+        assert "Unrecoverable error" not in worker.output()
+        assert not any(key.startswith(("subscript:", "numbered:"))
+                       for key in cluster.probe.intervals())
+    finally:
+        cluster.stop()
