@@ -67,6 +67,9 @@ GATE_HEADERS = (REQUEUES_HEADER, FIRST_WAIT_HEADER, LEASE_KEY)
 CHILD_KILLED = (TimeLimitExceeded, Terminated, WorkerLostError, SystemExit, KeyboardInterrupt)
 #: Seconds to wait for a timed-out or terminated pool child to exit before releasing anyway.
 CHILD_EXIT_WAIT = 30.0
+#: First and longest pause between retries of a release or cancel the backend did not answer.
+RETRY_FIRST = 0.1
+RETRY_MAX = 2.0
 
 
 def process_alive(pid: int) -> bool:
@@ -218,6 +221,7 @@ class Pending:
     backend_down: bool = False
     maybe_granted: bool = False  # an acquire raised: the backend may have granted unseen
     entered_wall: float = field(default_factory=time.time)
+    last_attempt: float = 0.0  # monotonic time of the last acquire sent to the backend
 
     @property
     def requeues(self) -> int:
@@ -423,7 +427,7 @@ class Gate:
         if pending.done or pending.granted or generation != pending.generation:
             return
         guard = pending.guard
-        requested_at = time.monotonic()
+        requested_at = pending.last_attempt = time.monotonic()
         try:
             attempt = self.backend.acquire(
                 guard.name, pending.holder, limit=guard.limit, ttl=guard.settings.lease_ttl,
@@ -518,11 +522,15 @@ class Gate:
         """
         pending.generation += 1  # attempts scheduled before the grant are void
         self._release(lease)
-        self.loop.post(self._line_again, pending)
+        self.loop.post(self._line_again, pending, lease)
 
-    def _line_again(self, pending: Pending) -> None:
+    def _line_again(self, pending: Pending, lease: Lease) -> None:
         if pending.done:
             return
+        if not lease.released:  # the release is being retried: wait under another holder id
+            del self.pending[pending.holder]
+            pending.holder = new_holder_id()
+            self.pending[pending.holder] = pending
         self._set_queued(pending, False)
         pending.granted = False
         pending.position = None
@@ -615,13 +623,28 @@ class Gate:
                 # (Another delivery of the same task id may hold a slot too, and run.)
                 self._finished(request)
 
-    def _release(self, lease: Lease) -> None:  # I/O thread
+    def _release(self, lease: Lease, retry: float = RETRY_FIRST) -> None:  # I/O thread
+        """Release ``lease``; while the backend cannot be reached, try again with backoff
+        until it answers or the lease would have expired anyway (its TTL then frees it)."""
         try:
             if not lease.release() and not lease.lost:
                 logger.debug("celery-semaphore: lease %r had expired before release", lease)
         except Exception as exc:
-            logger.warning("celery-semaphore: releasing %r failed (its TTL frees it): %s",
-                           lease, exc)
+            self._retry(self._release, lease, retry, lease.remaining, f"releasing {lease!r}",
+                        exc)
+
+    def _retry(self, fn: Callable[..., None], subject: Any, retry: float, left: float,
+               what: str, exc: BaseException) -> None:  # I/O thread
+        """Call ``fn(subject, next_retry)`` again in ``retry`` seconds while that is within
+        ``left`` seconds and the worker runs; else log that the backend's expiry frees it."""
+        if self._running and retry < left:
+            if retry == RETRY_FIRST:
+                logger.warning("celery-semaphore: %s failed, retrying until the backend "
+                               "answers: %s", what, exc)
+            self.io.call(fn, subject, min(retry * 2, RETRY_MAX), delay=retry)
+        else:
+            logger.warning("celery-semaphore: %s failed (the backend's expiry frees it): %s",
+                           what, exc)
 
     def _lease_lost(self, entry: Held) -> None:
         if self.held.get(entry.lease.holder) is not entry:
@@ -712,13 +735,19 @@ class Gate:
             request.reject(requeue=True)
         worker_state.task_ready(request)
 
-    def _cancel_in_backend(self, pending: Pending) -> None:  # I/O thread
+    def _cancel_in_backend(self, pending: Pending, retry: float = RETRY_FIRST) -> None:  # I/O
+        """Leave the backend's queue (and release a grant whose reply may have been lost),
+        retrying like :meth:`_release` until the entry would have expired anyway."""
         try:
             self.backend.cancel(pending.guard.name, pending.holder)
             if pending.maybe_granted:  # a grant whose reply was lost would hold a slot
                 self.backend.release(pending.guard.name, pending.holder)
-        except Exception as exc:  # the waiter entry expires after waiter_ttl, a grant its TTL
-            logger.debug("celery-semaphore: cancel failed: %s", exc)
+        except Exception as exc:
+            expires = (pending.guard.settings.lease_ttl if pending.maybe_granted
+                       else self.backend.waiter_ttl)
+            left = pending.last_attempt + expires - time.monotonic()
+            self._retry(self._cancel_in_backend, pending, retry, left,
+                        f"leaving the queue of {pending.guard.name!r}", exc)
 
     def _fail(self, request: Any, exc: BaseException) -> None:
         """Fail a request that may never run guarded (bad template, max wait passed)."""

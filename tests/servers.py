@@ -176,3 +176,35 @@ def sweep_redis(url: str, everything: bool = False) -> int:
         return len(keys)
     finally:
         client.close()
+
+
+def start_redis(port: int, workdir: str, *options: str):
+    """A private ``redis-server`` on 127.0.0.1:``port`` keeping its files in ``workdir``
+    (nothing persisted unless ``options`` say so); returns (process, client) once it answers."""
+    import redis
+
+    proc = subprocess.Popen(
+        [shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind",
+         "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(workdir), *options],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    client = redis.Redis(port=port)
+    deadline = time.monotonic() + 10
+    while not answers(client):
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"private redis-server on port {port} did not start", pytrace=False)
+        time.sleep(0.02)
+    return proc, client
+
+
+def answers(client) -> bool:
+    import redis
+
+    try:
+        return client.ping()
+    except redis.ConnectionError:
+        return False
+    except redis.ResponseError:  # up, but refusing (MASTERDOWN)
+        return True
+

@@ -3,11 +3,14 @@
 Real ``celery worker`` subprocesses; concurrency and starts are read from the probe.
 """
 
+import time
+
 import pytest
 
 from celery_semaphore import ConfigurationError
 from tests import servers
 from tests.test_worker import Cluster
+from tests.util import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -55,3 +58,37 @@ def test_a_poison_message_fails_its_task_alone(redis_url, tmp_path):
                        for key in cluster.probe.intervals())
     finally:
         cluster.stop()
+
+
+def test_a_release_that_fails_in_a_backend_outage_is_retried(redis_url, tmp_path):
+    """A task ends while its persistent backend (Redis with an fsynced AOF) is down for ~2 s:
+    the release is retried, so the next guarded task starts within seconds of the backend's
+    return, not after the 60 s lease TTL (before: the release was logged and dropped)."""
+    port = servers.free_port()
+    workdir = tmp_path / "backend"
+    workdir.mkdir()
+    persist = ("--appendonly", "yes", "--appendfsync", "always")
+    proc, _ = servers.start_redis(port, str(workdir), *persist)
+    backend = f"redis://127.0.0.1:{port}/0"
+    cluster = Cluster(str(tmp_path), redis_url, servers.redis_broker(redis_url), backend,
+                      workers=1)
+    try:
+        slow = cluster.task("slow")
+        first = slow.delay("o1", 1.0)
+        assert wait_until(lambda: cluster.started("slow:o1"))
+        second = slow.delay("o2", 0.01)
+        assert wait_until(lambda: cluster.backend.status("slow").waiting == 1)
+        proc.kill()  # the body ends during the outage; its release fails
+        proc.wait(10)
+        assert first.get(timeout=10) == "o1"
+        assert wait_until(lambda: "releasing" in cluster.workers[0].output(), timeout=5)
+        proc, _ = servers.start_redis(port, str(workdir), *persist)
+        back_at = time.monotonic_ns()
+        assert second.get(timeout=20) == "o2"
+        started = cluster.probe.intervals()["slow:o2"][0][0]
+        assert (started - back_at) / 1e9 < 5
+        assert cluster.probe.max_concurrent("slow:") == 1
+    finally:
+        cluster.stop()
+        proc.kill()
+        proc.wait(10)

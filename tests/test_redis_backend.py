@@ -233,34 +233,11 @@ def test_a_forked_child_gets_its_own_wakeups(backends):
     assert 0 <= admitted_after.value < 5  # woken, not the 30 s poll
 
 
-def _start_redis(port, workdir, *options):
-    import shutil
-    import subprocess
-
-    proc = subprocess.Popen(
-        [shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind",
-         "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(workdir), *options],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    client = redis.Redis(port=port)
-    assert wait_until(lambda: _answers(client)), "private redis-server did not start"
-    return proc, client
-
-
-def _answers(client):
-    try:
-        return client.ping()
-    except redis.ConnectionError:
-        return False
-    except redis.ResponseError:  # up, but refusing (MASTERDOWN)
-        return True
-
-
 def test_the_listener_outlives_a_server_restart(tmp_path, caplog):
     from tests.servers import free_port
 
     port = free_port()
-    proc, client = _start_redis(port, tmp_path)
+    proc, client = servers.start_redis(port, tmp_path)
     url = f"redis://127.0.0.1:{port}/0"
     waiter, holder = RedisBackend(url), RedisBackend(url)
     woken = threading.Event()
@@ -269,7 +246,7 @@ def test_the_listener_outlives_a_server_restart(tmp_path, caplog):
         proc.terminate()
         proc.wait(10)
         time.sleep(1.0)  # the listener notices, logs, and keeps retrying with backoff
-        proc, client = _start_redis(port, tmp_path)
+        proc, client = servers.start_redis(port, tmp_path)
         assert wait_until(lambda: client.pubsub_numsub(f"semaphore:wake:{waiter.client_id}")
                           [0][1] == 1)
         assert holder.acquire("restart", "a", limit=1, ttl=30, meta={}, wait=True).grant
@@ -309,7 +286,7 @@ def test_a_server_that_cannot_serve_raises_backend_unavailable(tmp_path):
     from tests.servers import free_port
 
     port = free_port()
-    proc, client = _start_redis(port, tmp_path)
+    proc, client = servers.start_redis(port, tmp_path)
     backend = RedisBackend(f"redis://127.0.0.1:{port}/0")
     try:
         client.config_set("maxmemory", 1)
@@ -347,7 +324,7 @@ def test_a_replica_cut_off_from_its_master_is_unavailable_not_a_cluster(tmp_path
     from tests.servers import free_port
 
     port = free_port()
-    proc, _ = _start_redis(port, tmp_path, "--replicaof", "127.0.0.1", str(free_port()),
+    proc, _ = servers.start_redis(port, tmp_path, "--replicaof", "127.0.0.1", str(free_port()),
                            "--replica-serve-stale-data", "no")
     backend = RedisBackend(f"redis://127.0.0.1:{port}/0")
     try:
@@ -394,7 +371,7 @@ def test_a_redis_cluster_node_is_refused_with_a_clear_error(tmp_path):
     port = free_port()
     while port + 10000 > 65535 or not _free(port + 10000):  # the cluster bus port
         port = free_port()
-    proc, _ = _start_redis(port, tmp_path, "--cluster-enabled", "yes",
+    proc, _ = servers.start_redis(port, tmp_path, "--cluster-enabled", "yes",
                            "--cluster-config-file", str(tmp_path / "nodes.conf"))
     backend = RedisBackend(f"redis://127.0.0.1:{port}/0")
     try:
