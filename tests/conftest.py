@@ -5,7 +5,7 @@ import pytest
 from celery_semaphore.backends import close_all
 from tests import servers
 
-BACKENDS = ["memory", "sqlite", "redis", "amqp", "amqp+slots", "consul"]
+BACKENDS = ["memory", "sqlite", "redis", "redis+socket", "amqp", "amqp+slots", "consul"]
 #: Sweep every test name at the session's start and end, or (``CS_SWEEP=own``, for test runs
 #: made side by side against the same servers) only the names this run created.
 SWEEP_ALL = os.environ.get("CS_SWEEP", "all") != "own"
@@ -20,6 +20,18 @@ def redis_url():
     yield url
     for database in databases:
         servers.sweep_redis(database, everything=SWEEP_ALL)
+
+
+@pytest.fixture(scope="session")
+def redis_socket_url(tmp_path_factory):
+    """A private redis-server listening on a Unix socket only (``redis+socket://``)."""
+    workdir = tmp_path_factory.mktemp("redis-socket")
+    socket_path = workdir / "redis.sock"
+    proc, _ = servers.start_redis(0, str(workdir), "--unixsocket", str(socket_path),
+                                  client_url=f"unix://{socket_path}")
+    yield f"redis+socket://{socket_path}"
+    proc.terminate()
+    proc.wait(10)
 
 
 @pytest.fixture(scope="session")
@@ -83,6 +95,8 @@ def spec(request, tmp_path):
         url = request.getfixturevalue("consul_url")
     elif kind == "redis":
         url = request.getfixturevalue("redis_url")
+    elif kind == "redis+socket":
+        url = request.getfixturevalue("redis_socket_url")
     elif kind == "amqp":
         url = request.getfixturevalue("amqp_url")
     else:

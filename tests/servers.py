@@ -178,9 +178,10 @@ def sweep_redis(url: str, everything: bool = False) -> int:
         client.close()
 
 
-def start_redis(port: int, workdir: str, *options: str):
-    """A private ``redis-server`` on 127.0.0.1:``port`` keeping its files in ``workdir``
-    (nothing persisted unless ``options`` say so); returns (process, client) once it answers."""
+def start_redis(port: int, workdir: str, *options: str, client_url: str = ""):
+    """A private ``redis-server`` on 127.0.0.1:``port`` (0: no TCP port; then ``client_url``
+    says how to reach it) keeping its files in ``workdir`` (nothing persisted unless
+    ``options`` say so); returns (process, client) once it answers."""
     import redis
 
     proc = subprocess.Popen(
@@ -188,7 +189,7 @@ def start_redis(port: int, workdir: str, *options: str):
          "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(workdir), *options],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
-    client = redis.Redis(port=port)
+    client = redis.Redis.from_url(client_url) if client_url else redis.Redis(port=port)
     deadline = time.monotonic() + 10
     while not answers(client):
         if time.monotonic() > deadline:

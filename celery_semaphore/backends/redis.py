@@ -124,12 +124,13 @@ class RedisBackend(Backend):
     ) -> None:
         super().__init__(url, key_prefix=key_prefix, waiter_ttl=waiter_ttl, idle_ttl=idle_ttl)
         redis_options.setdefault("retry", Retry(NoBackoff(), 1, (redis.ConnectionError,)))
+        if urlsplit(url).scheme != "redis+socket":  # a Unix socket has no TCP keepalive
+            redis_options.setdefault("socket_keepalive", True)
         self.client = redis.Redis.from_url(
             _redis_url(url),
             socket_timeout=socket_timeout,
             socket_connect_timeout=socket_connect_timeout,
             health_check_interval=health_check_interval,
-            socket_keepalive=True,
             decode_responses=True,
             **redis_options,
         )
