@@ -32,6 +32,7 @@ from .exceptions import (
 )
 from .names import validate_limit, validate_name
 from .settings import Settings
+from .urls import mask_url
 
 
 class NotHeld(SemaphoreError, LookupError):
@@ -225,9 +226,14 @@ def render_workers(replies: Mapping[str, Any]) -> str:
 
 
 def masked(url: str) -> str:
-    from kombu.utils.url import maybe_sanitize_url
+    return mask_url(url)
 
-    return maybe_sanitize_url(url)
+
+def _password(url: str) -> Optional[str]:
+    try:
+        return urlsplit(url).password
+    except ValueError:
+        return None
 
 
 def where(backend: Backend) -> str:
@@ -262,7 +268,8 @@ class Context:
                 raise click.UsageError("no app: pass -A/--app or --backend URL")
             settings = self.settings
             try:
-                self.url = self.backend_url or settings.backend_url(self.app)
+                self.url = (self.backend_url if self.backend_url is not None
+                            else settings.backend_url(self.app))
                 self._backend = get_backend(self.url, key_prefix=settings.key_prefix)
             except ConfigurationError as exc:
                 raise click.UsageError(str(exc)) from None
@@ -319,7 +326,7 @@ def _operational(fn: Callable[..., Any]) -> Callable[..., Any]:
             message = f"{type(exc).__name__}: {exc}"
             if obj.url is None:
                 raise click.ClickException(message) from None
-            password = urlsplit(obj.url).password
+            password = _password(obj.url)
             if password:
                 message = message.replace(password, "**")
             raise click.ClickException(

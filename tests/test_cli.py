@@ -15,6 +15,7 @@ import pytest
 from celery_semaphore import Semaphore
 from celery_semaphore.backends import get_backend
 from tests import servers
+from tests.test_settings import MALFORMED_URLS
 from tests.test_worker import Cluster
 from tests.util import wait_until
 from tests.workers import ROOT
@@ -171,6 +172,22 @@ def test_unreachable_backend_and_broker_are_one_line(cli):
     line = one_error_line(broker)
     assert "cannot reach the broker amqp://guest:**@127.0.0.1:1//" in line
     assert "secret" not in broker.stderr
+
+
+def test_malformed_backend_urls_are_one_line_usage_errors_without_the_password(cli):
+    runs = parallel(cli, *(("--backend", url, "list") for url, _ in MALFORMED_URLS))
+    for (url, message), done in zip(MALFORMED_URLS, runs):
+        assert done.returncode == 2, (url, done.stderr)
+        assert done.stderr.startswith("Usage: "), done.stderr
+        assert message in done.stderr.strip().splitlines()[-1], (url, done.stderr)
+        assert "Traceback" not in done.stderr and "S3cretPW" not in done.stderr + done.stdout
+    # An unreachable server whose URL carries a password or a token: exit 1, one line.
+    unreachable = parallel(cli, ("--backend", "consul://:S3cretPW@127.0.0.1:1", "list"),
+                           ("--backend", "consul://127.0.0.1:1?token=S3cretPW", "list"))
+    for done in unreachable:
+        assert done.returncode == 1, done.stderr
+        one_error_line(done)
+        assert "S3cretPW" not in done.stderr + done.stdout
 
 
 def test_sync_applies_configured_limits(cli):

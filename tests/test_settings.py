@@ -3,9 +3,22 @@
 import pytest
 from celery import Celery
 
-from celery_semaphore import ConfigurationError, InvalidName, install, task
+from celery_semaphore import ConfigurationError, InvalidName, Semaphore, install, task
+from celery_semaphore.backends import get_backend
 from celery_semaphore.settings import Settings
 from celery_semaphore.tasks import Guards
+from celery_semaphore.urls import mask_url
+
+MALFORMED_URLS = [
+    ("redis://:S3cretPW@127.0.0.1:99999/0", "Port out of range"),
+    ("redis://:S3cretPW@127.0.0.1:-1/0", "Port could not be cast"),
+    ("redis://:S3cretPW@127.0.0.1:port/0", "Port could not be cast"),
+    ("redis://:S3cretPW@[::1/0", "Invalid IPv6 URL"),
+    ("amqp://guest:S3cretPW@127.0.0.1:99999//", "Port out of range"),
+    ("sqlite://:S3cretPW@/x.db", "names no file"),
+    ("redis://:S3cretPW@127.0.0.1:6379/abc", "must be a database number, not 'abc'"),
+    ("", "must be a non-empty string"),
+]
 
 
 def make_app(**conf):
@@ -218,3 +231,40 @@ def test_a_retry_does_not_carry_the_gates_headers():
     assert headers["semaphore"] == "r"  # a per-call override belongs to the call: it stays
     assert not {REQUEUES_HEADER, FIRST_WAIT_HEADER, LEASE_KEY} & set(headers)
     assert "s3cret" not in repr(headers)
+
+
+@pytest.mark.parametrize("url", [url for url, _ in MALFORMED_URLS])
+def test_a_malformed_backend_url_is_refused_wherever_it_enters(url):
+    with pytest.raises(ConfigurationError) as err:
+        Semaphore("x", 1, url)
+    assert "S3cretPW" not in str(err.value)
+    app = make_app(semaphore_backend=url)
+    with pytest.raises(ConfigurationError) as err:  # what the worker does at start
+        get_backend(Settings.from_app(app).backend_url(app))
+    assert "S3cretPW" not in str(err.value)
+
+
+@pytest.mark.parametrize("url, masked", [
+    ("redis://:pw@h:99999/0", "redis://:**@h:99999/0"),
+    ("amqp://user:p@ss:w@rd@h//", "amqp://user:**@h//"),
+    ("consul://h:8500?dc=a&token=abc", "consul://h:8500?dc=a&token=**"),
+    ("redis://h/0", "redis://h/0"),
+    ("not a url", "not a url"),
+])
+def test_mask_url_never_raises(url, masked):
+    assert mask_url(url) == masked
+
+
+
+def test_every_install_hint_names_an_extra_that_exists():
+    import configparser
+    import os
+
+    from celery_semaphore.backends import _BUILTIN, EXTRAS
+
+    config = configparser.ConfigParser()
+    config.read(os.path.join(os.path.dirname(os.path.dirname(__file__)), "setup.cfg"))
+    extras = set(config["options.extras_require"])
+    needs_client = {s for s in _BUILTIN if s not in ("sqlite", "memory")}
+    assert set(EXTRAS) == needs_client
+    assert set(EXTRAS.values()) <= extras, extras

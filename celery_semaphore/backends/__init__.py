@@ -12,11 +12,9 @@ import importlib
 import os
 import threading
 from typing import Any, Dict, Tuple, Type
-from urllib.parse import urlsplit
-
-from kombu.utils.url import maybe_sanitize_url
 
 from ..exceptions import UnknownBackend
+from ..urls import check_url, mask_url
 from .base import Backend
 
 ENTRY_POINT_GROUP = "celery_semaphore.backends"
@@ -35,6 +33,10 @@ _BUILTIN = {
     "consul": "celery_semaphore.backends.consul:ConsulBackend",
     "consuls": "celery_semaphore.backends.consul:ConsulBackend",
 }
+#: The install extra that brings each built-in scheme's client library.
+EXTRAS = {"redis": "redis", "rediss": "redis", "redis+socket": "redis", "amqp": "amqp",
+          "amqps": "amqp", "pyamqp": "amqp", "amqp+slots": "amqp", "amqps+slots": "amqp",
+          "consul": "consul", "consuls": "consul"}
 _registered: Dict[str, Any] = {}
 _instances: Dict[Tuple[int, str, Tuple[Tuple[str, Any], ...]], Backend] = {}
 _lock = threading.Lock()
@@ -73,17 +75,18 @@ def _load(target: Any) -> Type[Backend]:
 
 
 def backend_class(url: str) -> Type[Backend]:
-    """The class serving ``url``; ``url`` may also be a dotted ``module:Class`` path."""
-    if ":" in url and "://" not in url:
+    """The class serving ``url``; ``url`` may also be a dotted ``module:Class`` path.
+    A malformed URL raises ConfigurationError naming the problem, password masked."""
+    if isinstance(url, str) and ":" in url and "://" not in url:
         try:
             return _load(url)
         except (ImportError, AttributeError) as exc:
             raise UnknownBackend(f"cannot import semaphore backend {url!r}: {exc}") from exc
-    scheme = urlsplit(url).scheme.lower()
+    scheme = check_url(url).scheme.lower()
     schemes = known_schemes()
     if scheme not in schemes:
         raise UnknownBackend(
-            f"no semaphore backend for URL {maybe_sanitize_url(url)!r}; "
+            f"no semaphore backend for URL {mask_url(url)!r}; "
             f"known schemes: {', '.join(sorted(schemes))}"
         )
     try:
@@ -91,7 +94,7 @@ def backend_class(url: str) -> Type[Backend]:
     except ImportError as exc:
         raise UnknownBackend(
             f"the {scheme}:// semaphore backend cannot be loaded ({exc}); is its extra "
-            f"installed? pip install 'celery-semaphore[{scheme.split('+')[0].rstrip('s')}]'"
+            f"installed? pip install 'celery-semaphore[{EXTRAS.get(scheme, 'all')}]'"
         ) from exc
 
 

@@ -293,6 +293,6 @@ class Backend(abc.ABC):
         """Start receiving this process's wake-ups (idempotent). Default: nothing to start."""
 
     def __repr__(self) -> str:
-        from kombu.utils.url import maybe_sanitize_url
+        from ..urls import mask_url
 
-        return f"<{type(self).__name__} {maybe_sanitize_url(self.url)}>"
+        return f"<{type(self).__name__} {mask_url(self.url)}>"

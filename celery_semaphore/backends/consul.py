@@ -70,7 +70,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlsplit
 
 import consul
 import consul.base
@@ -78,6 +78,7 @@ import requests
 from consul.std import parse_duration
 
 from ..exceptions import BackendUnavailable, ConfigurationError
+from ..urls import mask_url
 from .base import Attempt, Meta, SemaphoreStatus
 from .model import Box, ModelBackend, State, as_json, wakeups
 
@@ -241,7 +242,7 @@ class ConsulConfig:
             port = parts.port or (8501 if tls else 8500)
             timeout = float(timeout if timeout is not None else query.get("timeout", 10.0))
         except ValueError as exc:
-            raise ConfigurationError(f"bad consul URL {_masked(url)!r}: {exc}") from exc
+            raise ConfigurationError(f"bad consul URL {mask_url(url)!r}: {exc}") from exc
         return cls(
             host=parts.hostname or "127.0.0.1",
             port=port,
@@ -258,12 +259,6 @@ class ConsulConfig:
         if self.token is not None:
             client.token = self.token  # py-consul lets CONSUL_HTTP_TOKEN override an explicit one
         return client
-
-
-def _masked(url: str) -> str:
-    parts = urlsplit(url)
-    query = [(k, "***" if k == "token" else v) for k, v in parse_qsl(parts.query)]
-    return urlunsplit(parts._replace(query=urlencode(query, safe="*")))
 
 
 class _Box(Box):
@@ -379,7 +374,7 @@ class ConsulBackend(ModelBackend):
         self._sweeper: Optional[threading.Timer] = None
 
     def __repr__(self) -> str:
-        return f"<{type(self).__name__} {_masked(self.url)}>"
+        return f"<{type(self).__name__} {mask_url(self.url)}>"
 
     # -- Consul access -----------------------------------------------------------------------
 
@@ -399,7 +394,7 @@ class ConsulBackend(ModelBackend):
             return fn(*args, **kwargs)
         except _UNAVAILABLE as exc:
             raise BackendUnavailable(
-                f"consul semaphore backend {_masked(self.url)} failed: "
+                f"consul semaphore backend {mask_url(self.url)} failed: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
 

@@ -36,11 +36,11 @@ from typing import Any, Dict, List, NoReturn, Optional
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import redis
-from kombu.utils.url import maybe_sanitize_url
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from ..exceptions import BackendUnavailable, ConfigurationError
+from ..urls import check_url, mask_url
 from .base import (
     DEFAULT_IDLE_TTL,
     DEFAULT_WAITER_TTL,
@@ -124,7 +124,12 @@ class RedisBackend(Backend):
     ) -> None:
         super().__init__(url, key_prefix=key_prefix, waiter_ttl=waiter_ttl, idle_ttl=idle_ttl)
         redis_options.setdefault("retry", Retry(NoBackoff(), 1, (redis.ConnectionError,)))
-        if urlsplit(url).scheme != "redis+socket":  # a Unix socket has no TCP keepalive
+        parts = check_url(url)
+        database = parts.path.strip("/")
+        if parts.scheme != "redis+socket" and database and not database.isdecimal():
+            raise ConfigurationError(f"redis URL {mask_url(url)!r}: the path must be a database "
+                                     f"number, not {database!r}")
+        if parts.scheme != "redis+socket":  # a Unix socket has no TCP keepalive
             redis_options.setdefault("socket_keepalive", True)
         self.client = redis.Redis.from_url(
             _redis_url(url),
@@ -157,7 +162,7 @@ class RedisBackend(Backend):
     def _unavailable(self, exc: redis.RedisError) -> NoReturn:
         """Raise BackendUnavailable when ``exc`` means Redis cannot serve us now,
         ConfigurationError when the server is a Redis Cluster node; re-raise anything else."""
-        url = maybe_sanitize_url(self.url)
+        url = mask_url(self.url)
         if isinstance(exc, _CLUSTER) and not isinstance(exc, _UNAVAILABLE):
             raise ConfigurationError(
                 f"semaphore backend {url} is a Redis Cluster node ({exc}); Redis Cluster is "
@@ -326,7 +331,7 @@ class RedisBackend(Backend):
                 if not lost:
                     logger.warning(
                         "celery-semaphore: wake-up channel of %s lost (%s); resubscribing, "
-                        "waiters poll meanwhile", maybe_sanitize_url(self.url), exc,
+                        "waiters poll meanwhile", mask_url(self.url), exc,
                     )
                 lost = True
                 self._drop_pubsub()

@@ -27,6 +27,7 @@ from typing import Any, Iterator, List, Optional
 from urllib.parse import unquote, urlsplit
 
 from ..exceptions import BackendUnavailable, ConfigurationError
+from ..urls import mask_url
 from .base import SemaphoreStatus
 from .model import Box, ModelBackend, State
 
@@ -56,7 +57,7 @@ def database_path(url: str) -> str:
     path = unquote(parts.path)
     if parts.netloc or not path.startswith("/") or path == "/":
         raise ConfigurationError(
-            f"sqlite URL {url!r} names no file: use sqlite:///relative.db or "
+            f"sqlite URL {mask_url(url)!r} names no file: use sqlite:///relative.db or "
             "sqlite:////absolute/path.db"
         )
     return os.path.abspath(path[1:])

@@ -1,0 +1,33 @@
+"""Backend URLs: checked once where they enter, and shown with their secrets masked."""
+
+from __future__ import annotations
+
+import re
+from urllib.parse import SplitResult, urlsplit
+
+from .exceptions import ConfigurationError
+
+_PASSWORD = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://[^:@/]*:)[^/]*@")
+_TOKEN = re.compile(r"([?&](?:token|password)=)[^&#]*", re.IGNORECASE)
+
+
+def mask_url(url: object) -> str:
+    """``url`` with the password of its user info and any ``token=``/``password=`` query
+    value replaced by ``**``. Never raises, whatever ``url`` holds."""
+    text = str(url)
+    return _TOKEN.sub(r"\1**", _PASSWORD.sub(r"\1**@", text))
+
+
+def check_url(url: object, what: str = "semaphore backend URL") -> SplitResult:
+    """Parse ``url`` or raise ConfigurationError naming what is wrong (password masked):
+    empty, not a string, no scheme, a malformed host or a port that is not 0-65535."""
+    if not isinstance(url, str) or not url.strip():
+        raise ConfigurationError(f"{what} must be a non-empty string, not {url!r}")
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 -- raises ValueError for a port out of range or not a number
+    except ValueError as exc:
+        raise ConfigurationError(f"{what} {mask_url(url)!r} is malformed: {exc}") from None
+    if not parts.scheme or "://" not in url:
+        raise ConfigurationError(f"{what} {mask_url(url)!r} has no scheme (like redis://)")
+    return parts
