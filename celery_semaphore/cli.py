@@ -299,10 +299,12 @@ class PositiveInt(click.ParamType):
         if isinstance(value, int) and not isinstance(value, bool):
             number = value
         else:
-            try:
-                number = int(str(value).strip(), 10)
-            except ValueError:
-                self.fail(f"must be a positive integer, not {value!r}", param, ctx)
+            text = str(value).strip()
+            digits = text[1:] if text.startswith("-") else text
+            if not (digits.isascii() and digits.isdigit()):  # int() takes "4_0" and "٣" too
+                self.fail(f"must be a positive integer, not {value!r} (ASCII digits only)",
+                          param, ctx)
+            number = int(text)
         try:
             return validate_limit(number)
         except InvalidLimit as exc:

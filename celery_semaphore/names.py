@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from .exceptions import InvalidLimit, InvalidName
+from .exceptions import ConfigurationError, InvalidLimit, InvalidName
 
 #: Longest name, in UTF-8 bytes. Leaves room for key prefixes within RabbitMQ's 255-byte
 #: queue names and Redis/Consul key conventions.
@@ -12,6 +12,10 @@ MAX_NAME_BYTES = 200
 #: Largest limit. Backends keep per-slot state (fencing epochs; RabbitMQ a token message or a
 #: queue per slot), and Redis stores numbers above 1e15 in a form it cannot read back as ints.
 MAX_LIMIT = 100_000
+#: Shortest lease, in seconds. A lease is renewed every third of its TTL and must outlive a
+#: round trip to the backend; below this the backend could expire it before the holder knows
+#: it has it (a TTL of 1e-7 s let two holders of a limit-1 semaphore in at once).
+MIN_LEASE_TTL = 0.1
 
 # Whitespace and control characters cannot be typed safely on a command line; braces would
 # break Redis Cluster hash tags; glob characters would break key scans; "/" would nest Consul
@@ -36,7 +40,25 @@ def validate_name(name: object) -> str:
             f"semaphore name {name!r} contains {bad.group()!r}; names may not contain "
             "whitespace, control characters or any of {}[]*?\\/"
         )
+    invisible = next((ch for ch in name if not ch.isprintable()), None)
+    if invisible is not None:  # zero-width and other format characters, private use, ...
+        raise InvalidName(
+            f"semaphore name {name!r} contains the invisible character "
+            f"U+{ord(invisible):04X}; names must be printable"
+        )
     return name
+
+
+def validate_ttl(ttl: object, what: str = "ttl") -> float:
+    """Return ``ttl`` as float seconds if it is a finite number from MIN_LEASE_TTL up, else
+    raise ConfigurationError."""
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl == ttl:
+        raise ConfigurationError(f"{what} must be a number of seconds, not {ttl!r}")
+    if not MIN_LEASE_TTL <= ttl < float("inf"):
+        raise ConfigurationError(
+            f"{what} must be a positive, finite number of seconds, at least {MIN_LEASE_TTL:g}, "
+            f"not {ttl!r}")
+    return float(ttl)
 
 
 def validate_limit(limit: object, what: str = "limit") -> int:

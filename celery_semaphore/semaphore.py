@@ -19,7 +19,7 @@ from typing import Any, Callable, List, Optional, Union
 from .backends import get_backend
 from .backends.base import Backend, FencingToken, Grant, Meta, SemaphoreStatus, new_holder_id
 from .exceptions import ConfigurationError, SemaphoreTimeout
-from .names import validate_limit, validate_name
+from .names import validate_limit, validate_name, validate_ttl
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ class Lease:
 
     def renew(self, ttl: Optional[float] = None) -> bool:
         """Extend the lease to ``ttl`` seconds from now. Never re-acquires a lost lease."""
-        ttl = self.ttl if ttl is None else _positive_seconds(ttl, "ttl")
+        ttl = self.ttl if ttl is None else validate_ttl(ttl)
         if self._released or self._lost:
             return False
         started = time.monotonic()
@@ -195,7 +195,7 @@ class Semaphore:
     ) -> None:
         self.name = validate_name(name)
         self.limit = validate_limit(limit)
-        self.ttl = _positive_seconds(ttl, "ttl")
+        self.ttl = validate_ttl(ttl)
         self.poll_interval = _positive_seconds(poll_interval, "poll_interval")
         self.meta = dict(meta or {})
         self.auto_renew = auto_renew
@@ -222,8 +222,11 @@ class Semaphore:
         Raises :class:`SemaphoreTimeout` when ``timeout`` seconds pass first (the caller then
         leaves the queue). ``meta`` (JSON-able) is shown to operators in ``status``.
         """
-        if timeout is not None and (isinstance(timeout, bool) or not timeout >= 0):
-            raise ConfigurationError(f"timeout must be None or >= 0, not {timeout!r}")
+        if timeout is not None and (isinstance(timeout, bool)
+                                    or not isinstance(timeout, (int, float))
+                                    or not timeout >= 0):
+            raise ConfigurationError(f"timeout must be None or a number of seconds >= 0, "
+                                     f"not {timeout!r}")
         if timeout is not None and math.isinf(timeout):
             timeout = None
         meta = {**self.meta, **(meta or {})}

@@ -14,7 +14,7 @@ from typing import Any, Dict, Optional
 from urllib.parse import urlsplit
 
 from .exceptions import ConfigurationError, InvalidLimit, InvalidName
-from .names import validate_limit, validate_template
+from .names import validate_limit, validate_template, validate_ttl
 
 LOST_LEASE_POLICIES = ("log", "terminate")
 
@@ -142,4 +142,6 @@ def validate(key: str, field_name: str, value: Any) -> Any:
         return value
     if field_name == "max_wait":
         return _seconds(key, value, allow_none=True)
+    if field_name == "lease_ttl":
+        return validate_ttl(value, key)
     return _seconds(key, value)

@@ -145,6 +145,9 @@ USAGE_ERRORS = [
     (("reset", "x"), "pass --yes"),  # no terminal to confirm on
     (("workers", "--timeout", "nan"), "must be a finite number of seconds"),
     (("workers", "--timeout", "inf"), "not in the range"),
+    (("resize", "x", "4_0"), "not '4_0' (ASCII digits only)"),
+    (("resize", "x", "\u0663"), "(ASCII digits only)"),
+    (("resize", "x\u200b", "3"), "invisible character U+200B"),
 ]
 
 

@@ -5,9 +5,18 @@ backend: a lost reply cannot be produced on demand with a server."""
 import math
 
 import pytest
+from celery import Celery
 
-from celery_semaphore import BackendUnavailable, ConfigurationError, Semaphore
+from celery_semaphore import BackendUnavailable, ConfigurationError, InvalidName, Semaphore
 from celery_semaphore.backends.memory import MemoryBackend
+from celery_semaphore.names import MIN_LEASE_TTL, validate_name
+from celery_semaphore.settings import Settings
+
+
+def _app(**conf):
+    app = Celery("semaphore_test", set_as_current=False)
+    app.conf.update({"broker_url": "memory://", **conf})
+    return app
 
 
 class Flaky(MemoryBackend):
@@ -69,7 +78,7 @@ def test_the_bodys_exception_wins_over_a_failed_release(flaky):
             flaky.fail_after.add("release-before")
 
 
-@pytest.mark.parametrize("timeout", [math.nan, -1.0, True])
+@pytest.mark.parametrize("timeout", [math.nan, -1.0, True, "5", [1]])
 def test_bad_timeouts_are_refused(flaky, timeout):
     with pytest.raises(ConfigurationError):
         Semaphore("t", 1, flaky).acquire(timeout=timeout)
@@ -94,3 +103,28 @@ def test_a_renewal_racing_a_release_does_not_report_the_lease_lost(flaky):
     flaky.release = release_then_renewal_lands
     assert lease.release() is True
     assert lost == [] and not lease.lost
+
+
+@pytest.mark.parametrize("ttl", [1e-7, 0.05, 0, -1, float("nan"), float("inf"), "60", True])
+def test_lease_ttls_below_the_floor_or_not_numbers_are_refused(ttl):
+    with pytest.raises(ConfigurationError) as err:
+        Semaphore("x", 1, "memory://floor", ttl=ttl)
+    assert "ttl" in str(err.value)
+    with pytest.raises(ConfigurationError) as err:
+        Settings.from_app(_app(semaphore_lease_ttl=ttl))
+    assert "semaphore_lease_ttl" in str(err.value)
+
+
+def test_the_shortest_ttl_still_admits_one_holder_at_a_time():
+    semaphore = Semaphore("floor", 1, "memory://floor2", ttl=MIN_LEASE_TTL)
+    first = semaphore.try_acquire()
+    assert first is not None and semaphore.try_acquire() is None
+    first.release()
+
+
+@pytest.mark.parametrize("name", ["a\u200bb", "\u2060x", "x\u00ad", "\ue000"])
+def test_invisible_characters_are_refused_in_names(name):
+    with pytest.raises(InvalidName) as err:
+        validate_name(name)
+    assert "invisible" in str(err.value)
+
