@@ -47,6 +47,7 @@ from celery.concurrency.prefork import TaskPool as PreforkPool
 from celery.exceptions import Terminated, TimeLimitExceeded
 from celery.worker import state as worker_state
 
+from . import internals
 from .backends import close_all
 from .backends.base import Backend, Grant, new_holder_id
 from .exceptions import ConfigurationError, SemaphoreError, SemaphoreTimeout
@@ -264,6 +265,8 @@ class Gate:
         self.held: Dict[str, Held] = {}  # lease holder -> Held
         self.original: Callable[[Any], Any] = consumer.on_task_request
         consumer.on_task_request = self.on_task_request
+        self._on_connection_lost = consumer.on_connection_error_after_connected
+        consumer.on_connection_error_after_connected = self.on_connection_lost
         self._running = False
 
     # -- lifecycle (consumer bootstep) -------------------------------------------------------
@@ -278,19 +281,65 @@ class Gate:
             signals.task_revoked.connect(self._on_task_revoked, weak=False)
 
     def stop(self) -> None:
-        """The consumer stops (shutdown or reconnect): give waiting requests back."""
+        """The consumer stops (shutdown or reconnect): give waiting requests back.
+
+        With the broker connection still open they are rejected for redelivery. Once it is
+        closed or lost, the broker has them back already (AMQP requeues a closed channel's
+        unacked messages, kombu's virtual transports restore them when the channel closes,
+        and :meth:`on_connection_lost` restores those of a Redis broker), and a reject on the
+        dead channel would only log a CRITICAL traceback per request."""
         with self.lock:
+            connected = self.consumer.connection is not None
+            if not connected and self.pending:
+                logger.info("celery-semaphore: the broker connection is closed with %d tasks "
+                            "waiting for a slot; the broker delivers them again",
+                            len(self.pending))
             for pending in list(self.pending.values()):
                 self._drop(pending)
                 self.io.call(self._cancel_in_backend, pending)
-                try:
-                    pending.request.reject(requeue=True)
-                except Exception as exc:  # the channel may be gone; the broker redelivers
-                    logger.debug("celery-semaphore: reject on stop failed: %s", exc)
+                if connected:
+                    try:
+                        pending.request.reject(requeue=True)
+                    except Exception as exc:  # the broker redelivers it all the same
+                        logger.debug("celery-semaphore: reject on stop failed: %s", exc)
+                else:
+                    pending.request.acknowledged = True  # nothing to settle on this channel
                 worker_state.task_ready(pending.request)
             for entry in list(self.held.values()):
                 self._after_flush(entry)
         self.loop.stop()
+
+    def on_connection_lost(self, exc: BaseException) -> Any:
+        """Wraps the consumer's ``on_connection_error_after_connected``.
+
+        Closing the lost connection makes kombu's Redis transport restore every unacked
+        message through a transport it has already detached (kombu 5.7 raises AttributeError
+        there, and the worker exits). Waiting requests are such messages: take them out of
+        the channel's unacked set first (they stay in the broker's unacked hash) and put them
+        back in their queue, with the transport's own restore, once the broker answers."""
+        with self.lock:
+            tags = [pending.request.message.delivery_tag for pending in self.pending.values()
+                    if internals.detach_unacked(pending.request.message)]
+        if tags:
+            self.io.call(self._restore_detached, tags)
+        return self._on_connection_lost(exc)
+
+    def _restore_detached(self, tags: List[str], retry: float = RETRY_FIRST) -> None:  # I/O
+        """Put messages detached by :meth:`on_connection_lost` back in their queue, retrying
+        until the broker answers (or the worker stops: then the transport's visibility
+        timeout restores them)."""
+        try:
+            internals.restore_unacked(self.app, tags)
+        except Exception as exc:
+            if self._running:
+                self.io.call(self._restore_detached, tags, min(retry * 2, RETRY_MAX),
+                             delay=retry)
+            else:
+                logger.warning("celery-semaphore: %d waiting tasks stay unacked in the broker "
+                               "until its visibility_timeout restores them: %s", len(tags), exc)
+            return
+        logger.info("celery-semaphore: %d tasks that were waiting when the broker connection "
+                    "was lost are back in their queue", len(tags))
 
     def _after_flush(self, entry: Held) -> None:
         """On a broker reconnect the consumer flushes the prefork pool: jobs no child has

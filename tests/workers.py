@@ -36,7 +36,8 @@ class Worker:
         self.log = os.path.join(env["CS_DIR"], f"{name}.log")
         args = [sys.executable, "-m", "celery", "-A", "tests.celery_app", "worker",
                 "-c", str(concurrency), "-P", pool, "-n", f"{name}@%h", "-E",
-                "-l", "info", "-Q", env["CS_QUEUE"], "--without-gossip", "--without-mingle"]
+                "-l", env.get("CS_LOGLEVEL", "info"), "-Q", env["CS_QUEUE"], "--without-gossip",
+                "--without-mingle"]
         self.proc = subprocess.Popen(args + (extra or []), cwd=ROOT, env=env,
                                      stdout=open(self.log, "ab"), stderr=subprocess.STDOUT)
 
