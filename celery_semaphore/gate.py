@@ -557,6 +557,7 @@ class Gate:
             "name": guard.name, "limit": limit, "holder": pending.holder,
             "slot": grant.slot, "epoch": grant.epoch, "ttl": grant.ttl,
             "backend": self.backend.url, "key_prefix": self.backend.key_prefix,
+            "waited": pending.attempts > 0,  # WAITING was stored: the task stores STARTED
         }
         lease.on_lost(lambda lost: self.loop.post(self._lease_lost, entry))
         default_keeper.add(lease)

@@ -76,18 +76,49 @@ class Settings:
 
     def backend_url(self, app: Any) -> str:
         """``semaphore_backend``; else the broker itself when it is Redis (the Redis backend)
-        or RabbitMQ (the token backend, on the first URL of a failover list); else an SQLite
-        file in the worker's directory."""
+        or RabbitMQ (the token backend, on the first URL of a failover list); else the result
+        backend when it is a Redis URL; else, for a broker that lives on one host (kombu's
+        filesystem or memory transport, SQLAlchemy on SQLite), an SQLite file in the working
+        directory. Any other broker is shared between hosts, where a file would give each
+        host its own limit: ConfigurationError naming ``semaphore_backend``."""
         if self.backend:
             return self.backend
-        broker = app.conf.broker_url or ""
-        if isinstance(broker, (list, tuple)):
-            broker = broker[0] if broker else ""
-        broker = broker.split(";")[0].strip()
-        scheme = urlsplit(broker).scheme
-        if scheme in ("redis", "rediss", "redis+socket", "amqp", "amqps", "pyamqp"):
+        broker = _first_url(app.conf.broker_url)
+        scheme = _scheme(broker)
+        if scheme in SHARED_BROKER_BACKENDS:
             return broker
-        return "sqlite:///celery-semaphore.db"
+        result = _first_url(app.conf.result_backend)
+        if _scheme(result) in SHARED_RESULT_BACKENDS:
+            return result
+        if scheme in ONE_HOST_BROKERS or broker.startswith(("sqla+sqlite:", "sqlalchemy+sqlite:")):
+            return "sqlite:///celery-semaphore.db"
+        raise ConfigurationError(
+            f"semaphore_backend is not set and the broker ({scheme or broker!r}://) is neither "
+            "Redis nor RabbitMQ: an SQLite file would give each host its own limit. Set "
+            "semaphore_backend to a shared server (redis://, amqp://, consul://)"
+        )
+
+
+#: Brokers that serve as the semaphore backend themselves when none is set.
+SHARED_BROKER_BACKENDS = ("redis", "rediss", "redis+socket", "amqp", "amqps", "pyamqp")
+#: Result backends that do, when the broker does not.
+SHARED_RESULT_BACKENDS = ("redis", "rediss", "redis+socket")
+#: Brokers that live on one host, where an SQLite file is the natural backend.
+ONE_HOST_BROKERS = ("filesystem", "memory", "")
+
+
+def _first_url(url: Any) -> str:
+    """The first URL of a setting that may be a list or a ``;``-separated failover list."""
+    if isinstance(url, (list, tuple)):
+        url = url[0] if url else ""
+    return str(url or "").split(";")[0].strip()
+
+
+def _scheme(url: str) -> str:
+    try:
+        return urlsplit(url).scheme.lower()
+    except ValueError:
+        return ""
 
 
 def lookup(app: Any, name: str):

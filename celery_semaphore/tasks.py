@@ -17,8 +17,9 @@ stored limit rules, and only ``resize`` changes it.
 
 from __future__ import annotations
 
+import difflib
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Dict, Optional
 
 from celery import current_task, shared_task
@@ -28,6 +29,7 @@ from .backends.base import FencingToken
 from .exceptions import ConfigurationError, LeaseLost
 from .names import validate_limit, validate_name, validate_template
 from .settings import Settings
+from .settings import validate as validate_setting
 
 LEASE_KEY = "semaphore_lease"
 
@@ -47,11 +49,72 @@ def task(*args: Any, **options: Any) -> Any:
     ``@task(semaphore="images", limit=4)`` works in any app that called
     :func:`celery_semaphore.install`; the options are checked here, at decoration time.
     """
-    if "semaphore" in options and options["semaphore"] is not None:
-        validate_template(options["semaphore"], "semaphore")
-    if "limit" in options and options["limit"] is not None:
-        validate_limit(options["limit"])
+    check_options(options)
     return shared_task(*args, **options)
+
+
+def check_options(options: Dict[str, Any], task_name: str = "") -> None:
+    """Refuse wrong semaphore task options: a bad ``semaphore`` template, a ``limit`` that is
+    not an int from 1 to 100,000, an unknown (misspelt) ``semaphore_*`` option or a bad value
+    of a known one. Raises ConfigurationError naming the task and the option."""
+    where = f"task {task_name}: " if task_name else ""
+    try:
+        if options.get("semaphore") is not None:
+            validate_template(options["semaphore"], "semaphore")
+        if options.get("limit") is not None:
+            validate_limit(options["limit"])
+        known = {f"semaphore_{f.name}": f.name for f in fields(Settings)}
+        for key, value in options.items():
+            if not key.startswith("semaphore_") or value is None:
+                continue
+            if key not in known:
+                close = difflib.get_close_matches(key, known, n=1)
+                hint = f"; did you mean {close[0]}?" if close else ""
+                raise ConfigurationError(f"unknown task option {key}{hint}")
+            validate_setting(f"task option {key}", known[key], value)
+    except ConfigurationError as exc:
+        raise type(exc)(f"{where}{exc}") from None
+
+
+def check_call_headers(headers: Optional[Dict[str, Any]]) -> None:
+    """Refuse a per-call ``semaphore`` or ``semaphore_limit`` header that could not work."""
+    if not headers:
+        return
+    if headers.get("semaphore") is not None:
+        validate_template(headers["semaphore"], "header 'semaphore'")
+    if headers.get("semaphore_limit") is not None:
+        validate_limit(headers["semaphore_limit"], "header 'semaphore_limit'")
+
+
+_CHECKED = "_celery_semaphore_checks_options"
+
+
+def check_definitions_and_sends(app: Any) -> None:
+    """Check semaphore options where they are written (idempotent): each task class the
+    app's ``Task`` base makes from now on, each task the app has already, and the headers
+    of every ``apply_async`` (a bad one raises in the caller, before anything is sent)."""
+    base = app.Task
+    if base.__dict__.get(_CHECKED):
+        return
+    original_init_subclass = base.__init_subclass__
+    original_apply_async = base.apply_async
+
+    def __init_subclass__(cls: Any, **kwargs: Any) -> None:
+        original_init_subclass(**kwargs)
+        check_options({k: v for k, v in vars(cls).items()
+                       if k in ("semaphore", "limit") or k.startswith("semaphore_")},
+                      getattr(cls, "name", None) or cls.__name__)
+
+    def apply_async(self: Any, *args: Any, **options: Any) -> Any:
+        check_call_headers(options.get("headers"))
+        return original_apply_async(self, *args, **options)
+
+    base.__init_subclass__ = classmethod(__init_subclass__)
+    base.apply_async = apply_async
+    setattr(base, _CHECKED, True)
+    for name, existing in list(app._tasks.items()):
+        check_options({k: getattr(existing, k) for k in dir(type(existing))
+                       if k in ("semaphore", "limit") or k.startswith("semaphore_")}, name)
 
 
 class Guards:
@@ -78,10 +141,9 @@ class Guards:
         """The guard of one call, None when unguarded; ConfigurationError when it cannot be
         built (the template names an argument the call lacks, or fills in a bad name)."""
         headers = headers or {}
+        check_call_headers(headers)
         template = headers.get("semaphore")
-        if template is not None:
-            validate_template(template, "header 'semaphore'")
-        else:
+        if template is None:
             template = getattr(task, "semaphore", None)
         if not template:
             return None

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+import os
+from typing import Any, Dict, Optional
 
 from celery import bootsteps, signals
+from celery import states as celery_states
 from celery.exceptions import ImproperlyConfigured
 from celery.worker.control import inspect_command
 
@@ -20,8 +22,8 @@ from .eager import (
 )
 from .exceptions import ConfigurationError
 from .gate import GATE_HEADERS, Gate
-from .names import validate_limit, validate_template
 from .settings import Settings, lookup
+from .tasks import LEASE_KEY, check_definitions_and_sends, check_options
 
 logger = logging.getLogger(__name__)
 
@@ -49,9 +51,14 @@ class SemaphoreStep(bootsteps.StartStopStep):
         except ConfigurationError as exc:
             raise ImproperlyConfigured(f"celery-semaphore: {exc}") from None
         self.gate = Gate(consumer, settings, backend)
+        self.announced = False
         consumer.semaphore_gate = self.gate
 
     def start(self, consumer: Any) -> None:
+        if not self.announced:
+            self.announced = True
+            logger.info("celery-semaphore: gate on, backend %r; guarded tasks: %s",
+                        self.gate.backend, describe_guarded(consumer.app) or "none")
         try:
             self.gate.backend.ping()
         except Exception as exc:
@@ -70,15 +77,10 @@ def check_tasks(app: Any, settings: Settings, backend: Backend) -> None:
     """Fail worker start on a task whose semaphore options are wrong, naming the task, or on a
     lease TTL the backend would outlast (``Backend.max_lease_ttl``), naming the setting."""
     _check_lease_ttl(lookup(app, "semaphore_lease_ttl")[1], settings.lease_ttl, backend)
-    for name, task in list(app.tasks.items()):
-        template = getattr(task, "semaphore", None)
-        if template is None:
-            continue
+    for name, task in guarded_tasks(app).items():
+        check_options({key: getattr(task, key) for key in dir(type(task))
+                       if key in ("semaphore", "limit") or key.startswith("semaphore_")}, name)
         try:
-            validate_template(template, "semaphore")
-            limit = getattr(task, "limit", None)
-            if limit is not None:
-                validate_limit(limit)
             _check_lease_ttl("semaphore_lease_ttl", settings.for_task(task).lease_ttl, backend)
         except ConfigurationError as exc:
             raise ConfigurationError(f"task {name}: {exc}") from None
@@ -88,6 +90,43 @@ def _check_lease_ttl(key: str, ttl: float, backend: Backend) -> None:
     if ttl > backend.max_lease_ttl:
         raise ConfigurationError(f"{key} ({ttl:g}s) must not exceed 15/16 of the backend's "
                                  f"idle_ttl ({backend.idle_ttl:g}s)")
+
+
+def guarded_tasks(app: Any) -> Dict[str, Any]:
+    """Task name -> its task class, for every task that declares a semaphore."""
+    return {name: task for name, task in sorted(app.tasks.items())
+            if getattr(task, "semaphore", None) is not None}
+
+
+def describe_guarded(app: Any) -> str:
+    """``name (semaphore 'x', limit 4)`` for each guarded task, comma-separated."""
+    settings = Settings.from_app(app)
+    parts = []
+    for name, task in guarded_tasks(app).items():
+        template = task.semaphore
+        limit = (settings.limits.get(template) or getattr(task, "limit", None)
+                 or settings.default_limit)
+        kind = "template" if "{" in template else "semaphore"
+        parts.append(f"{name} ({kind} {template!r}, limit {limit})")
+    return ", ".join(parts)
+
+
+def _install_for_worker(sender: Any = None, **kwargs: Any) -> None:
+    """``worker_init``: a worker whose app declares guarded tasks but never called
+    :func:`install` installs the gate now, before the consumer's steps are built, so that a
+    task with ``semaphore=`` never runs unguarded. Connected when this package is imported,
+    which every ``celery`` command does through the ``celery.commands`` entry point."""
+    app = getattr(sender, "app", None)
+    if app is None or getattr(app, _INSTALLED, False) or not guarded_tasks(app):
+        return
+    install(app)
+    logger.warning("celery-semaphore: the app declares guarded tasks but did not call "
+                   "celery_semaphore.install(app); installed it for this worker (call it "
+                   "in your app module so that eager calls and sends are checked too)")
+
+
+signals.worker_init.connect(_install_for_worker, weak=False,
+                            dispatch_uid="celery_semaphore_auto_install")
 
 
 @inspect_command(alias="semaphores")
@@ -110,8 +149,11 @@ def install(app: Any) -> Any:
     states.register_precedence()
     app.steps["consumer"].add(SemaphoreStep)
     guard_eager_calls(app)
+    check_definitions_and_sends(app)
     signals.task_prerun.connect(_eager_acquire, weak=False, dispatch_uid="celery_semaphore_pre")
     signals.task_postrun.connect(_eager_release, weak=False, dispatch_uid="celery_semaphore_post")
+    signals.task_prerun.connect(_store_started, weak=False,
+                                dispatch_uid="celery_semaphore_started")
     signals.before_task_publish.connect(_strip_gate_headers, weak=False,
                                         dispatch_uid="celery_semaphore_publish")
     setattr(app, _INSTALLED, True)
@@ -122,6 +164,23 @@ def _eager_acquire(sender: Any = None, task: Any = None, **kwargs: Any) -> None:
     """Eager calls of a task whose class lacks the ``before_start`` guard acquire here."""
     if task is not None and not acquires_in_before_start(task):
         acquire_for_eager(task)
+
+
+def _store_started(sender: Any = None, task: Any = None, task_id: str = "",
+                   **kwargs: Any) -> None:
+    """A task that waited for its slot has ``WAITING`` stored: once it runs, store
+    ``STARTED`` (Celery does that itself only with ``task_track_started``), so that
+    ``AsyncResult.state`` does not say WAITING for the whole run."""
+    request = getattr(task, "request", None)
+    lease = getattr(request, LEASE_KEY, None) if request is not None else None
+    if (not lease or not lease.get("waited") or request.is_eager or task.track_started
+            or task.ignore_result):
+        return
+    try:
+        task.backend.store_result(task_id, {"pid": os.getpid(), "hostname": request.hostname},
+                                  celery_states.STARTED, request=request)
+    except Exception as exc:
+        logger.warning("celery-semaphore: storing STARTED for %s failed: %s", task_id, exc)
 
 
 def _strip_gate_headers(headers: Optional[dict] = None, **kwargs: Any) -> None:

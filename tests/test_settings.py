@@ -70,6 +70,19 @@ def test_default_backend_follows_the_broker():
         make_app(broker_url="pyamqp://a//;pyamqp://b//")) == "pyamqp://a//"
     assert Settings().backend_url(make_app(broker_url="filesystem://")).startswith("sqlite://")
     assert Settings(backend="memory://x").backend_url(make_app()) == "memory://x"
+    assert Settings().backend_url(make_app(broker_url="sqla+sqlite:///b.db")).startswith(
+        "sqlite://")
+
+
+@pytest.mark.parametrize("broker", ["sqs://", "sentinel://h:26379", "kafka://h:9092",
+                                    "sqla+postgresql://h/db"])
+def test_a_shared_broker_the_backend_cannot_follow_is_refused_not_made_per_host(broker):
+    with pytest.raises(ConfigurationError) as err:
+        Settings().backend_url(make_app(broker_url=broker))
+    assert "semaphore_backend" in str(err.value)
+    # The result backend serves when it is a Redis URL.
+    app = make_app(broker_url=broker, result_backend="redis://h:1/3")
+    assert Settings().backend_url(app) == "redis://h:1/3"
 
 
 class FakeRequest:
@@ -118,6 +131,62 @@ def test_task_decorator_checks_options():
         task(semaphore="x", limit=0)(lambda: None)
     with pytest.raises(ConfigurationError):
         task(semaphore="x:{unclosed", limit=1)(lambda: None)
+
+
+BAD_OPTIONS = [
+    ({"semaphore": "s", "limit": 0}, "limit must be a positive integer, not 0"),
+    ({"semaphore": "s", "limit": "two"}, "not 'two'"),
+    ({"semaphore": "bad name!"}, "contains ' '"),
+    ({"semaphore": "s", "semaphore_lease_tl": 5}, "did you mean semaphore_lease_ttl?"),
+    ({"semaphore": "s", "semaphore_max_wait": -1}, "semaphore_max_wait"),
+]
+
+
+@pytest.mark.parametrize("options, message", BAD_OPTIONS)
+def test_app_task_refuses_bad_options_where_they_are_written(options, message):
+    """On an installed app, ``@app.task(...)`` itself refuses them (not only worker start)."""
+    app = make_app()
+    install(app)
+    with pytest.raises(ConfigurationError) as err:
+        @app.task(shared=False, **options)
+        def bad():
+            pass
+
+        app.tasks  # noqa: B018 -- a lazy task is built when the app finalizes
+    assert message in str(err.value) and "bad" in str(err.value)
+
+
+def test_tasks_defined_before_install_are_checked_by_install():
+    app = make_app()
+
+    @app.task(shared=False, semaphore="s", limit=0)
+    def early():
+        pass
+
+    app.tasks  # noqa: B018
+    with pytest.raises(ConfigurationError, match="early: limit"):
+        install(app)
+
+
+@pytest.mark.parametrize("headers, message", [
+    ({"semaphore_limit": 0}, "header 'semaphore_limit'"),
+    ({"semaphore_limit": "3"}, "header 'semaphore_limit'"),
+    ({"semaphore": 5}, "header 'semaphore'"),
+    ({"semaphore": "{"}, "header 'semaphore'"),
+    ({"semaphore": "{0}"}, "header 'semaphore'"),
+])
+def test_a_bad_per_call_header_raises_in_the_caller_and_sends_nothing(headers, message):
+    app = make_app(task_default_queue="bad-headers")
+    install(app)
+
+    @app.task(shared=False, semaphore="s", limit=1)
+    def guarded():
+        pass
+
+    with pytest.raises(ConfigurationError, match=message):
+        guarded.apply_async(headers=headers)
+    with app.connection() as connection:
+        assert connection.SimpleQueue("bad-headers").qsize() == 0
 
 
 def test_task_overrides_settings():

@@ -30,11 +30,12 @@ class Worker:
     """One ``celery -A tests.celery_app worker`` process with its environment."""
 
     def __init__(self, env: Dict[str, str], name: str, concurrency: int = 4,
-                 pool: str = "prefork", extra: Optional[List[str]] = None) -> None:
+                 pool: str = "prefork", extra: Optional[List[str]] = None,
+                 app: str = "tests.celery_app") -> None:
         self.env = env
         self.name = name
         self.log = os.path.join(env["CS_DIR"], f"{name}.log")
-        args = [sys.executable, "-m", "celery", "-A", "tests.celery_app", "worker",
+        args = [sys.executable, "-m", "celery", "-A", app, "worker",
                 "-c", str(concurrency), "-P", pool, "-n", f"{name}@%h", "-E",
                 "-l", env.get("CS_LOGLEVEL", "info"), "-Q", env["CS_QUEUE"], "--without-gossip",
                 "--without-mingle"]
