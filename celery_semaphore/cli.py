@@ -200,6 +200,14 @@ def render_status(status: SemaphoreStatus, now: Optional[float] = None) -> str:
     return "\n".join(lines)
 
 
+def _where_waiting(request: Mapping[str, Any]) -> str:
+    if not request.get("queued"):
+        return "in the worker's line (no free pool process yet)"
+    if request.get("position") is None:
+        return "entering the backend's queue"
+    return f"position {request['position']} at its last try"
+
+
 def render_workers(replies: Mapping[str, Any]) -> str:
     if not replies:
         return "no worker answered"
@@ -210,12 +218,14 @@ def render_workers(replies: Mapping[str, Any]) -> str:
             lines.append(f"{worker}: {info['error']}")
             continue
         held, waiting = info.get("held", []), info.get("waiting", [])
-        lines.append(f"{worker}: {len(held)} held, {len(waiting)} waiting")
+        queued = sum(1 for w in waiting if w.get("queued"))
+        lines.append(f"{worker}: {len(held)} held, {len(waiting)} waiting "
+                     f"({queued} in the backend's queue, {len(waiting) - queued} in the "
+                     "worker's own line)")
         rows += [(worker, "held", h["semaphore"], h["id"], h.get("task", "-"),
                   f"token {h['token']}") for h in held]
         rows += [(worker, "waiting", w["semaphore"], w["id"], w.get("task", "-"),
-                  f"position {'-' if w.get('position') is None else w['position']}, "
-                  f"waited {w.get('waited', 0):.1f}s") for w in waiting]
+                  f"{_where_waiting(w)}, waited {w.get('waited', 0):.1f}s") for w in waiting]
     if rows:
         lines += [""] + table(("WORKER", "STATE", "SEMAPHORE", "TASK ID", "TASK", "DETAIL"),
                               rows)
@@ -343,11 +353,22 @@ def _emit(as_json: bool, data: Any, human: str) -> None:
 
 json_option = click.option("--json", "as_json", is_flag=True,
                            help="Machine-readable output on stdout.")
+BACKEND_HELP = "Semaphore backend URL (default: the app's semaphore_backend)."
+
+
+def _late_backend(ctx: click.Context, param: click.Parameter, value: Optional[str]) -> None:
+    if value is not None:
+        ctx.find_object(Context).backend_url = value
+
+
+def backend_option(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``--backend`` after the subcommand too (``semaphore list --backend URL``)."""
+    return click.option("--backend", metavar="URL", expose_value=False, is_eager=True,
+                        callback=_late_backend, help=BACKEND_HELP)(command)
 
 
 @click.group(name="semaphore")
-@click.option("--backend", "backend_url", metavar="URL",
-              help="Semaphore backend URL (default: the app's semaphore_backend).")
+@click.option("--backend", "backend_url", metavar="URL", help=BACKEND_HELP)
 @click.pass_context
 def semaphore(ctx: click.Context, backend_url: Optional[str]) -> None:
     """Inspect, resize and reset celery-semaphore semaphores.
@@ -364,6 +385,7 @@ def semaphore(ctx: click.Context, backend_url: Optional[str]) -> None:
 
 
 @semaphore.command(name="list")
+@backend_option
 @json_option
 @click.pass_obj
 @_operational
@@ -377,6 +399,7 @@ def list_(obj: Context, as_json: bool) -> None:
 
 
 @semaphore.command()
+@backend_option
 @click.argument("name", callback=_name)
 @json_option
 @click.pass_obj
@@ -388,6 +411,7 @@ def status(obj: Context, name: str, as_json: bool) -> None:
 
 
 @semaphore.command(context_settings={"ignore_unknown_options": True})  # "-1" is a LIMIT
+@backend_option
 @click.argument("name", callback=_name)
 @click.argument("limit", type=PositiveInt())
 @json_option
@@ -410,6 +434,7 @@ def resize(obj: Context, name: str, limit: int, as_json: bool) -> None:
 
 
 @semaphore.command()
+@backend_option
 @click.argument("name", callback=_name)
 @click.argument("holder")
 @json_option
@@ -427,6 +452,7 @@ def release(obj: Context, name: str, holder: str, as_json: bool) -> None:
 
 
 @semaphore.command()
+@backend_option
 @click.argument("name", callback=_name)
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 @json_option
@@ -444,6 +470,7 @@ def reset(obj: Context, name: str, yes: bool, as_json: bool) -> None:
 
 
 @semaphore.command()
+@backend_option
 @click.option("--dry-run", is_flag=True, help="Show what would change; change nothing.")
 @json_option
 @click.pass_obj
@@ -465,6 +492,7 @@ def sync(obj: Context, dry_run: bool, as_json: bool) -> None:
 
 
 @semaphore.command()
+@backend_option
 @click.option("--timeout", type=click.FloatRange(min=0, max=3600, min_open=True), default=2.0,
               callback=_finite,
               show_default=True, help="Seconds to wait for the workers' replies.")
@@ -474,7 +502,14 @@ def sync(obj: Context, dry_run: bool, as_json: bool) -> None:
 @click.pass_obj
 @_operational
 def workers(obj: Context, timeout: float, destination: Sequence[str], as_json: bool) -> None:
-    """Each worker's requests waiting for a slot and running with one."""
+    """Each worker's requests waiting for a slot and running with one.
+
+    A worker keeps a request in its own line until a pool process is free for it, and only
+    then enters it in the backend's queue: `status` counts the backend's queue alone, so its
+    waiting count can be lower than the sum here. A position is the one the backend gave at
+    the request's last try (0 is next); two requests can show the same position when one
+    moved up since it last asked.
+    """
     if obj.app is None:
         raise click.UsageError("no app: pass -A/--app")
     replies = worker_requests(obj.app, timeout=timeout, destination=list(destination))

@@ -193,6 +193,15 @@ def test_malformed_backend_urls_are_one_line_usage_errors_without_the_password(c
         assert "S3cretPW" not in done.stderr + done.stdout
 
 
+def test_global_options_work_on_either_side_of_the_subcommand(cli):
+    after, before = parallel(cli, ("resize", "late", "2", "--backend", cli.url),
+                             ("--backend", cli.url, "resize", "early", "3"))
+    assert after.returncode == 0 and before.returncode == 0, (after.stderr, before.stderr)
+    assert cli.backend.status("late").limit == 2 and cli.backend.status("early").limit == 3
+    listed = cli("list", "--json", "--backend", "redis://127.0.0.1:1/0")
+    assert listed.returncode == 1 and "127.0.0.1:1" in listed.stderr  # not the app's setting
+
+
 def test_sync_applies_configured_limits(cli):
     settings = json.dumps({"semaphore_limits": {"reports": 3, "exports": 2, "same": 4,
                                                 "api:{customer_id}": 2}})
@@ -338,6 +347,10 @@ def test_live_resize_under_load(broker, redis_url, amqp_url, tmp_path):
         waiting = [r for w in replies.values() for r in w["waiting"]]
         assert len(held) <= 2 and waiting, replies
         assert {r["semaphore"] for r in held + waiting} == {"images"}
+        human = cli("workers", "--timeout", "1").stdout
+        assert "position -" not in human
+        assert re.search(r"w0@\S+: \d+ held, \d+ waiting \(\d+ in the backend's queue, "
+                         r"\d+ in the worker's own line\)", human), human
 
         grow_start = now()
         assert cli("resize", "images", "4").returncode == 0
