@@ -111,13 +111,26 @@ def running(spans: list) -> list:
     return steps([s for s, *_ in spans], [e for _, e, *_ in spans])
 
 
+def declared_limits(app, tasks) -> dict:
+    """The limit each semaphore of the demo is declared with, as the gate resolves it
+    (``semaphore_limits`` first, then the task's ``limit``): shown until a task first asks."""
+    from celery_semaphore.settings import Settings
+    from celery_semaphore.tasks import Guards
+
+    guards = Guards(Settings.from_app(app))
+    calls = [(tasks.upload_thumbnail, (0, b""))] + [
+        (tasks.call_customer_api, (customer, "invoices")) for customer in CUSTOMERS]
+    return {guard.name: guard.limit for guard in
+            (guards.resolve_call(task, args, {}, {}) for task, args in calls)}
+
+
 # -- the live display ------------------------------------------------------------------------
 
 class Display:
     """Per semaphore: the worker holding each slot, running/limit, waiting, done."""
 
-    def __init__(self, backend, tty: bool) -> None:
-        self.backend, self.tty, self.lines = backend, tty, 0
+    def __init__(self, backend, declared: dict, tty: bool) -> None:
+        self.backend, self.declared, self.tty, self.lines = backend, declared, tty, 0
 
     def show(self, events: list, elapsed: float) -> None:
         started, ended = defaultdict(int), defaultdict(int)
@@ -129,11 +142,12 @@ class Display:
                  f"  {'semaphore':<9}  {'slots':<9}  {'running':>7}  {'waiting':>7}  {'done':>6}"]
         for name in NAMES:
             status = self.backend.status(name)  # None until a task first asks for a slot
+            limit = status.limit if status else self.declared[name]
             owners = {h.slot: worker_no(h.meta.get("worker")) for h in
                       (status.holders if status else ())}
-            width = max([status.limit if status else 0, *(s + 1 for s in owners)])
+            width = max([limit, *(s + 1 for s in owners)])
             slots = "[" + " ".join(owners.get(s, ".") for s in range(width)) + "]"
-            held = f"{len(owners)}/{status.limit if status else '-'}"
+            held = f"{len(owners)}/{limit}"
             waiting = max(0, sent[name] - started[name])
             done = f"{ended[name]}/{TOTAL[name]}"
             lines.append(f"  {name:<9}  {slots:<9}  {held:>7}  {waiting:>7}  {done:>6}")
@@ -147,7 +161,9 @@ class Display:
 
 # -- the picture -----------------------------------------------------------------------------
 
-def plot(events: list, found: dict, limits: dict, t0: float, path: str) -> None:
+def plot(events: list, found: dict, limits: dict, t0: float, path: str) -> list:
+    """Draw slot occupancy and, per semaphore, tasks running and waiting; return the names of
+    the semaphores that got a running/waiting panel."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -155,8 +171,10 @@ def plot(events: list, found: dict, limits: dict, t0: float, path: str) -> None:
     from matplotlib.patches import Patch
 
     lanes = [(name, slot) for name in NAMES for slot in range(limits[name])]
-    fig, (top, bottom) = plt.subplots(
-        2, 1, figsize=(11, 8), sharex=True, gridspec_kw={"height_ratios": [len(lanes), 4]})
+    fig, axes = plt.subplots(
+        1 + len(NAMES), 1, figsize=(11, 5 + 2.2 * len(NAMES)), sharex=True,
+        gridspec_kw={"height_ratios": [len(lanes)] + [2.5] * len(NAMES)})
+    top, panels = axes[0], axes[1:]
 
     workers = sorted({span[3] for spans in found.values() for span in spans})
     color = {w: COLORS[i % len(COLORS)] for i, w in enumerate(workers)}
@@ -175,34 +193,41 @@ def plot(events: list, found: dict, limits: dict, t0: float, path: str) -> None:
                fontsize=9)
     top.grid(axis="x", alpha=0.3)
 
-    uploads = found["uploads"]
     thumbnails = {"start": [], "end": []}
     for e in events:
         if e["task"] == "make_thumbnail":
             thumbnails[e["kind"]].append(e["t"])
-    waiting = steps(thumbnails["end"], [s for s, *_ in uploads])  # each thumbnail sends one
-    for series, label, style, shade in (
-            (running(uploads), "uploads running (holding a slot)", "-", "#4c72b0"),
-            (waiting, "uploads waiting (sent, not started)", ":", "#dd8452"),
-            (steps(thumbnails["start"], thumbnails["end"]),
-             "thumbnails running (no semaphore)", "-", "#aaaaaa")):
-        xs = [0.0] + [t - t0 for t, _ in series]
-        ys = [0] + [n for _, n in series]
-        bottom.step(xs, ys, where="post", ls=style, lw=1.8, color=shade, label=label)
-        if label.startswith("uploads running"):
-            bottom.fill_between(xs, ys, step="post", alpha=0.2, color=shade)
-    limit = limits["uploads"]
-    bottom.axhline(limit, color="#c44e52", ls="--", lw=1, label=f"uploads limit ({limit})")
-    bottom.set_ylim(0, max(n for _, n in waiting + [(0, limit)]) + 1)
-    bottom.set_ylabel("tasks")
-    bottom.set_title(f"Never more than {limit} uploads at once, however many wait", loc="left",
-                     fontsize=11)
-    bottom.set_xlabel("seconds since the first task was sent")
-    bottom.legend(loc="upper right", fontsize=9)
-    bottom.grid(alpha=0.3)
+    drawn = []
+    for panel, name in zip(panels, NAMES):
+        spans = found[name]
+        # Sent: an upload when its thumbnail ends (it sends it); an API call at the start.
+        sent = thumbnails["end"] if name == "uploads" else [t0] * TOTAL[name]
+        waiting = steps(sent, [s for s, *_ in spans])
+        series = [(running(spans), "running (holding a slot)", "-", "#4c72b0"),
+                  (waiting, "waiting (sent, not started)", ":", "#dd8452")]
+        if name == "uploads":
+            series.append((steps(thumbnails["start"], thumbnails["end"]),
+                           "thumbnails running (no semaphore)", "-", "#aaaaaa"))
+        for points, label, style, shade in series:
+            xs = [0.0] + [t - t0 for t, _ in points]
+            ys = [0] + [n for _, n in points]
+            panel.step(xs, ys, where="post", ls=style, lw=1.8, color=shade, label=label)
+            if label.startswith("running"):
+                panel.fill_between(xs, ys, step="post", alpha=0.2, color=shade)
+        limit = limits[name]
+        panel.axhline(limit, color="#c44e52", ls="--", lw=1, label=f"limit ({limit})")
+        panel.set_ylim(0, max(n for _, n in waiting + [(0, limit)]) + 1)
+        panel.set_ylabel("tasks")
+        panel.set_title(f"{name}: never more than {limit} at once, however many wait",
+                        loc="left", fontsize=10)
+        drawn.append(name)
+        panel.legend(loc="upper right", fontsize=8)
+        panel.grid(alpha=0.3)
+    panels[-1].set_xlabel("seconds since the first task was sent")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
+    return drawn
 
 
 # -- main --------------------------------------------------------------------------------------
@@ -234,10 +259,12 @@ def main() -> int:
     from example_project.store import StaleToken
 
     backend = get_backend(app.conf.semaphore_backend)
-    display = Display(backend, sys.stdout.isatty())
+    display = Display(backend, declared_limits(app, tasks), sys.stdout.isatty())
     print(f"celery-semaphore demo: {WORKERS} workers x {CONCURRENCY} pool processes, "
           f"filesystem broker, SQLite semaphores; files in {var}")
-    print("slots: the worker holding each slot ([1 2 . .]: demo1 holds slot 0, demo2 slot 1)")
+    print("slots: the worker holding each slot ([1 2 . .]: demo1 holds slot 0, demo2 slot 1,\n"
+          "       '.' a free slot); running: tasks holding a slot / the limit; waiting: tasks\n"
+          "       sent that have not started; done: finished / to run")
     workers = [start_worker(n, var, env) for n in range(1, WORKERS + 1)]
     try:
         wait_ready(workers, var)
@@ -266,7 +293,7 @@ def main() -> int:
         limits = {name: backend.status(name).limit for name in NAMES}
         makespan = max(e["t"] for e in events) - t0
         png = os.path.join(var, "timeline.png")
-        plot(events, found, limits, t0, png)
+        panels = plot(events, found, limits, t0, png)
 
         cli = subprocess.run([sys.executable, "-m", "celery", "-A", "example_project.app",
                               "semaphore", "list"], cwd=ROOT, env=env, capture_output=True,
@@ -280,7 +307,12 @@ def main() -> int:
             fencing = f"the store ACCEPTED the stale token {old}"
         except StaleToken:
             fencing = f"the store rejected a late write with the stale token {old}"
-        print(f"\nfencing: {fencing}\ntimeline: {png}")
+        print("\nfencing: every lease carries a token (slot:epoch); the store refuses a write "
+              "whose token\n         is older than one it has accepted for that slot, so a "
+              "task that lost its lease\n         cannot overwrite newer work. Here "
+              f"{fencing}.")
+        print(f"timeline: {png}\n          slot occupancy, then running and waiting tasks for "
+              f"each semaphore: {', '.join(panels)}")
 
         parts, ok = [], "rejected" in fencing
         for name in NAMES:
@@ -291,6 +323,9 @@ def main() -> int:
             parts.append(f"{name} max {most}/{limits[name]} "
                          f"util {busy / (limits[name] * window):.2f} over {window:.1f}s")
             ok = ok and most <= limits[name] and len(spans) == TOTAL[name]
+        print("\nmax: most tasks that ran at once / the limit; util: the share of the "
+              "semaphore's slots\nthat were busy from its first start to its last end "
+              "(1.00: every slot, all the time)")
         print(f"summary: {', '.join(parts)}; makespan {makespan:.1f}s")
     finally:
         stop_workers(workers)

@@ -47,6 +47,20 @@ def test_demo_runs_without_servers(tmp_path):
     assert re.search(r"makespan \d+\.\d+s", summary), summary
     assert "the store rejected a late write with the stale token" in output
 
+    # The first frame shows the declared limits, before any task asked for a slot.
+    first = output.split("semaphore  slots")[1].splitlines()[1:1 + len(LIMITS)]
+    for line in first:
+        name, held = re.match(r"\s*(\S+)\s+\[[^\]]*\]\s+(\S+)", line).groups()
+        assert held == f"0/{LIMITS[name]}", first
+    assert "/-" not in output
+    # Every figure on screen is explained there.
+    assert "running: tasks holding a slot / the limit" in output
+    assert "fencing: every lease carries a token (slot:epoch)" in output
+    assert "util: the share of the semaphore's slots" in output
+    # Every semaphore got its running/waiting panel in the picture.
+    panels = next(line for line in output.splitlines() if "for each semaphore:" in line)
+    assert panels.split("for each semaphore: ")[1].split(", ") == list(LIMITS), panels
+
     png = var / "timeline.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert png.stat().st_size > 10_000
