@@ -348,8 +348,9 @@ class Gate:
         write to a child had begun runs there unseen: release once that child has moved on to
         another task or exited (``_check_orphans``)."""
         request, job = entry.request, entry.job
+        pool = getattr(self.consumer.pool, "_pool", None)  # None once the pool has stopped
         if (job is None or request.time_start is not None or not self._pool_forks()
-                or job._job in self.consumer.pool._pool._cache):
+                or pool is None or job._job in pool._cache):
             return
         child = getattr(job, "_write_to", None)
         if child is None:
@@ -788,6 +789,8 @@ class Gate:
     def _cancel_in_backend(self, pending: Pending, retry: float = RETRY_FIRST) -> None:  # I/O
         """Leave the backend's queue (and release a grant whose reply may have been lost),
         retrying like :meth:`_release` until the entry would have expired anyway."""
+        if not pending.last_attempt:  # it never reached the backend's queue
+            return
         try:
             self.backend.cancel(pending.guard.name, pending.holder)
             if pending.maybe_granted:  # a grant whose reply was lost would hold a slot
