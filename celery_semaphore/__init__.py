@@ -1,12 +1,17 @@
 """celery-semaphore: cluster-wide named counting semaphores for Celery tasks."""
 
+from typing import Any
+
+from . import autoinstall  # noqa: F401 -- connects the worker_init receiver
 from .backends.base import FencingToken, SemaphoreStatus
 from .exceptions import (
     BackendUnavailable,
+    BrokerUnavailable,
     ConfigurationError,
     InvalidLimit,
     InvalidName,
     LeaseLost,
+    NotHeld,
     SemaphoreError,
     SemaphoreTimeout,
     UnknownBackend,
@@ -14,18 +19,28 @@ from .exceptions import (
 )
 from .semaphore import Lease, Semaphore
 from .tasks import current_lease, task
-from .worker import install
+
+
+def install(app: Any) -> Any:
+    """Install celery-semaphore into ``app`` (idempotent) and return ``app``: the worker gate
+    (a consumer bootstep), ``WAITING`` ranked for Flower, eager calls guarded, and semaphore
+    options checked where tasks are defined and sent. Loads the worker machinery."""
+    from .worker import install as install_worker_side
+
+    return install_worker_side(app)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BackendUnavailable",
+    "BrokerUnavailable",
     "ConfigurationError",
     "FencingToken",
     "InvalidLimit",
     "InvalidName",
     "Lease",
     "LeaseLost",
+    "NotHeld",
     "Semaphore",
     "SemaphoreError",
     "SemaphoreStatus",

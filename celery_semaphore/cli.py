@@ -24,24 +24,17 @@ import click
 from .backends import get_backend
 from .backends.base import Backend, SemaphoreStatus
 from .exceptions import (
+    BrokerUnavailable,
     ConfigurationError,
     InvalidLimit,
     InvalidName,
+    NotHeld,
     SemaphoreError,
     UnknownSemaphore,
 )
 from .names import validate_limit, validate_name
 from .settings import Settings
 from .urls import mask_url
-
-
-class NotHeld(SemaphoreError, LookupError):
-    """``release`` named a holder (or task id) that holds no slot of the semaphore."""
-
-
-class BrokerUnavailable(SemaphoreError, ConnectionError):
-    """The broker could not be reached to ask the workers. The message masks the password."""
-
 
 # -- operations: a backend in, JSON-ready data out -----------------------------------------
 

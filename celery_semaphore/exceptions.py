@@ -35,3 +35,12 @@ class LeaseLost(SemaphoreError):
 
 class UnknownSemaphore(SemaphoreError, LookupError):
     """An administrative operation named a semaphore the backend has never seen."""
+
+
+class NotHeld(SemaphoreError, LookupError):
+    """A force-release named a holder (or task id) that holds no slot of the semaphore."""
+
+
+class BrokerUnavailable(SemaphoreError, ConnectionError):
+    """The broker could not be reached to ask the workers. The message masks the password."""
+

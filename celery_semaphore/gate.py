@@ -500,10 +500,7 @@ class Gate:
         if attempt.position != pending.position:
             pending.position = attempt.position
             self.loop.post(self._report_waiting, pending, attempt.position, attempt.limit)
-        pause = min(guard.settings.poll_interval, self.backend.waiter_ttl / 3)
-        if attempt.retry_after is not None:
-            pause = min(pause, attempt.retry_after + 0.001)
-        self._schedule(pending, pause)
+        self._schedule(pending, self.backend.pause_after(attempt, guard.settings.poll_interval))
 
     def _schedule(self, pending: Pending, delay: float) -> None:  # I/O thread
         pending.generation += 1
@@ -792,9 +789,10 @@ class Gate:
         if not pending.last_attempt:  # it never reached the backend's queue
             return
         try:
-            self.backend.cancel(pending.guard.name, pending.holder)
             if pending.maybe_granted:  # a grant whose reply was lost would hold a slot
-                self.backend.release(pending.guard.name, pending.holder)
+                self.backend.abandon(pending.guard.name, pending.holder)
+            else:
+                self.backend.cancel(pending.guard.name, pending.holder)
         except Exception as exc:
             expires = (pending.guard.settings.lease_ttl if pending.maybe_granted
                        else self.backend.waiter_ttl)

@@ -245,10 +245,7 @@ class Semaphore:
                 if attempt.grant is not None:
                     granted = True
                     return self._lease(holder, attempt.grant, requested_at, meta, attempt.limit)
-                # Re-try at least every third of waiter_ttl: each try keeps our place in line.
-                pause = min(self.poll_interval, self.backend.waiter_ttl / 3)
-                if attempt.retry_after is not None:
-                    pause = min(pause, attempt.retry_after + 0.001)
+                pause = self.backend.pause_after(attempt, self.poll_interval)
                 if deadline is not None:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
@@ -265,8 +262,7 @@ class Semaphore:
     def _abandon(self, holder: str) -> None:
         """Leave the queue; also release, in case a grant was lost with its reply."""
         try:
-            self.backend.cancel(self.name, holder)
-            self.backend.release(self.name, holder)
+            self.backend.abandon(self.name, holder)
         except Exception:  # the queue entry expires by itself after waiter_ttl
             pass
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Dict, Optional
+from typing import Any, Optional
 
 from celery import bootsteps, signals
 from celery import states as celery_states
@@ -12,6 +12,7 @@ from celery.exceptions import ImproperlyConfigured
 from celery.worker.control import inspect_command
 
 from . import states
+from .autoinstall import INSTALLED, guarded_tasks
 from .backends import get_backend
 from .backends.base import Backend
 from .eager import (
@@ -26,8 +27,6 @@ from .settings import Settings, lookup
 from .tasks import LEASE_KEY, check_definitions_and_sends, check_options
 
 logger = logging.getLogger(__name__)
-
-_INSTALLED = "_celery_semaphore_installed"
 
 
 class SemaphoreStep(bootsteps.StartStopStep):
@@ -92,12 +91,6 @@ def _check_lease_ttl(key: str, ttl: float, backend: Backend) -> None:
                                  f"idle_ttl ({backend.idle_ttl:g}s)")
 
 
-def guarded_tasks(app: Any) -> Dict[str, Any]:
-    """Task name -> its task class, for every task that declares a semaphore."""
-    return {name: task for name, task in sorted(app.tasks.items())
-            if getattr(task, "semaphore", None) is not None}
-
-
 def describe_guarded(app: Any) -> str:
     """``name (semaphore 'x', limit 4)`` for each guarded task, comma-separated."""
     settings = Settings.from_app(app)
@@ -109,24 +102,6 @@ def describe_guarded(app: Any) -> str:
         kind = "template" if "{" in template else "semaphore"
         parts.append(f"{name} ({kind} {template!r}, limit {limit})")
     return ", ".join(parts)
-
-
-def _install_for_worker(sender: Any = None, **kwargs: Any) -> None:
-    """``worker_init``: a worker whose app declares guarded tasks but never called
-    :func:`install` installs the gate now, before the consumer's steps are built, so that a
-    task with ``semaphore=`` never runs unguarded. Connected when this package is imported,
-    which every ``celery`` command does through the ``celery.commands`` entry point."""
-    app = getattr(sender, "app", None)
-    if app is None or getattr(app, _INSTALLED, False) or not guarded_tasks(app):
-        return
-    install(app)
-    logger.warning("celery-semaphore: the app declares guarded tasks but did not call "
-                   "celery_semaphore.install(app); installed it for this worker (call it "
-                   "in your app module so that eager calls and sends are checked too)")
-
-
-signals.worker_init.connect(_install_for_worker, weak=False,
-                            dispatch_uid="celery_semaphore_auto_install")
 
 
 @inspect_command(alias="semaphores")
@@ -144,7 +119,7 @@ def install(app: Any) -> Any:
     Adds the consumer step (the gate) and makes ``WAITING`` rank between ``RECEIVED`` and
     ``STARTED`` for Celery's event state (Flower).
     """
-    if getattr(app, _INSTALLED, False):
+    if getattr(app, INSTALLED, False):
         return app
     states.register_precedence()
     app.steps["consumer"].add(SemaphoreStep)
@@ -156,7 +131,7 @@ def install(app: Any) -> Any:
                                 dispatch_uid="celery_semaphore_started")
     signals.before_task_publish.connect(_strip_gate_headers, weak=False,
                                         dispatch_uid="celery_semaphore_publish")
-    setattr(app, _INSTALLED, True)
+    setattr(app, INSTALLED, True)
     return app
 
 

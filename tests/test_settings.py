@@ -1,5 +1,7 @@
 """Settings validation, task options and name templates (no server needed)."""
 
+import os
+
 import pytest
 from celery import Celery
 
@@ -337,3 +339,16 @@ def test_every_install_hint_names_an_extra_that_exists():
     needs_client = {s for s in _BUILTIN if s not in ("sqlite", "memory")}
     assert set(EXTRAS) == needs_client
     assert set(EXTRAS.values()) <= extras, extras
+
+
+def test_the_client_api_loads_no_worker_machinery():
+    import subprocess
+    import sys
+
+    code = ("import sys; from celery_semaphore import Semaphore, current_lease, task; "
+            "print([m for m in ('celery.concurrency.prefork', 'billiard.pool', "
+            "'celery_semaphore.gate', 'celery_semaphore.worker', 'celery_semaphore.keeper') "
+            "if m in sys.modules])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert done.stdout.strip() == "[]", done.stdout + done.stderr

@@ -172,9 +172,6 @@ class Backend(abc.ABC):
     endpoint (``client_id``); :meth:`watch` routes wake-ups for one waiter to a callback.
     """
 
-    #: URL schemes this backend serves, for the registry's error messages.
-    schemes: Tuple[str, ...] = ()
-
     def __init__(
         self,
         url: str,
@@ -206,6 +203,21 @@ class Backend(abc.ABC):
         """In a forked child: a wake-up identity of its own, no inherited waiters. Subclasses
         extend it to drop the parent's listener and connections."""
         self._new_identity()
+
+    def pause_after(self, attempt: Attempt, poll_interval: float) -> float:
+        """Seconds a waiter should wait for a wake-up before it tries ``acquire`` again: the
+        poll interval, at most a third of ``waiter_ttl`` (each try keeps its place in line),
+        and no later than just after the earliest holder's lease can expire."""
+        pause = min(poll_interval, self.waiter_ttl / 3)
+        if attempt.retry_after is not None:
+            pause = min(pause, attempt.retry_after + 0.001)
+        return pause
+
+    def abandon(self, name: str, holder: str) -> None:
+        """Leave the waiter queue of ``name`` for good, and release in case a grant was made
+        whose reply was lost. Raises what the backend raises."""
+        self.cancel(name, holder)
+        self.release(name, holder)
 
     # -- operations every backend implements ---------------------------------------------
 

@@ -337,7 +337,6 @@ def _encode(box: _Box) -> Dict[str, Any]:
 class ConsulBackend(ModelBackend):
     """Semaphores in Consul KV with sessions, per the Consul semaphore guide (module docs)."""
 
-    schemes = ("consul", "consuls")
 
     def __init__(
         self,
@@ -528,9 +527,6 @@ class ConsulBackend(ModelBackend):
             self._destroy(old)
 
     def _sweep_spares(self) -> None:  # a Timer thread of its own
-        self._sweep_spares_now()
-
-    def _sweep_spares_now(self) -> None:
         cutoff = time.monotonic() - self.spare_keep
         with self._sessions_lock:
             self._sweeper = None

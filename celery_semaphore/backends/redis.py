@@ -108,7 +108,6 @@ class RedisBackend(Backend):
     returns False, though).
     """
 
-    schemes = ("redis", "rediss", "redis+socket")
 
     def __init__(
         self,
