@@ -17,8 +17,9 @@ from .exceptions import (
     UnknownBackend,
     UnknownSemaphore,
 )
+from .guards import task
 from .semaphore import Lease, Semaphore
-from .tasks import current_lease, task
+from .task_lease import current_lease
 
 
 def install(app: Any) -> Any:

@@ -19,9 +19,10 @@ from __future__ import annotations
 import weakref
 from typing import Any, Tuple
 
+from .guards import Guards
 from .semaphore import Semaphore
 from .settings import Settings
-from .tasks import LEASE_KEY, Guards
+from .task_lease import LEASE_KEY, LeaseRecord
 
 _guards: "weakref.WeakKeyDictionary[Any, Tuple[Guards, str]]" = weakref.WeakKeyDictionary()
 _LEASE_ATTR = "_celery_semaphore_lease"
@@ -74,11 +75,9 @@ def acquire_for_eager(task: Any) -> None:
     lease = semaphore.acquire(timeout=settings.max_wait, meta={"task_id": request.id,
                                                               "task": task.name})
     setattr(request, _LEASE_ATTR, lease)
-    setattr(request, LEASE_KEY, {
-        "name": lease.name, "limit": lease.limit, "holder": lease.holder,
-        "slot": lease.token.slot, "epoch": lease.token.epoch, "ttl": lease.ttl,
-        "backend": url, "key_prefix": settings.key_prefix,
-    })
+    setattr(request, LEASE_KEY, LeaseRecord(
+        lease.name, lease.limit, lease.holder, lease.token.slot, lease.token.epoch, lease.ttl,
+        url, settings.key_prefix).to_header())
 
 
 def release_for_eager(task: Any) -> None:

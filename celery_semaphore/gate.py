@@ -51,11 +51,12 @@ from . import internals
 from .backends import close_all
 from .backends.base import Backend, Grant, new_holder_id
 from .exceptions import ConfigurationError, SemaphoreError, SemaphoreTimeout
+from .guards import Guard, Guards
 from .keeper import default_keeper
 from .semaphore import Lease
 from .settings import Settings
 from .states import WAITING, WAITING_EVENT
-from .tasks import LEASE_KEY, Guard, Guards
+from .task_lease import LEASE_KEY, LeaseRecord
 
 logger = logging.getLogger(__name__)
 
@@ -546,23 +547,22 @@ class Gate:
             return
         if self._free_processes() <= 0:
             # The pool filled up meanwhile: never sit on a slot waiting for a process.
-            self.io.call(self._give_back, pending, lease)
+            self.io.call(self._release_unused_grant, pending, lease)
             return
         self._drop(pending)
         entry = self.held[pending.holder] = Held(request, lease, guard)
         request.semaphore_held = entry
-        request.request_dict[LEASE_KEY] = {
-            "name": guard.name, "limit": limit, "holder": pending.holder,
-            "slot": grant.slot, "epoch": grant.epoch, "ttl": grant.ttl,
-            "backend": self.backend.url, "key_prefix": self.backend.key_prefix,
-            "waited": pending.attempts > 0,  # WAITING was stored: the task stores STARTED
-        }
+        request.request_dict[LEASE_KEY] = LeaseRecord(
+            guard.name, limit, pending.holder, grant.slot, grant.epoch, grant.ttl,
+            self.backend.url, self.backend.key_prefix,
+            waited=pending.attempts > 0,  # WAITING was stored: the task stores STARTED
+        ).to_header()
         lease.on_lost(lambda lost: self.loop.post(self._lease_lost, entry))
         default_keeper.add(lease)
         self._track(request)
         self.handoffs.append(request)
 
-    def _give_back(self, pending: Pending, lease: Lease) -> None:  # I/O thread
+    def _release_unused_grant(self, pending: Pending, lease: Lease) -> None:  # I/O thread
         """Release a grant the pool had no process for, then put the request back in line.
 
         ``pending.granted`` stays set until the release is done: an attempt made before it (a
@@ -772,11 +772,11 @@ class Gate:
         except Exception as exc:
             logger.warning("celery-semaphore: requeue of %s failed, rejecting for redelivery: %s",
                            request.id, exc)
-            self.loop.post(self._settle, request, False)
+            self.loop.post(self._settle_requeued, request, False)
             return
-        self.loop.post(self._settle, request, True)
+        self.loop.post(self._settle_requeued, request, True)
 
-    def _settle(self, request: Any, republished: bool) -> None:
+    def _settle_requeued(self, request: Any, republished: bool) -> None:
         if republished:
             request.acknowledge()
         else:

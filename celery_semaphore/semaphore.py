@@ -23,7 +23,6 @@ from .names import validate_limit, validate_name, validate_ttl
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BACKEND = "redis://localhost:6379/0"
 DEFAULT_TTL = 60.0
 DEFAULT_POLL_INTERVAL = 1.0
 
@@ -175,17 +174,37 @@ class Lease:
 class Semaphore:
     """A named counting semaphore shared by every process that uses the same backend.
 
-    ``limit`` is the limit this caller declares: it creates the semaphore when the backend has
-    never seen the name; afterwards the stored limit rules (change it with :meth:`resize`).
-    Waiters are admitted in FIFO order, woken by the backend's notification, with a poll every
-    ``poll_interval`` seconds as the fallback for a lost notification or an expired lease.
+    Guarantee: while every lease is valid, at most ``limit`` are held (see the module
+    docstring for what happens past a lease's deadline). Waiters are admitted in FIFO order,
+    woken by the backend's notification, with a poll every ``poll_interval`` seconds as the
+    fallback for a lost notification or an expired lease.
+
+    :param name: the semaphore's name: at most 200 UTF-8 bytes, printable, without whitespace
+        or any of ``{}[]*?\\/``.
+    :param limit: the limit this caller declares (1 to 100,000; 1 by default, as the
+        ``semaphore_default_limit`` setting). It creates the semaphore when the backend has
+        never seen the name; afterwards the stored limit rules (change it with
+        :meth:`resize`, or ``celery semaphore resize``).
+    :param backend: where the semaphore lives: a URL (``redis://host:6379/0``,
+        ``amqp://...``, ``consul://host:8500``, ``sqlite:////path.db`` for one host) or a
+        :class:`Backend`. Required: there is no broker here to follow, and a guessed default
+        could give each host its own limit.
+    :param ttl: lease length in seconds (at least ``MIN_LEASE_TTL``, 0.1 s; 60 by default);
+        a lease not renewed in time expires and frees its slot.
+    :param poll_interval: seconds between a waiter's tries when no wake-up comes.
+    :param meta: JSON-able data shown to operators with each lease (``status``).
+    :param auto_renew: renew every lease in the background every third of its TTL and call
+        its ``on_lost`` callbacks when a renewal finds it gone.
+    :param options: passed to the backend (``key_prefix``, ``waiter_ttl``, ``idle_ttl``, and
+        each backend's own, e.g. Redis's ``socket_timeout``).
+    :raises ConfigurationError: for any invalid argument, before anything is sent.
     """
 
     def __init__(
         self,
         name: str,
-        limit: int = 4,
-        backend: Union[str, Backend] = DEFAULT_BACKEND,
+        limit: int = 1,
+        backend: Union[str, Backend, None] = None,
         *,
         ttl: float = DEFAULT_TTL,
         poll_interval: float = DEFAULT_POLL_INTERVAL,
@@ -199,6 +218,10 @@ class Semaphore:
         self.poll_interval = _positive_seconds(poll_interval, "poll_interval")
         self.meta = dict(meta or {})
         self.auto_renew = auto_renew
+        if backend is None:
+            raise ConfigurationError(
+                "Semaphore needs a backend: a URL such as redis://host:6379/0, or "
+                "sqlite:////path/to/file.db for processes on one host")
         self.backend = get_backend(backend, **options)
         if self.ttl > self.backend.max_lease_ttl:  # the state would expire under it
             raise ConfigurationError(

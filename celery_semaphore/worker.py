@@ -23,8 +23,9 @@ from .eager import (
 )
 from .exceptions import ConfigurationError
 from .gate import GATE_HEADERS, Gate
+from .guards import check_definitions_and_sends, check_options
 from .settings import Settings, lookup
-from .tasks import LEASE_KEY, check_definitions_and_sends, check_options
+from .task_lease import lease_record
 
 logger = logging.getLogger(__name__)
 
@@ -147,8 +148,8 @@ def _store_started(sender: Any = None, task: Any = None, task_id: str = "",
     ``STARTED`` (Celery does that itself only with ``task_track_started``), so that
     ``AsyncResult.state`` does not say WAITING for the whole run."""
     request = getattr(task, "request", None)
-    lease = getattr(request, LEASE_KEY, None) if request is not None else None
-    if (not lease or not lease.get("waited") or request.is_eager or task.track_started
+    lease = lease_record(request)
+    if (lease is None or not lease.waited or request.is_eager or task.track_started
             or task.ignore_result):
         return
     try:

@@ -114,8 +114,8 @@ def running(spans: list) -> list:
 def declared_limits(app, tasks) -> dict:
     """The limit each semaphore of the demo is declared with, as the gate resolves it
     (``semaphore_limits`` first, then the task's ``limit``): shown until a task first asks."""
+    from celery_semaphore.guards import Guards
     from celery_semaphore.settings import Settings
-    from celery_semaphore.tasks import Guards
 
     guards = Guards(Settings.from_app(app))
     calls = [(tasks.upload_thumbnail, (0, b""))] + [

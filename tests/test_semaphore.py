@@ -128,3 +128,9 @@ def test_invisible_characters_are_refused_in_names(name):
         validate_name(name)
     assert "invisible" in str(err.value)
 
+
+
+def test_a_semaphore_needs_a_backend_and_declares_limit_1_by_default():
+    with pytest.raises(ConfigurationError, match="needs a backend"):
+        Semaphore("nowhere")
+    assert Semaphore("default", backend="memory://default").limit == 1  # as the settings

@@ -7,8 +7,8 @@ from celery import Celery
 
 from celery_semaphore import ConfigurationError, InvalidName, Semaphore, install, task
 from celery_semaphore.backends import get_backend
+from celery_semaphore.guards import Guards
 from celery_semaphore.settings import Settings
-from celery_semaphore.tasks import Guards
 from celery_semaphore.urls import mask_url
 
 MALFORMED_URLS = [
@@ -276,7 +276,7 @@ def test_a_retry_does_not_carry_the_gates_headers():
     """self.retry() copies the request's custom headers into the new message: the lease (with
     the backend URL and its password) and the requeue bookkeeping must stay out of it."""
     from celery_semaphore.gate import FIRST_WAIT_HEADER, REQUEUES_HEADER
-    from celery_semaphore.tasks import LEASE_KEY
+    from celery_semaphore.task_lease import LEASE_KEY
 
     app = make_app(task_default_queue="retry-headers")
     install(app)

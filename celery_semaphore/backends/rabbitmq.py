@@ -561,8 +561,8 @@ class RabbitBackend(ModelBackend):
         return True
 
     def _take(self, queue_name: str) -> Optional[amqp.Message]:
-        """The registry message of ``queue_name``, held until :meth:`_put` or :meth:`_give_back`;
-        None when the queue does not exist."""
+        """The registry message of ``queue_name``, held until :meth:`_put` or
+        :meth:`_return_registry`; None when the queue does not exist."""
         if not self._exists(queue_name):
             return None
         channel = self._channel("tx")
@@ -592,7 +592,7 @@ class RabbitBackend(ModelBackend):
                 # CancelOk, instead of in a callback nobody reads (prefetch 1: at most one).
                 channel.basic_cancel(tag)
             if got and sys.exc_info()[0] is not None:
-                self._give_back(got.pop())
+                self._return_registry(got.pop())
         return got[0] if got else None
 
     def _put(self, message: amqp.Message, queue_name: str, body: str) -> None:
@@ -604,7 +604,7 @@ class RabbitBackend(ModelBackend):
         channel.basic_ack(message.delivery_tag)
         channel.tx_commit()
 
-    def _give_back(self, message: amqp.Message) -> None:
+    def _return_registry(self, message: amqp.Message) -> None:
         channel = self._channel("tx")
         channel.basic_reject(message.delivery_tag, requeue=True)
         channel.tx_commit()
@@ -680,14 +680,15 @@ class RabbitBackend(ModelBackend):
                     continue  # another client created it first: decide again on its state
                 self._update_document(self.names_queue, functools.partial(_add, name), [])
             else:
-                result = self._settle(message, queue_name, name, box, op, state, old_limit)
+                result = self._commit_registry(message, queue_name, name, box, op, state,
+                                               old_limit)
             for client, holder in wakeups(before, box.state):
                 self._send_wakeup(client, name, holder)
             return result
         raise BackendUnavailable(f"semaphore {name!r}: the registry kept changing under us")
 
-    def _settle(self, message: amqp.Message, queue_name: str, name: str, box: Box,
-                op: Callable[[Box], Any], state: State, old_limit: int) -> Any:
+    def _commit_registry(self, message: amqp.Message, queue_name: str, name: str, box: Box,
+                         op: Callable[[Box], Any], state: State, old_limit: int) -> Any:
         """Apply ``op`` to the registry state held in ``message`` and store the outcome. Any
         failure before the store gives the message back: the registry is never left held
         by a live connection that will not touch it again."""
@@ -703,14 +704,14 @@ class RabbitBackend(ModelBackend):
             body = box.state.dumps()
             settled = True
             if body == _text(message.body):
-                self._give_back(message)
+                self._return_registry(message)
             else:
                 self._put(message, queue_name, body)
             return result
         except BaseException:
             if not settled and self.link.conn is not None:
                 try:
-                    self._give_back(message)
+                    self._return_registry(message)
                 except CONNECTION_ERRORS + (amqp_errors.ChannelError,):
                     pass  # the broker requeues what a closed channel or connection held
             raise
@@ -728,7 +729,7 @@ class RabbitBackend(ModelBackend):
             message = self._take(self.names_queue)
             if message is None:
                 return []
-            self._give_back(message)
+            self._return_registry(message)
             return list(json.loads(_text(message.body)))
 
         return self.link.call(read)

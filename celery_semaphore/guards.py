@@ -1,4 +1,4 @@
-"""Task-side API: the ``task`` decorator, which semaphore guards a request, ``current_lease()``.
+"""Which semaphore guards a task: the ``task`` decorator, option checks, guard resolution.
 
 Task options (extra ``@app.task`` options become task class attributes):
 
@@ -22,16 +22,12 @@ import inspect
 from dataclasses import dataclass, fields
 from typing import Any, Dict, Optional
 
-from celery import current_task, shared_task
+from celery import shared_task
 
-from .backends import get_backend
-from .backends.base import FencingToken
-from .exceptions import ConfigurationError, LeaseLost
+from .exceptions import ConfigurationError
 from .names import validate_limit, validate_name, validate_template
 from .settings import Settings
 from .settings import validate as validate_setting
-
-LEASE_KEY = "semaphore_lease"
 
 
 @dataclass(frozen=True)
@@ -184,36 +180,3 @@ class Guards:
                 f"task {task.name}: cannot fill semaphore template {template!r} from the "
                 f"call's arguments: {type(exc).__name__}: {exc}"
             ) from None
-
-
-class TaskLease:
-    """The slot the running task holds, as seen from inside the task body."""
-
-    def __init__(self, info: Dict[str, Any]) -> None:
-        self.name: str = info["name"]
-        self.limit: Optional[int] = info.get("limit")
-        self.holder: str = info["holder"]
-        self.token = FencingToken(info["slot"], info["epoch"])
-        self.ttl: float = info["ttl"]
-        self._backend_url: str = info["backend"]
-        self._key_prefix: str = info["key_prefix"]
-
-    def verify(self) -> bool:
-        """Ask the backend (one round trip) whether the slot is still held."""
-        backend = get_backend(self._backend_url, key_prefix=self._key_prefix)
-        return backend.verify(self.name, self.holder)
-
-    def ensure(self) -> None:
-        """Raise LeaseLost unless the slot is still held: call before a protected action."""
-        if not self.verify():
-            raise LeaseLost(f"the slot of semaphore {self.name!r} (token {self.token}) is lost")
-
-    def __repr__(self) -> str:
-        return f"<TaskLease {self.name!r} token={self.token} limit={self.limit}>"
-
-
-def current_lease() -> Optional[TaskLease]:
-    """The lease of the task running in this process, or None outside a guarded task."""
-    request = getattr(current_task, "request", None)
-    info = getattr(request, LEASE_KEY, None) if request is not None else None
-    return TaskLease(info) if info else None

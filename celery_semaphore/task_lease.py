@@ -1,0 +1,85 @@
+"""The lease a running task holds: one record, written by the worker into the request's
+headers when it grants the slot, read back inside the task by :func:`current_lease`."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, Optional
+
+from celery import current_task
+
+from .backends import get_backend
+from .backends.base import FencingToken
+from .exceptions import LeaseLost
+
+#: The request header that carries the :class:`LeaseRecord`.
+LEASE_KEY = "semaphore_lease"
+
+
+@dataclass(frozen=True)
+class LeaseRecord:
+    """What a task needs to know of its lease: the semaphore, the holder id the backend
+    knows it by, the fencing token, and where the backend is (``backend`` is the URL with
+    its password: the record never leaves the worker's own messages, see
+    ``worker._strip_gate_headers``). ``waited``: the task had to wait, so WAITING was stored
+    for it and it stores STARTED when it runs."""
+
+    name: str
+    limit: Optional[int]
+    holder: str
+    slot: int
+    epoch: int
+    ttl: float
+    backend: str
+    key_prefix: str
+    waited: bool = False
+
+    def to_header(self) -> Dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_header(cls, header: Dict[str, Any]) -> "LeaseRecord":
+        return cls(**{key: header.get(key) for key in cls.__dataclass_fields__
+                      if key in header})
+
+    @property
+    def token(self) -> FencingToken:
+        return FencingToken(self.slot, self.epoch)
+
+
+def lease_record(request: Any) -> Optional[LeaseRecord]:
+    """The lease record of a task request (or its context), None for an unguarded one."""
+    header = getattr(request, LEASE_KEY, None) if request is not None else None
+    return LeaseRecord.from_header(header) if header else None
+
+
+class TaskLease:
+    """The slot the running task holds, as seen from inside the task body: ``name``,
+    ``limit``, ``holder``, ``token`` (the fencing token), ``ttl``."""
+
+    def __init__(self, record: LeaseRecord) -> None:
+        self.name = record.name
+        self.limit = record.limit
+        self.holder = record.holder
+        self.token = record.token
+        self.ttl = record.ttl
+        self._record = record
+
+    def verify(self) -> bool:
+        """Ask the backend (one round trip) whether the slot is still held."""
+        backend = get_backend(self._record.backend, key_prefix=self._record.key_prefix)
+        return backend.verify(self.name, self.holder)
+
+    def ensure(self) -> None:
+        """Raise LeaseLost unless the slot is still held: call before a protected action."""
+        if not self.verify():
+            raise LeaseLost(f"the slot of semaphore {self.name!r} (token {self.token}) is lost")
+
+    def __repr__(self) -> str:
+        return f"<TaskLease {self.name!r} token={self.token} limit={self.limit}>"
+
+
+def current_lease() -> Optional[TaskLease]:
+    """The lease of the task running in this process, or None outside a guarded task."""
+    record = lease_record(getattr(current_task, "request", None))
+    return TaskLease(record) if record else None
