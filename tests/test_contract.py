@@ -14,7 +14,6 @@ import time
 import pytest
 
 from celery_semaphore import (
-    ConfigurationError,
     InvalidLimit,
     InvalidName,
     Semaphore,
@@ -153,7 +152,11 @@ def test_contention_storm_never_exceeds_limit(spec):
         r.start()
     for r in runners:
         r.join(120)
+    assert not any(r.is_alive() for r in runners), "contenders still running after 120 s"
+    if spec.multiprocess:
+        assert [r.exitcode for r in runners] == [0] * workers
     assert errors.value == 0
+    assert probe.current.value == 0
     assert probe.highest.value == limit  # reached, never exceeded
     status = spec.semaphore("storm", limit).status()
     assert status.held == 0 and status.waiting == 0
@@ -403,10 +406,14 @@ def test_reset_and_names(spec):
 # -- bad input ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["", "x" * 201, "has space", "a{b}", "tab\t", "a/b", "ü" * 101, 7])
-def test_bad_names_are_refused(spec, name):
-    with pytest.raises(InvalidName):
-        spec.semaphore(name, 1)
+def test_a_bad_name_changes_nothing(spec):
+    """Names are checked before any backend call (the cases are unit tests in
+    test_settings.py); here: a refused name leaves the backend as it was."""
+    before = sorted(spec.backend().names())
+    for name in ("has space", "a{b}", "a\u200bb"):
+        with pytest.raises(InvalidName):
+            spec.semaphore(name, 1)
+    assert sorted(spec.backend().names()) == before
 
 
 @pytest.mark.parametrize("limit", [0, -1, True, "3", 1.5, None, 100_001, 10**26])
@@ -419,12 +426,6 @@ def test_bad_limits_are_refused_and_change_nothing(spec, limit):
     assert spec.backend().status("limits") is None
 
 
-@pytest.mark.parametrize("option", [{"ttl": 0}, {"ttl": -1}, {"poll_interval": "1"}])
-def test_bad_options_are_refused(spec, option):
-    with pytest.raises(ConfigurationError):
-        spec.semaphore("opts", 1, **option)
-
-
 def test_unknown_scheme_lists_known_ones():
     with pytest.raises(UnknownBackend) as err:
         Semaphore("x", 1, "nosuch://host/")
@@ -432,8 +433,8 @@ def test_unknown_scheme_lists_known_ones():
         assert scheme in str(err.value)
 
 
-def test_meta_must_be_json():
-    sem = Semaphore("meta", 1, "memory://meta")
+def test_meta_must_be_json(spec):
+    sem = spec.semaphore("meta", 1)
     with pytest.raises(TypeError):
         sem.acquire(meta={"x": object()})
-    assert sem.status().held == 0
+    assert sem.status().held == 0 and sem.status().waiting == 0

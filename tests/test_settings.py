@@ -352,3 +352,17 @@ def test_the_client_api_loads_no_worker_machinery():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("name", ["", "x" * 201, "has space", "a{b}", "tab\t", "a/b", "ü" * 101, 7,
+                                  "a\u200bb"])
+def test_bad_names_are_refused(name):
+    with pytest.raises(InvalidName):
+        Semaphore(name, 1, "memory://names")
+
+
+@pytest.mark.parametrize("option", [{"ttl": 0}, {"ttl": -1}, {"poll_interval": "1"}])
+def test_bad_semaphore_options_are_refused(option):
+    with pytest.raises(ConfigurationError):
+        Semaphore("opts", 1, "memory://opts", **option)
+

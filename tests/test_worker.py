@@ -102,7 +102,7 @@ def test_unguarded_tasks_flow_while_guarded_ones_wait(cluster):
     first = slow.delay("x0", 30)
     assert wait_until(lambda: cluster.started("slow:x0"))
     waiting = [slow.delay(f"b{i}", 0.05) for i in range(1, 13)]
-    time.sleep(0.5)
+    assert wait_until(lambda: cluster.backend.status("slow").waiting >= 1)
     started = time.monotonic()
     free = [unguarded.delay(f"b{i}") for i in range(24)]
     for result in free:
@@ -140,7 +140,7 @@ def test_sigkilled_pool_child_frees_its_slot_at_once(cluster):
     slow.delay("c0", 30)
     assert wait_until(lambda: cluster.started("slow:c0"))
     nxt = slow.delay("c1", 0.05)
-    time.sleep(0.3)
+    assert wait_until(lambda: cluster.backend.status("slow").waiting == 1)  # queued, not run
     assert not cluster.started("slow:c1")
     (pid,) = [e[3] for e in cluster.probe.events() if e[1] == "slow:c0"]
     killed_at = time.monotonic()
