@@ -16,6 +16,25 @@ from tests.util import wait_until
 pytestmark = pytest.mark.slow
 
 
+class PersistentRedis:
+    """A private redis-server with an fsynced AOF in ``workdir``, to kill and restart on the
+    same port with its data."""
+
+    def __init__(self, workdir):
+        workdir.mkdir()
+        self.workdir, self.port = str(workdir), servers.free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.start()
+
+    def start(self):
+        self.proc, _ = servers.start_redis(self.port, self.workdir, "--appendonly", "yes",
+                                           "--appendfsync", "always")
+
+    def kill(self):
+        self.proc.kill()
+        self.proc.wait(10)
+
+
 POISON = [
     # (task, args, headers, what the error says)
     ("subscript", (None, "p1"), None, "sub:{p[c]}"),
@@ -65,13 +84,8 @@ def test_a_release_that_fails_in_a_backend_outage_is_retried(redis_url, tmp_path
     """A task ends while its persistent backend (Redis with an fsynced AOF) is down for ~2 s:
     the release is retried, so the next guarded task starts within seconds of the backend's
     return, not after the 60 s lease TTL (before: the release was logged and dropped)."""
-    port = servers.free_port()
-    workdir = tmp_path / "backend"
-    workdir.mkdir()
-    persist = ("--appendonly", "yes", "--appendfsync", "always")
-    proc, _ = servers.start_redis(port, str(workdir), *persist)
-    backend = f"redis://127.0.0.1:{port}/0"
-    cluster = Cluster(str(tmp_path), redis_url, servers.redis_broker(redis_url), backend,
+    backend = PersistentRedis(tmp_path / "backend")
+    cluster = Cluster(str(tmp_path), redis_url, servers.redis_broker(redis_url), backend.url,
                       workers=1)
     try:
         slow = cluster.task("slow")
@@ -79,11 +93,10 @@ def test_a_release_that_fails_in_a_backend_outage_is_retried(redis_url, tmp_path
         assert wait_until(lambda: cluster.started("slow:o1"))
         second = slow.delay("o2", 0.01)
         assert wait_until(lambda: cluster.backend.status("slow").waiting == 1)
-        proc.kill()  # the body ends during the outage; its release fails
-        proc.wait(10)
+        backend.kill()  # the body ends during the outage; its release fails
         assert first.get(timeout=10) == "o1"
         assert wait_until(lambda: "releasing" in cluster.workers[0].output(), timeout=5)
-        proc, _ = servers.start_redis(port, str(workdir), *persist)
+        backend.start()
         back_at = time.monotonic_ns()
         assert second.get(timeout=20) == "o2"
         started = cluster.probe.intervals()["slow:o2"][0][0]
@@ -91,8 +104,33 @@ def test_a_release_that_fails_in_a_backend_outage_is_retried(redis_url, tmp_path
         assert cluster.probe.max_concurrent("slow:") == 1
     finally:
         cluster.stop()
-        proc.kill()
-        proc.wait(10)
+        backend.kill()
+
+
+def one_running_five_waiting(cluster, key):
+    """One slow task holds the slot, five wait in the worker's gate; every message has been
+    delivered (kombu's Redis transport loses one it has popped but not yet recorded as
+    unacked when the server dies: the transport's own window, not the gate's)."""
+    slow = cluster.task("slow")
+    results = [slow.delay(f"{key}0", 1.0)]
+    assert wait_until(lambda: cluster.started(f"slow:{key}0"))
+    results += [slow.delay(f"{key}{i}", 0.05) for i in range(1, 6)]
+    worker = cluster.workers[0]
+    assert wait_until(lambda: worker.output().count(" received") == 6, timeout=10)
+    return worker, results
+
+
+def all_ran_once_quietly(cluster, worker, results, key):
+    """Every task ran once, one at a time; the worker lives and said it once, at INFO."""
+    assert [r.get(timeout=60) for r in results] == [f"{key}{i}" for i in range(6)]
+    assert worker.proc.poll() is None, worker.output()[-3000:]
+    output = worker.output()
+    assert "Couldn't reject" not in output and "CRITICAL" not in output, output[-3000:]
+    assert output.count("closed with 5 tasks waiting for a slot") == 1
+    assert cluster.probe.max_concurrent(f"slow:{key}") == 1
+    assert all(n == 1 for k, n in cluster.probe.completed(f"slow:{key}").items()
+               if k != f"slow:{key}0")
+    return output
 
 
 def test_a_redis_broker_outage_loses_no_worker_and_no_task(redis_url, tmp_path):
@@ -100,40 +138,20 @@ def test_a_redis_broker_outage_loses_no_worker_and_no_task(redis_url, tmp_path):
     requests unacknowledged, and restarted: the worker survives (kombu 5.7's restore of
     unacked messages raised AttributeError and the worker exited), says so once instead of
     a CRITICAL traceback per waiting request, and every task runs, one at a time."""
-    port = servers.free_port()
-    workdir = tmp_path / "broker"
-    workdir.mkdir()
-    persist = ("--appendonly", "yes", "--appendfsync", "always")
-    proc, _ = servers.start_redis(port, str(workdir), *persist)
-    broker = f"redis://127.0.0.1:{port}/0"
-    cluster = Cluster(str(tmp_path), redis_url, broker, redis_url, workers=1)
+    broker = PersistentRedis(tmp_path / "broker")
+    cluster = Cluster(str(tmp_path), redis_url, broker.url, redis_url, workers=1)
     try:
-        slow = cluster.task("slow")
-        running = slow.delay("r0", 1.0)
-        assert wait_until(lambda: cluster.started("slow:r0"))
-        waiting = [slow.delay(f"r{i}", 0.05) for i in range(1, 6)]
-        worker = cluster.workers[0]
-        # Every message delivered: kombu loses one that is between BRPOP and its unacked
-        # record when the server dies (the transport's own window, not the gate's).
-        assert wait_until(lambda: worker.output().count(" received") == 6, timeout=10)
-        proc.kill()
-        proc.wait(10)
+        worker, results = one_running_five_waiting(cluster, "r")
+        broker.kill()
         assert wait_until(lambda: "Cannot connect to redis" in worker.output()
                           or "re-establish" in worker.output(), timeout=10)
         time.sleep(2)  # an outage, not a blip: the worker retries its connection meanwhile
-        proc, _ = servers.start_redis(port, str(workdir), *persist)
-        results = [r.get(timeout=60) for r in [running] + waiting]
-        assert results == [f"r{i}" for i in range(6)]
-        assert worker.proc.poll() is None, worker.output()[-3000:]
-        output = worker.output()
-        assert "Couldn't reject" not in output and "CRITICAL" not in output, output[-3000:]
-        assert output.count("closed with 5 tasks waiting for a slot") == 1
+        broker.start()
+        output = all_ran_once_quietly(cluster, worker, results, "r")
         assert "5 tasks that were waiting when the broker connection was lost" in output
-        assert cluster.probe.max_concurrent("slow:r") == 1
     finally:
         cluster.stop()
-        proc.kill()
-        proc.wait(10)
+        broker.kill()
 
 
 def test_a_rabbitmq_reconnect_is_logged_once_and_loses_nothing(redis_url, amqp_url, tmp_path):
@@ -142,21 +160,10 @@ def test_a_rabbitmq_reconnect_is_logged_once_and_loses_nothing(redis_url, amqp_u
     traceback per request from rejecting on the dead channel, and every task runs once."""
     cluster = Cluster(str(tmp_path), redis_url, amqp_url, redis_url, workers=1)
     try:
-        slow = cluster.task("slow")
-        running = slow.delay("q0", 1.0)
-        assert wait_until(lambda: cluster.started("slow:q0"))
-        waiting = [slow.delay(f"q{i}", 0.05) for i in range(1, 6)]
-        worker = cluster.workers[0]
-        assert wait_until(lambda: worker.output().count(" received") == 6, timeout=10)
+        worker, results = one_running_five_waiting(cluster, "q")
         subprocess.run([servers.rabbitmqctl(), "close_all_connections", "--vhost", "/",
                         "celery-semaphore test"], check=True, capture_output=True, timeout=60)
         assert wait_until(lambda: "re-establish" in worker.output(), timeout=10)
-        results = [r.get(timeout=60) for r in [running] + waiting]
-        assert results == [f"q{i}" for i in range(6)]
-        output = worker.output()
-        assert "Couldn't reject" not in output and "CRITICAL" not in output, output[-3000:]
-        assert output.count("closed with 5 tasks waiting for a slot") == 1
-        assert cluster.probe.max_concurrent("slow:q") == 1
-        assert all(n == 1 for k, n in cluster.probe.completed("slow:q").items() if k != "slow:q0")
+        all_ran_once_quietly(cluster, worker, results, "q")
     finally:
         cluster.stop()
