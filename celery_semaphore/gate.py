@@ -242,6 +242,7 @@ class Held:
     guard: Guard
     job: Any = None  # the pool's ApplyResult, once handed to the pool
     orphan_of: Optional[int] = None  # the pool child running it with no callbacks left
+    orphan_child_up: Optional[float] = None  # monotonic time that child was first seen up
 
 
 class Gate:
@@ -347,7 +348,8 @@ class Gate:
         acknowledged leave the pool's cache and their callbacks never run (the broker
         redelivers their messages). A job no child got never runs: release now. A job whose
         write to a child had begun runs there unseen: release once that child has moved on to
-        another task or exited (``_check_orphans``)."""
+        another task or exited, or has been up for a whole lease TTL without doing either
+        (``_check_orphans``)."""
         request, job = entry.request, entry.job
         pool = getattr(self.consumer.pool, "_pool", None)  # None once the pool has stopped
         if (job is None or request.time_start is not None or not self._pool_forks()
@@ -365,11 +367,29 @@ class Gate:
             entry.orphan_of = child.pid
 
     def _check_orphans(self) -> None:
+        """Release an orphan's slot once its child has moved on or exited. A child that is
+        up runs the job it was written first, and one that takes no other job and does not
+        exit (with ``max_tasks_per_child``) shows nothing: a write to a child can also be
+        lost with the pipe of one that exited before reading it, and the slot would be held
+        until the worker stops. So a child up for a whole lease TTL frees the slot too: if it
+        runs the job after all, that run has lost its lease (``current_lease().verify()``
+        says so, and fencing tokens reject its writes), as a partitioned holder's would."""
+        now = time.monotonic()
         for entry in list(self.held.values()):
             pid = entry.orphan_of
-            if pid is not None and (not process_alive(pid) or any(
-                    other.worker_pid == pid for other in list(worker_state.active_requests))):
+            if pid is None:
+                continue
+            if not process_alive(pid) or any(
+                    other.worker_pid == pid for other in list(worker_state.active_requests)):
                 self._forget(entry)
+            elif internals.child_is_up(self.consumer.pool, pid):
+                if entry.orphan_child_up is None:
+                    entry.orphan_child_up = now
+                elif now - entry.orphan_child_up > entry.lease.ttl:
+                    logger.warning("celery-semaphore: pool child %s has not moved on in a lease "
+                                   "TTL after a broker reconnect; releasing the slot of %s",
+                                   pid, entry.request.id)
+                    self._forget(entry)
 
     def _forget(self, entry: Held) -> None:
         """Release a held slot no pool callback will release."""

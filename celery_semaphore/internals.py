@@ -1,6 +1,6 @@
-"""The touches of kombu's internals the gate needs, kept in one place.
+"""The touches of kombu's and Celery's internals the gate needs, kept in one place.
 
-Each function names the kombu version whose behaviour it relies on; a transport without the
+Each function names the version whose behaviour it relies on; a transport or pool without the
 structure it expects is left alone (the function reports that it did nothing).
 """
 
@@ -35,3 +35,14 @@ def restore_unacked(app: Any, tags: List[str]) -> None:
         qos = connection.default_channel.qos
         for tag in tags:
             qos.restore_by_tag(tag, leftmost=True)
+
+
+def child_is_up(pool: Any, pid: int) -> bool:
+    """True when the prefork pool's child ``pid`` has started (sent its UP message), so it
+    takes jobs. celery 5.x ``AsynPool._waiting_to_start`` holds the children that have not."""
+    inner = getattr(pool, "_pool", None)
+    if inner is None:
+        return False
+    waiting = {getattr(proc, "pid", None) for proc in getattr(inner, "_waiting_to_start", ())}
+    return pid not in waiting and any(proc.pid == pid for proc in getattr(inner, "_pool", ()))
+

@@ -390,3 +390,13 @@ def test_live_resize_under_load(broker, redis_url, amqp_url, tmp_path):
         if backlog is not None:
             backlog.stop()
         cluster.stop()
+
+
+def test_a_shared_broker_without_semaphore_backend_is_a_usage_error(redis_url):
+    """The CLI resolves the default backend as the worker does: a Sentinel broker with no
+    semaphore_backend must not quietly read a per-host SQLite file."""
+    env = dict(os.environ, CS_BROKER_URL="sentinel://127.0.0.1:1", CS_SEMAPHORE_BACKEND="",
+               PYTHONPATH=ROOT)
+    done = run_cli(env, "list")
+    assert done.returncode == 2, done.stderr
+    assert "semaphore_backend is not set" in done.stderr and "Traceback" not in done.stderr
