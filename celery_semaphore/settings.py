@@ -83,12 +83,14 @@ class Settings:
         host its own limit: ConfigurationError naming ``semaphore_backend``."""
         if self.backend:
             return self.backend
+        from .backends import SCHEMES
+
         broker = _first_url(app.conf.broker_url)
         scheme = _scheme(broker)
-        if scheme in SHARED_BROKER_BACKENDS:
+        if scheme in SCHEMES and SCHEMES[scheme].broker:
             return broker
         result = _first_url(app.conf.result_backend)
-        if _scheme(result) in SHARED_RESULT_BACKENDS:
+        if _scheme(result) in SCHEMES and SCHEMES[_scheme(result)].result:
             return result
         if scheme in ONE_HOST_BROKERS or broker.startswith(("sqla+sqlite:", "sqlalchemy+sqlite:")):
             return "sqlite:///celery-semaphore.db"
@@ -99,10 +101,6 @@ class Settings:
         )
 
 
-#: Brokers that serve as the semaphore backend themselves when none is set.
-SHARED_BROKER_BACKENDS = ("redis", "rediss", "redis+socket", "amqp", "amqps", "pyamqp")
-#: Result backends that do, when the broker does not.
-SHARED_RESULT_BACKENDS = ("redis", "rediss", "redis+socket")
 #: Brokers that live on one host, where an SQLite file is the natural backend.
 ONE_HOST_BROKERS = ("filesystem", "memory", "")
 

@@ -331,14 +331,13 @@ def test_every_install_hint_names_an_extra_that_exists():
     import configparser
     import os
 
-    from celery_semaphore.backends import _BUILTIN, EXTRAS
+    from celery_semaphore.backends import SCHEMES
 
     config = configparser.ConfigParser()
     config.read(os.path.join(os.path.dirname(os.path.dirname(__file__)), "setup.cfg"))
     extras = set(config["options.extras_require"])
-    needs_client = {s for s in _BUILTIN if s not in ("sqlite", "memory")}
-    assert set(EXTRAS) == needs_client
-    assert set(EXTRAS.values()) <= extras, extras
+    named = {scheme.extra for scheme in SCHEMES.values() if scheme.extra}
+    assert named == {"redis", "amqp", "consul"} and named <= extras, extras
 
 
 def test_the_client_api_loads_no_worker_machinery():

@@ -1,9 +1,12 @@
 """Backend registry: a URL scheme names a backend class.
 
-Built-in schemes are also declared in the ``celery_semaphore.backends`` entry point group, the
-group third parties add their schemes to. A backend may also be named by a dotted
+:data:`SCHEMES` is the one table of built-in schemes: the class serving each, the install
+extra that brings its client library, and whether a Celery broker or result backend URL of
+that scheme serves as the semaphore backend as it is (``semaphore_backend`` unset). Third
+parties add schemes in the ``celery_semaphore.backends`` entry point group, or at run time
+with :func:`register_backend`. A backend may also be named by a dotted
 ``"package.module:Class"`` path (it is then constructed with that string as its URL and its
-options as keywords), or registered at run time with :func:`register_backend`.
+options as keywords).
 """
 
 from __future__ import annotations
@@ -11,7 +14,8 @@ from __future__ import annotations
 import importlib
 import os
 import threading
-from typing import Any, Dict, Tuple, Type
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple, Type
 
 from ..exceptions import UnknownBackend
 from ..urls import check_url, mask_url
@@ -19,24 +23,34 @@ from .base import Backend
 
 ENTRY_POINT_GROUP = "celery_semaphore.backends"
 
-_BUILTIN = {
-    "redis": "celery_semaphore.backends.redis:RedisBackend",
-    "rediss": "celery_semaphore.backends.redis:RedisBackend",
-    "redis+socket": "celery_semaphore.backends.redis:RedisBackend",
-    "sqlite": "celery_semaphore.backends.sqlite:SQLiteBackend",
-    "memory": "celery_semaphore.backends.memory:MemoryBackend",
-    "amqp": "celery_semaphore.backends.rabbitmq_tokens:TokenBackend",
-    "amqps": "celery_semaphore.backends.rabbitmq_tokens:TokenBackend",
-    "pyamqp": "celery_semaphore.backends.rabbitmq_tokens:TokenBackend",
-    "amqp+slots": "celery_semaphore.backends.rabbitmq_slots:SlotQueueBackend",
-    "amqps+slots": "celery_semaphore.backends.rabbitmq_slots:SlotQueueBackend",
-    "consul": "celery_semaphore.backends.consul:ConsulBackend",
-    "consuls": "celery_semaphore.backends.consul:ConsulBackend",
+@dataclass(frozen=True)
+class Scheme:
+    """A built-in URL scheme: ``target`` (``module:Class``) serves it, ``extra`` is the
+    install extra its client library comes with (None: nothing to install); ``broker`` and
+    ``result``: a Celery broker / result backend URL of this scheme is a semaphore backend
+    URL as it is."""
+
+    target: str
+    extra: Optional[str] = None
+    broker: bool = False
+    result: bool = False
+
+
+_REDIS = Scheme("celery_semaphore.backends.redis:RedisBackend", "redis", broker=True,
+                result=True)
+_TOKENS = Scheme("celery_semaphore.backends.rabbitmq_tokens:TokenBackend", "amqp", broker=True)
+_SLOTS = Scheme("celery_semaphore.backends.rabbitmq_slots:SlotQueueBackend", "amqp")
+_CONSUL = Scheme("celery_semaphore.backends.consul:ConsulBackend", "consul")
+
+#: Every built-in scheme.
+SCHEMES: Dict[str, Scheme] = {
+    "redis": _REDIS, "rediss": _REDIS, "redis+socket": _REDIS,
+    "amqp": _TOKENS, "amqps": _TOKENS, "pyamqp": _TOKENS,
+    "amqp+slots": _SLOTS, "amqps+slots": _SLOTS,
+    "consul": _CONSUL, "consuls": _CONSUL,
+    "sqlite": Scheme("celery_semaphore.backends.sqlite:SQLiteBackend"),
+    "memory": Scheme("celery_semaphore.backends.memory:MemoryBackend"),
 }
-#: The install extra that brings each built-in scheme's client library.
-EXTRAS = {"redis": "redis", "rediss": "redis", "redis+socket": "redis", "amqp": "amqp",
-          "amqps": "amqp", "pyamqp": "amqp", "amqp+slots": "amqp", "amqps+slots": "amqp",
-          "consul": "consul", "consuls": "consul"}
 _registered: Dict[str, Any] = {}
 _instances: Dict[Tuple[int, str, Tuple[Tuple[str, Any], ...]], Backend] = {}
 _lock = threading.Lock()
@@ -59,7 +73,7 @@ def _entry_points() -> Dict[str, Any]:
 
 def known_schemes() -> Dict[str, Any]:
     """Every scheme a URL may use, mapped to what serves it."""
-    schemes: Dict[str, Any] = dict(_BUILTIN)
+    schemes: Dict[str, Any] = {name: scheme.target for name, scheme in SCHEMES.items()}
     schemes.update(_entry_points())
     schemes.update(_registered)
     return schemes
@@ -94,8 +108,13 @@ def backend_class(url: str) -> Type[Backend]:
     except ImportError as exc:
         raise UnknownBackend(
             f"the {scheme}:// semaphore backend cannot be loaded ({exc}); is its extra "
-            f"installed? pip install 'celery-semaphore[{EXTRAS.get(scheme, 'all')}]'"
+            f"installed? pip install 'celery-semaphore[{_extra(scheme)}]'"
         ) from exc
+
+
+def _extra(scheme: str) -> str:
+    builtin = SCHEMES.get(scheme)
+    return builtin.extra if builtin is not None and builtin.extra else "all"
 
 
 def get_backend(url: "str | Backend", **options: Any) -> Backend:
@@ -123,5 +142,5 @@ def close_all() -> None:
         backend.close()
 
 
-__all__ = ["Backend", "backend_class", "close_all", "get_backend", "known_schemes",
-           "register_backend"]
+__all__ = ["SCHEMES", "Backend", "Scheme", "backend_class", "close_all", "get_backend",
+           "known_schemes", "register_backend"]
