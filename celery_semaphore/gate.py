@@ -637,15 +637,15 @@ class Gate:
             finally:
                 self._finished(request, getattr(exc_info, "exception", None))
 
-        def timeout(soft: bool, limit: float) -> Any:
+        def time_limit(soft: bool, timeout: float) -> Any:  # billiard passes timeout=...
             try:
-                return on_timeout(soft, limit)
+                return on_timeout(soft, timeout)
             finally:
                 if not soft:  # the gevent pool never calls on_failure for a hard limit
-                    self._finished(request, TimeLimitExceeded(limit))
+                    self._finished(request, TimeLimitExceeded(timeout))
 
         on_timeout = request.on_timeout
-        request.on_success, request.on_failure, request.on_timeout = success, failure, timeout
+        request.on_success, request.on_failure, request.on_timeout = success, failure, time_limit
 
     def _finished(self, request: Any, exc: Optional[BaseException] = None) -> None:
         with self.lock:
