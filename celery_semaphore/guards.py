@@ -92,11 +92,10 @@ def check_definitions_and_sends(app: Any) -> None:
     base = app.Task
     if base.__dict__.get(_CHECKED):
         return
-    original_init_subclass = base.__init_subclass__
     original_apply_async = base.apply_async
 
     def __init_subclass__(cls: Any, **kwargs: Any) -> None:
-        original_init_subclass(**kwargs)
+        super(base, cls).__init_subclass__(**kwargs)
         check_options({k: v for k, v in vars(cls).items()
                        if k in ("semaphore", "limit") or k.startswith("semaphore_")},
                       getattr(cls, "name", None) or cls.__name__)
