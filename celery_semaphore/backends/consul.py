@@ -337,7 +337,6 @@ def _encode(box: _Box) -> Dict[str, Any]:
 class ConsulBackend(ModelBackend):
     """Semaphores in Consul KV with sessions, per the Consul semaphore guide (module docs)."""
 
-
     def __init__(
         self,
         url: str = "consul://127.0.0.1:8500",

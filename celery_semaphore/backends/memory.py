@@ -22,7 +22,6 @@ _clients: "weakref.WeakValueDictionary[str, MemoryBackend]" = weakref.WeakValueD
 class MemoryBackend(ModelBackend):
     """One process's in-memory semaphores. Thread-safe; idle state expires after ``idle_ttl``."""
 
-
     def __init__(self, url: str = "memory://", **options: Any) -> None:
         super().__init__(url, **options)
         with _stores_lock:

@@ -49,7 +49,6 @@ class SlotQueueBackend(RabbitBackend):
     """The slot-queue semaphore on RabbitMQ. Options: ``lock_retries`` (default 5),
     ``overshoot`` (default 8), and those of :class:`.rabbitmq.RabbitBackend`."""
 
-
     def __init__(self, url: str, *, lock_retries: int = 5, overshoot: int = 8,
                  **options: Any) -> None:
         super().__init__(url, **options)

@@ -70,7 +70,6 @@ class TokenBackend(RabbitBackend):
     """The token-queue semaphore on RabbitMQ. Options: ``heartbeat`` (s, default 10),
     ``connect_timeout``, ``registry_timeout``, plus the common backend options."""
 
-
     def tokens_queue(self, name: str) -> str:
         return self.queue_name(name, "tokens")
 

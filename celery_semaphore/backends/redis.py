@@ -108,7 +108,6 @@ class RedisBackend(Backend):
     returns False, though).
     """
 
-
     def __init__(
         self,
         url: str,

@@ -66,7 +66,6 @@ def database_path(url: str) -> str:
 class SQLiteBackend(ModelBackend):
     """Semaphores in one SQLite file, shared by the processes of one host."""
 
-
     def __init__(self, url: str, *, busy_timeout: float = 30.0, **options: Any) -> None:
         super().__init__(url, **options)
         self.path = database_path(url)
