@@ -17,7 +17,12 @@ import pytest
 
 from celery_semaphore import BackendUnavailable, ConfigurationError, Semaphore
 from celery_semaphore.backends import close_all, get_backend
-from celery_semaphore.backends.consul import ConsulBackend, ConsulConfig, kv_root, session_ttl
+from celery_semaphore.backends.consul.backend import (
+    ConsulBackend,
+    ConsulConfig,
+    kv_root,
+    session_ttl,
+)
 from tests import servers
 from tests.consul_double import ConsulDouble
 from tests.util import wait_until
@@ -194,7 +199,7 @@ def test_short_lived_threads_leave_no_connection_open(consul_url, prefix):
     """Callers' threads, the spare-session sweeper and the watchers come and go; they share
     a few pooled HTTP connections (one per thread would pile up to Consul's per-client
     connection limit in a long-lived worker)."""
-    from celery_semaphore.backends import consul as module
+    from celery_semaphore.backends.consul import backend as module
 
     fds = len(os.listdir("/proc/self/fd"))
     backend = ConsulBackend(consul_url, key_prefix=prefix, spare_keep=0.05)
@@ -216,7 +221,7 @@ def test_short_lived_threads_leave_no_connection_open(consul_url, prefix):
 
 def test_a_lock_document_over_consuls_value_limit_is_refused_clearly(consul_url, prefix,
                                                                      monkeypatch):
-    from celery_semaphore.backends import consul as module
+    from celery_semaphore.backends.consul import backend as module
 
     monkeypatch.setattr(module, "MAX_VALUE_SIZE", 3000)  # Consul's is 512 KiB
     s = sem(consul_url, prefix, "v", 1)

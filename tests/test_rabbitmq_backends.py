@@ -324,7 +324,7 @@ def test_25_reject_requeue_cycles_leave_exactly_limit_tokens(amqp_url, tokens):
 
 def test_slot_backend_url_and_a_missing_broker(amqp_url):
     from celery_semaphore import BackendUnavailable
-    from celery_semaphore.backends.rabbitmq_slots import SlotQueueBackend
+    from celery_semaphore.backends.rabbitmq import SlotQueueBackend
 
     backend = get_backend(servers.slots_url(amqp_url))
     assert isinstance(backend, SlotQueueBackend)

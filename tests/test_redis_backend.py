@@ -10,7 +10,7 @@ import redis
 
 from celery_semaphore import BackendUnavailable, Semaphore
 from celery_semaphore.backends import get_backend
-from celery_semaphore.backends.redis import KEY_SUFFIXES, RedisBackend, _redis_url
+from celery_semaphore.backends.redis.backend import KEY_SUFFIXES, RedisBackend, _redis_url
 from tests import servers
 from tests.util import hand_over, wait_until
 

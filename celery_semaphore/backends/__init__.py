@@ -38,8 +38,8 @@ class Scheme:
 
 _REDIS = Scheme("celery_semaphore.backends.redis:RedisBackend", "redis", broker=True,
                 result=True)
-_TOKENS = Scheme("celery_semaphore.backends.rabbitmq_tokens:TokenBackend", "amqp", broker=True)
-_SLOTS = Scheme("celery_semaphore.backends.rabbitmq_slots:SlotQueueBackend", "amqp")
+_TOKENS = Scheme("celery_semaphore.backends.rabbitmq:TokenBackend", "amqp", broker=True)
+_SLOTS = Scheme("celery_semaphore.backends.rabbitmq:SlotQueueBackend", "amqp")
 _CONSUL = Scheme("celery_semaphore.backends.consul:ConsulBackend", "consul")
 
 #: Every built-in scheme.

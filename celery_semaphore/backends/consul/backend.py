@@ -77,10 +77,10 @@ import consul.base
 import requests
 from consul.std import parse_duration
 
-from ..exceptions import BackendUnavailable, ConfigurationError
-from ..urls import mask_url
-from .base import Attempt, Meta, SemaphoreStatus
-from .model import Box, ModelBackend, State, as_json, wakeups
+from ...exceptions import BackendUnavailable, ConfigurationError
+from ...urls import mask_url
+from ..base import Attempt, Meta, SemaphoreStatus
+from ..model import Box, ModelBackend, State, as_json, wakeups
 
 logger = logging.getLogger(__name__)
 

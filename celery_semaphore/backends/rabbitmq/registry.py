@@ -55,9 +55,9 @@ import amqp
 from amqp import exceptions as amqp_errors
 from kombu import Connection
 
-from ..exceptions import BackendUnavailable, ConfigurationError
-from .base import Attempt, Meta
-from .model import Box, ModelBackend, State, as_json, wakeups
+from ...exceptions import BackendUnavailable, ConfigurationError
+from ..base import Attempt, Meta
+from ..model import Box, ModelBackend, State, as_json, wakeups
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ connection, so within one process (one connection) the backend checks its own ha
 
 Beyond amqp-locks, and why:
 
-* **Registry.** As for the token backend (see :mod:`.rabbitmq`), admission, FIFO order, lease
+* **Registry.** As for the token backend (see :mod:`.registry`), admission, FIFO order, lease
   expiry and fencing epochs live in the registry message; the B queue is the holder's physical
   claim. A slot the registry grants but whose B queue is still locked (its previous holder has
   not yet noticed its lease lapsed) is handed back, and the caller tries another slot, up to
@@ -40,14 +40,14 @@ from typing import Any, Optional, Set
 
 from amqp import exceptions as amqp_errors
 
-from .base import Attempt, Meta
-from .model import State, Waiter
-from .rabbitmq import Hand, RabbitBackend
+from ..base import Attempt, Meta
+from ..model import State, Waiter
+from .registry import Hand, RabbitBackend
 
 
 class SlotQueueBackend(RabbitBackend):
     """The slot-queue semaphore on RabbitMQ. Options: ``lock_retries`` (default 5),
-    ``overshoot`` (default 8), and those of :class:`.rabbitmq.RabbitBackend`."""
+    ``overshoot`` (default 8), and those of :class:`.registry.RabbitBackend`."""
 
     def __init__(self, url: str, *, lock_retries: int = 5, overshoot: int = 8,
                  **options: Any) -> None:

@@ -11,7 +11,7 @@ Beyond the blog, and why:
 
 * **Registry.** A token alone cannot tell a crashed holder from a partitioned one still
   running (the blog's own 2014 edits), nor give FIFO order, fencing or status. So every grant
-  also goes through the registry (see :mod:`.rabbitmq`): a slot needs both a token and an
+  also goes through the registry (see :mod:`.registry`): a slot needs both a token and an
   unexpired registry lease for that token's number, and a token the broker hands back early
   waits until the previous holder's lease expires (or it releases). Status and verify read the
   registry; no management plugin is needed.
@@ -49,9 +49,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import amqp
 
-from .base import Attempt, Meta
-from .model import State, next_epoch
-from .rabbitmq import Hand, RabbitBackend, _text
+from ..base import Attempt, Meta
+from ..model import State, next_epoch
+from .registry import Hand, RabbitBackend, _text
 
 
 def token_of(message: Optional[amqp.Message]) -> Optional[Tuple[int, int]]:

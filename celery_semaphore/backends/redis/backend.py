@@ -3,8 +3,8 @@ done atomically.
 
 Guarantees:
 
-* Every operation is one Lua script (``redis_<op>.lua`` beside this file, each prefixed with
-  ``redis_prelude.lua``) run with one EVALSHA: no client can steal a slot between two steps.
+* Every operation is one Lua script (``scripts/<op>.lua``, each prefixed with
+  ``scripts/prelude.lua``) run with one EVALSHA: no client can steal a slot between two steps.
 * Time comes from the server's ``TIME``, never a client clock; leases and waiter entries are
   stored as absolute expiries (microseconds), so client clock skew changes nothing.
 * The six keys of a semaphore share the hash tag ``{name}`` (``<prefix>{name}:holders`` ...):
@@ -39,9 +39,9 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from ..exceptions import BackendUnavailable, ConfigurationError
-from ..urls import check_url, mask_url
-from .base import (
+from ...exceptions import BackendUnavailable, ConfigurationError
+from ...urls import check_url, mask_url
+from ..base import (
     DEFAULT_IDLE_TTL,
     DEFAULT_WAITER_TTL,
     Attempt,
@@ -55,8 +55,8 @@ from .base import (
 
 logger = logging.getLogger(__name__)
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-#: The keys of one semaphore, in the order the scripts receive them (see redis_prelude.lua).
+_SCRIPTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
+#: The keys of one semaphore, in the order the scripts receive them (see scripts/prelude.lua).
 KEY_SUFFIXES = ("config", "holders", "hinfo", "queue", "wexp", "winfo")
 _SCRIPTS = ("acquire", "release", "renew", "cancel", "resize", "status", "reset")
 #: Errors that mean "Redis cannot serve us now". ReadOnlyError: a failover left us on a replica;
@@ -81,7 +81,7 @@ def _sources() -> Dict[str, str]:
     """Each operation's script, with the shared prelude in front."""
 
     def read(name: str) -> str:
-        with open(os.path.join(_HERE, f"redis_{name}.lua")) as f:
+        with open(os.path.join(_SCRIPTS_DIR, f"{name}.lua")) as f:
             return f.read()
 
     prelude = read("prelude")
