@@ -12,14 +12,15 @@ import weakref
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Tuple
 
-from .model import Box, ModelBackend, State
+from .engine import DocumentBackend, Transaction
+from .model import State
 
 _stores: Dict[str, Tuple[threading.Lock, Dict[str, Tuple[State, float]]]] = {}
 _stores_lock = threading.Lock()
 _clients: "weakref.WeakValueDictionary[str, MemoryBackend]" = weakref.WeakValueDictionary()
 
 
-class MemoryBackend(ModelBackend):
+class MemoryBackend(DocumentBackend):
     """One process's in-memory semaphores. Thread-safe; idle state expires after ``idle_ttl``."""
 
     def __init__(self, url: str = "memory://", **options: Any) -> None:
@@ -29,16 +30,20 @@ class MemoryBackend(ModelBackend):
         _clients[self.client_id] = self
 
     @contextmanager
-    def _transaction(self, name: str) -> Iterator[Box]:
+    def _load(self, name: str) -> Iterator[Transaction]:
+        """Under the store's lock; the state is a copy, so a rule that raises changes nothing."""
         with self._lock:
             now = time.time()
             state, expires = self._states.get(name, (None, 0.0))
-            box = Box(state if expires > now else None, now)
-            yield box
-            if box.state is None:
-                self._states.pop(name, None)
-            else:
-                self._states[name] = (box.state, now + self.idle_ttl)
+            copy = State.from_dict(state.to_dict()) if state is not None and expires > now else None
+            yield Transaction(name, copy, now)
+
+    def _commit(self, txn: Transaction) -> bool:
+        if txn.state is None:
+            self._states.pop(txn.name, None)
+        else:
+            self._states[txn.name] = (txn.state, txn.now + self.idle_ttl)
+        return True
 
     def _stored_names(self) -> List[str]:
         now = time.time()

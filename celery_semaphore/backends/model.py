@@ -1,17 +1,18 @@
 """The semaphore's rules as plain Python over one semaphore's state.
 
-The memory and SQLite backends run these rules inside their own atomic section (a lock, a
-``BEGIN IMMEDIATE`` transaction); the Redis backend's Lua scripts implement the same rules, and
-the contract test suite holds every backend to them. See :mod:`.base` for the rules in prose.
+The backends that store each semaphore's state as one document (memory, SQLite, RabbitMQ,
+Consul) apply these rules through :mod:`.engine`; the Redis backend's Lua scripts implement the
+same rules, and the contract test suite holds every backend to them. See :mod:`.base` for the
+rules in prose.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Dict, Iterable, List, Optional, Set, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
-from .base import Attempt, Backend, Grant, HolderInfo, Meta, SemaphoreStatus, WaiterInfo
+from .base import Attempt, Grant, HolderInfo, Meta, SemaphoreStatus, WaiterInfo
 
 
 def next_epoch(previous: int, now: float) -> int:
@@ -49,24 +50,23 @@ class State:
     waiters: Dict[str, Waiter] = field(default_factory=dict)
     epochs: Dict[int, int] = field(default_factory=dict)
     next_ticket: int = 1
-    #: Backend-specific data stored with the state (the AMQP token backend's token numbers).
-    extra: Dict[str, Any] = field(default_factory=dict)
 
     # -- (de)serialization, for backends that store the state as one document ---------------
 
     def dumps(self) -> str:
-        # Field by field, not dataclasses.asdict: asdict deep-copies every meta dict, and
-        # dumping the state was a tenth of a busy semaphore's client CPU.
-        document = {
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+    def to_dict(self) -> Dict[str, Any]:
+        """A JSON-ready document. Field by field, not dataclasses.asdict: asdict deep-copies
+        every meta dict, and dumping the state was a tenth of a busy semaphore's client CPU."""
+        return {
             "limit": self.limit,
             "declared": self.declared,
             "holders": {holder: vars(entry) for holder, entry in self.holders.items()},
             "waiters": {holder: vars(entry) for holder, entry in self.waiters.items()},
             "epochs": self.epochs,
             "next_ticket": self.next_ticket,
-            "extra": self.extra,
         }
-        return json.dumps(document, separators=(",", ":"))
 
     @classmethod
     def loads(cls, text: str) -> "State":
@@ -82,13 +82,16 @@ class State:
             waiters={k: Waiter(**v) for k, v in raw["waiters"].items()},
             epochs={int(k): v for k, v in raw["epochs"].items()},
             next_ticket=raw["next_ticket"],
-            extra=raw.get("extra", {}),
         )
 
     # -- queries -------------------------------------------------------------------------
 
     def queue(self) -> List[str]:
         return sorted(self.waiters, key=lambda h: self.waiters[h].ticket)
+
+    def wakeups(self, before: Set[Tuple[str, str]]) -> Set[Tuple[str, str]]:
+        """Waiters that became admissible since ``before`` (:meth:`admissible` then)."""
+        return self.admissible() - before
 
     def admissible(self) -> Set[Tuple[str, str]]:
         """(client, holder) of the waiters the FIFO rule would admit now."""
@@ -186,105 +189,8 @@ class State:
         )
 
 
-def wakeups(before: Set[Tuple[str, str]], state: Optional[State]) -> Set[Tuple[str, str]]:
-    """Waiters that an operation made admissible: they get a notification."""
-    if state is None:
-        return set()
-    return state.admissible() - before
-
-
 def as_json(meta: Optional[Meta]) -> Dict[str, Any]:
     """Copy ``meta``, refusing what JSON cannot hold (fails before anything changes)."""
     meta = dict(meta or {})
     json.dumps(meta)
     return meta
-
-
-class Box:
-    """One semaphore's state inside a backend's atomic section, and the server's time."""
-
-    def __init__(self, state: Optional[State], now: float) -> None:
-        self.state = state
-        self.now = now
-
-
-class ModelBackend(Backend):
-    """A backend that runs :class:`State`'s rules inside an atomic section of its own.
-
-    Subclasses provide :meth:`_transaction` (load, yield, store one semaphore's state
-    atomically), :meth:`_stored_names` and :meth:`_send_wakeup`.
-    """
-
-    def _transaction(self, name: str) -> ContextManager[Box]:
-        raise NotImplementedError
-
-    def _stored_names(self) -> List[str]:
-        raise NotImplementedError
-
-    def _send_wakeup(self, client: str, name: str, holder: str) -> None:
-        raise NotImplementedError
-
-    def _run(self, name: str, op: Callable[[Box], Any]) -> Any:
-        with self._transaction(name) as box:
-            before: Set[Tuple[str, str]] = set()
-            if box.state is not None:
-                before = box.state.admissible()
-                box.state.prune(box.now, self.idle_ttl)
-            result = op(box)
-            wake = wakeups(before, box.state)
-        for client, holder in wake:
-            self._send_wakeup(client, name, holder)
-        return result
-
-    def acquire(
-        self, name: str, holder: str, *, limit: int, ttl: float, meta: Meta, wait: bool
-    ) -> Attempt:
-        meta = as_json(meta)
-
-        def op(box: Box) -> Attempt:
-            if box.state is None:
-                box.state = State(limit=limit)
-            return box.state.acquire(
-                holder, declared=limit, ttl=ttl, meta=meta, wait=wait,
-                client=self.client_id, now=box.now, waiter_ttl=self.waiter_ttl,
-            )
-
-        return self._run(name, op)
-
-    def release(self, name: str, holder: str) -> bool:
-        return self._run(name, lambda box: box.state is not None and box.state.release(holder))
-
-    def renew(self, name: str, holder: str, ttl: float) -> Optional[float]:
-        return self._run(
-            name, lambda box: box.state.renew(holder, ttl, box.now) if box.state else None
-        )
-
-    def verify(self, name: str, holder: str) -> bool:
-        return self._run(name, lambda box: box.state is not None and holder in box.state.holders)
-
-    def cancel(self, name: str, holder: str) -> None:
-        self._run(name, lambda box: box.state.cancel(holder) if box.state else None)
-
-    def resize(self, name: str, limit: int) -> bool:
-        def op(box: Box) -> bool:
-            created = box.state is None
-            if created:
-                box.state = State(limit=limit)
-            box.state.limit = limit
-            return created
-
-        return self._run(name, op)
-
-    def status(self, name: str) -> Optional[SemaphoreStatus]:
-        return self._run(name, lambda box: box.state.status(name) if box.state else None)
-
-    def names(self) -> List[str]:
-        return sorted(self._stored_names())
-
-    def reset(self, name: str) -> bool:
-        def op(box: Box) -> bool:
-            existed = box.state is not None
-            box.state = None
-            return existed
-
-        return self._run(name, op)

@@ -29,7 +29,8 @@ from urllib.parse import unquote, urlsplit
 from ..exceptions import BackendUnavailable, ConfigurationError
 from ..urls import mask_url
 from .base import SemaphoreStatus
-from .model import Box, ModelBackend, State
+from .engine import DocumentBackend, Transaction
+from .model import State
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ def database_path(url: str) -> str:
     return os.path.abspath(path[1:])
 
 
-class SQLiteBackend(ModelBackend):
+class SQLiteBackend(DocumentBackend):
     """Semaphores in one SQLite file, shared by the processes of one host."""
 
     def __init__(self, url: str, *, busy_timeout: float = 30.0, **options: Any) -> None:
@@ -102,38 +103,39 @@ class SQLiteBackend(ModelBackend):
         return conn
 
     @contextmanager
-    def _transaction(self, name: str) -> Iterator[Box]:
+    def _load(self, name: str) -> Iterator[Transaction]:
+        """Inside ``BEGIN IMMEDIATE`` (the database's write lock): no other process writes
+        until :meth:`_commit` commits or the transaction rolls back."""
         with _no_fork:
-            with self._unforked_transaction(name) as box:
-                yield box
+            conn = self._connection()
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+            except sqlite3.Error as exc:
+                raise BackendUnavailable(
+                    f"semaphore database {self.path} is locked: {exc}"
+                ) from exc
+            try:
+                now = time.time()
+                row = conn.execute(
+                    "SELECT state FROM semaphores WHERE name = ? AND expires > ?",
+                    (self.key_prefix + name, now),
+                ).fetchone()
+                yield Transaction(name, State.loads(row[0]) if row else None, now, conn)
+            finally:
+                if conn.in_transaction:  # not committed: a read, or a rule that raised
+                    conn.execute("ROLLBACK")
 
-    @contextmanager
-    def _unforked_transaction(self, name: str) -> Iterator[Box]:
-        conn = self._connection()
-        key = self.key_prefix + name
-        try:
-            conn.execute("BEGIN IMMEDIATE")
-        except sqlite3.Error as exc:
-            raise BackendUnavailable(f"semaphore database {self.path} is locked: {exc}") from exc
-        try:
-            now = time.time()
-            row = conn.execute(
-                "SELECT state FROM semaphores WHERE name = ? AND expires > ?", (key, now)
-            ).fetchone()
-            box = Box(State.loads(row[0]) if row else None, now)
-            yield box
-            if box.state is None:
-                conn.execute("DELETE FROM semaphores WHERE name = ?", (key,))
-            else:
-                conn.execute(
-                    "INSERT OR REPLACE INTO semaphores (name, state, expires) VALUES (?, ?, ?)",
-                    (key, box.state.dumps(), now + self.idle_ttl),
-                )
-            conn.execute("COMMIT")
-        except BaseException:
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
-            raise
+    def _commit(self, txn: Transaction) -> bool:
+        conn, key = txn.version, self.key_prefix + txn.name
+        if txn.state is None:
+            conn.execute("DELETE FROM semaphores WHERE name = ?", (key,))
+        else:
+            conn.execute(
+                "INSERT OR REPLACE INTO semaphores (name, state, expires) VALUES (?, ?, ?)",
+                (key, txn.state.dumps(), txn.now + self.idle_ttl),
+            )
+        conn.execute("COMMIT")
+        return True
 
     def _stored_names(self) -> List[str]:
         if not self._exists():

@@ -1,0 +1,181 @@
+"""One transaction engine for the backends that store each semaphore's state as one document.
+
+Memory, SQLite, both RabbitMQ backends and Consul differ only in where the document lives and
+how a write detects a concurrent one. Each implements the storage primitives of
+:class:`DocumentBackend`; the engine applies the rules of :mod:`.model` the same way for all:
+
+1. :meth:`~DocumentBackend._load` opens a transaction: the stored state (None when absent), the
+   storage's time, and whatever :meth:`~DocumentBackend._commit` needs to detect a race (a
+   ModifyIndex, a held registry message). While it is open the storage may hold a lock;
+   leaving it without a successful commit gives everything back unchanged.
+2. The engine prunes what expired, then applies one rule: a function of the transaction that
+   changes ``txn.state`` and returns the operation's result.
+3. :meth:`~DocumentBackend._commit` stores the new state (None: delete) and answers whether it
+   won the race. A lost race is retried from a new load, the rule applied again, up to
+   ``max_attempts`` times (then :class:`BackendUnavailable`).
+4. After a won commit: :meth:`~DocumentBackend._after_commit` (work that must follow the store,
+   such as destroying a Consul session the state no longer names), then a wake-up to every
+   waiter the operation made admissible.
+
+A rule must be safe to apply more than once (a lost race applies it again) and must not do
+I/O that a retry cannot undo; anything it must remember across attempts lives in the caller.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, ContextManager, List, Optional, TypeVar
+
+from ..exceptions import BackendUnavailable
+from .base import Attempt, Backend, Meta, SemaphoreStatus
+from .model import State, as_json
+
+Result = TypeVar("Result")
+
+
+class Transaction:
+    """One semaphore's state inside a transaction: ``state`` (None: absent; a rule may replace
+    it), ``now`` (the storage's clock, seconds) and ``version`` (the storage's, opaque to the
+    engine). Storages subclass it to keep what they store beside the state."""
+
+    def __init__(self, name: str, state: Optional[State], now: float, version: Any = None) -> None:
+        self.name = name
+        self.state = state
+        self.now = now
+        self.version = version
+
+    def new_state(self, limit: int) -> State:
+        """The state of a semaphore created by this transaction."""
+        return State(limit=limit)
+
+
+Rule = Callable[[Transaction], Result]
+
+
+class DocumentBackend(Backend):
+    """A backend that keeps each semaphore's :class:`.model.State` as one document.
+
+    Storage primitives a subclass implements: :meth:`_load`, :meth:`_commit`,
+    :meth:`_stored_names`, :meth:`_send_wakeup`. Optional hooks: :meth:`_prune`,
+    :meth:`_after_commit`, :meth:`_lost_race`.
+    """
+
+    #: Loads and commits an operation may lose to concurrent writers before it gives up.
+    max_attempts = 10
+
+    # -- storage primitives ----------------------------------------------------------------
+
+    def _load(self, name: str) -> ContextManager[Transaction]:
+        """Open a transaction on ``name`` (see the module docstring)."""
+        raise NotImplementedError
+
+    def _commit(self, txn: Transaction) -> bool:
+        """Store ``txn.state`` (None: delete it). False when another writer changed the state
+        since :meth:`_load`: nothing was stored."""
+        raise NotImplementedError
+
+    def _stored_names(self) -> List[str]:
+        raise NotImplementedError
+
+    def _send_wakeup(self, client: str, name: str, holder: str) -> None:
+        raise NotImplementedError
+
+    # -- hooks ---------------------------------------------------------------------------
+
+    def _prune(self, txn: Transaction) -> None:
+        """Drop expired holders, waiters and declared limits before a rule decides."""
+        if txn.state is not None:
+            txn.state.prune(txn.now, self.idle_ttl)
+
+    def _after_commit(self, txn: Transaction) -> None:  # noqa: B027 - optional hook
+        """Runs once the state is stored (or, for a read, after the rule)."""
+
+    def _lost_race(self, attempt: int) -> None:  # noqa: B027 - optional hook
+        """Runs after the ``attempt``-th lost race, before the next load (e.g. a backoff)."""
+
+    # -- the engine ------------------------------------------------------------------------
+
+    def _transact(self, name: str, rule: Rule, *, write: bool = True) -> Any:
+        """Apply ``rule`` to ``name``'s state atomically and return its result; ``write``
+        False: a read, nothing is stored."""
+        for attempt in range(self.max_attempts):
+            with self._load(name) as txn:
+                before = txn.state.admissible() if txn.state is not None else set()
+                self._prune(txn)
+                result = rule(txn)
+                if write and not self._commit(txn):
+                    won = False
+                else:
+                    won = True
+            if won:
+                self._after_commit(txn)
+                if txn.state is not None:
+                    for client, holder in txn.state.wakeups(before):
+                        self._send_wakeup(client, name, holder)
+                return result
+            self._lost_race(attempt)
+        raise BackendUnavailable(
+            f"semaphore {name!r}: {self.max_attempts} attempts to store its state lost the race "
+            "to other clients"
+        )
+
+    # -- the operations, as rules --------------------------------------------------------
+
+    def acquire(
+        self, name: str, holder: str, *, limit: int, ttl: float, meta: Meta, wait: bool
+    ) -> Attempt:
+        meta = as_json(meta)
+        return self._transact(name, lambda txn: self._admit(txn, holder, limit, ttl, meta, wait))
+
+    def _admit(self, txn: Transaction, holder: str, limit: int, ttl: float, meta: Meta,
+               wait: bool, slots: Optional[List[int]] = None) -> Attempt:
+        """The acquire rule (``slots``: the slots this caller can take; default any)."""
+        if txn.state is None:
+            txn.state = txn.new_state(limit)
+        return txn.state.acquire(
+            holder, declared=limit, ttl=ttl, meta=meta, wait=wait, client=self.client_id,
+            now=txn.now, waiter_ttl=self.waiter_ttl, slots=slots,
+        )
+
+    def release(self, name: str, holder: str) -> bool:
+        return self._transact(
+            name, lambda txn: txn.state is not None and txn.state.release(holder)
+        )
+
+    def renew(self, name: str, holder: str, ttl: float) -> Optional[float]:
+        return self._transact(
+            name, lambda txn: txn.state.renew(holder, ttl, txn.now) if txn.state else None
+        )
+
+    def verify(self, name: str, holder: str) -> bool:
+        return self._transact(
+            name, lambda txn: txn.state is not None and holder in txn.state.holders, write=False
+        )
+
+    def cancel(self, name: str, holder: str) -> None:
+        self._transact(name, lambda txn: txn.state.cancel(holder) if txn.state else None)
+
+    def resize(self, name: str, limit: int) -> bool:
+        def resize(txn: Transaction) -> bool:
+            created = txn.state is None
+            if txn.state is None:
+                txn.state = txn.new_state(limit)
+            txn.state.limit = limit
+            return created
+
+        return self._transact(name, resize)
+
+    def status(self, name: str) -> Optional[SemaphoreStatus]:
+        return self._transact(
+            name, lambda txn: txn.state.status(name) if txn.state else None, write=False
+        )
+
+    def names(self) -> List[str]:
+        return sorted(self._stored_names())
+
+    def reset(self, name: str) -> bool:
+        def reset(txn: Transaction) -> bool:
+            existed = txn.state is not None
+            txn.state = None
+            return existed
+
+        return self._transact(name, reset)
