@@ -1,10 +1,6 @@
-"""What the two RabbitMQ backends share: one kombu connection served by one thread, a registry
-of each semaphore kept as a single message, wake-up queues, and the channels holders keep.
-
-**Connection.** py-amqp connections are not thread-safe, so every backend instance owns one
-kombu connection and one I/O thread that alone touches it: it runs the callers' operations one
-at a time, dispatches deliveries, sends heartbeats and fires local lease deadlines. A lost
-connection loses every slot it held (the broker takes them back); the next operation reconnects.
+"""What the two RabbitMQ backends share: a registry of each semaphore kept as a single
+message (the storage of :mod:`..engine`), wake-up queues, and the channels holders keep. All of
+it runs on one :class:`.link.AMQPLink` thread per backend instance.
 
 **Registry.** RabbitMQ stores messages, not records, so a semaphore's state (limit, holders with
 lease expiry and fencing epochs, FIFO waiters: :class:`.model.State`) is ONE persistent message
@@ -35,266 +31,26 @@ renewal then reports the lease lost.
 from __future__ import annotations
 
 import functools
-import heapq
-import itertools
 import json
 import logging
-import queue
 import random
-import select
-import socket
 import sys
 import threading
 import time
-from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import amqp
 from amqp import exceptions as amqp_errors
-from kombu import Connection
 
 from ...exceptions import BackendUnavailable, ConfigurationError
 from ..base import Attempt, Meta
-from ..model import Box, ModelBackend, State, as_json, wakeups
+from ..engine import DocumentBackend, Transaction
+from ..model import State, as_json
+from .link import CONNECTION_ERRORS, AMQPLink
 
 logger = logging.getLogger(__name__)
-
-#: Errors after which the connection is unusable. BackendUnavailable is an OSError too (a
-#: ConnectionError) but is raised by this module for a wait that timed out, with the
-#: connection fine: it is always caught before these.
-CONNECTION_ERRORS = (OSError, amqp_errors.ConnectionError, amqp_errors.RecoverableConnectionError)
-
-
-class AMQPLink:
-    """One kombu connection and the one thread that uses it.
-
-    :meth:`call` runs a function on that thread and returns its result; functions already on
-    it run directly. ``on_connection_lost`` runs on the thread after the connection dropped.
-    """
-
-    def __init__(
-        self,
-        url: str,
-        *,
-        heartbeat: float,
-        connect_timeout: float,
-        on_connection_lost: Callable[[], None],
-        name: str = "celery-semaphore-amqp",
-    ) -> None:
-        self.url = url
-        self.heartbeat = heartbeat
-        self.connect_timeout = connect_timeout
-        self.on_connection_lost = on_connection_lost
-        self.kombu: Optional[Connection] = None
-        self.conn: Optional[amqp.Connection] = None
-        self._commands: "queue.SimpleQueue[Tuple[Callable[..., Any], tuple, Future]]"
-        self._commands = queue.SimpleQueue()
-        self._timers: List[Tuple[float, int, Callable[[], None]]] = []
-        self._timer_ids = itertools.count()
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._stopped = False
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
-
-    # -- used from any thread ------------------------------------------------------------
-
-    def call(self, fn: Callable[..., Any], *args: Any, timeout: float = 60.0) -> Any:
-        if threading.current_thread() is self._thread:
-            return fn(*args)
-        if self._stopped:
-            raise BackendUnavailable("the AMQP backend was closed")
-        future: Future = Future()
-        self._commands.put((fn, args, future))
-        self._poke()
-        return future.result(timeout)
-
-    def call_at(self, when: float, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on the I/O thread at ``time.monotonic() >= when`` (from the I/O thread)."""
-        heapq.heappush(self._timers, (when, next(self._timer_ids), fn))
-
-    def stop(self) -> None:
-        if self._stopped:
-            return
-        try:
-            self.call(self._disconnect, timeout=5)
-        except Exception:
-            pass
-        self._stopped = True
-        self._poke()
-        self._thread.join(5)
-        if not self._thread.is_alive():
-            self._wake_r.close()
-            self._wake_w.close()
-
-    def _poke(self) -> None:
-        try:
-            self._wake_w.send(b"x")
-        except OSError:  # closed by stop(), or full: the loop is awake either way
-            pass
-
-    # -- the I/O thread ------------------------------------------------------------------
-
-    def connection(self) -> amqp.Connection:
-        """The live connection, connecting first if needed (I/O thread only)."""
-        if self.conn is None:
-            kombu_conn = Connection(
-                self.url, heartbeat=self.heartbeat, connect_timeout=self.connect_timeout
-            )
-            try:
-                kombu_conn.connect()
-            except Exception as exc:
-                raise BackendUnavailable(
-                    f"cannot reach the AMQP broker at {kombu_conn.as_uri()}: {exc}"
-                ) from exc
-            self.kombu = kombu_conn
-            self.conn = kombu_conn.connection
-        return self.conn
-
-    def _disconnect(self) -> None:
-        kombu_conn, self.kombu, self.conn = self.kombu, None, None
-        if kombu_conn is not None:
-            try:
-                kombu_conn.close()
-            except Exception:
-                pass
-
-    def lost(self, exc: BaseException) -> None:
-        """The connection failed: drop it and tell the owner (I/O thread only)."""
-        if self.conn is None:
-            return
-        logger.warning("AMQP semaphore connection lost: %r", exc, exc_info=exc)
-        kombu_conn, self.kombu, self.conn = self.kombu, None, None
-        try:
-            kombu_conn.collect()  # type: ignore[union-attr]
-        except Exception:
-            pass
-        self.on_connection_lost()
-
-    def _loop(self) -> None:
-        last_beat = time.monotonic()
-        while not self._stopped:
-            conn = self.conn
-            timeout = self.heartbeat / 4 if conn is not None else 1.0
-            if self._timers:
-                timeout = max(0.0, min(timeout, self._timers[0][0] - time.monotonic()))
-            watched = [self._wake_r]
-            sock = conn.transport.sock if conn is not None and conn.transport else None
-            if sock is not None:
-                watched.append(sock)
-                if getattr(sock, "pending", None) and sock.pending():
-                    timeout = 0  # TLS bytes already decrypted: select would not show them
-            try:
-                readable, _, _ = select.select(watched, [], [], timeout)
-            except (OSError, ValueError) as exc:  # the socket was closed under us
-                self.lost(exc)
-                continue
-            if self._wake_r in readable:
-                try:
-                    while self._wake_r.recv(4096):
-                        pass
-                except OSError:
-                    pass
-            self._run_timers()  # first: a lapsed lease gives up its slot before new requests
-            self._run_commands()
-            # Ask again: the commands' RPCs may have read what select saw, and a read
-            # that finds nothing would block the thread for the read timeout.
-            if sock is not None and sock in readable and self.conn is conn:
-                self._drain(sock)
-            if self.conn is not None and time.monotonic() - last_beat > self.heartbeat / 4:
-                last_beat = time.monotonic()
-                try:
-                    self.conn.heartbeat_tick(rate=4)
-                except CONNECTION_ERRORS as exc:
-                    self.lost(exc)
-        self._disconnect()
-        while True:  # calls that raced with stop(): fail them now rather than by their timeout
-            try:
-                _, _, future = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            if future.set_running_or_notify_cancel():
-                future.set_exception(BackendUnavailable("the AMQP backend was closed"))
-
-    def _drain(self, sock: socket.socket) -> None:
-        """Handle the frames that arrived, without starving the commands or the heartbeats.
-
-        One frame per read: ``drain_events`` would read on until a whole method arrived, and
-        the broker's heartbeat frames (every ``heartbeat / 2``) can keep it reading forever
-        while we send nothing, until the broker drops us for missed heartbeats. The read
-        timeout is generous because callbacks may run RPCs (py-amqp reopening a closed
-        channel) on it."""
-        for _ in range(100):
-            if self.conn is None or not _readable(sock):
-                return
-            try:
-                self.conn.blocking_read(timeout=5.0)
-            except socket.timeout:
-                return
-            except amqp_errors.ChannelError as exc:  # a channel closed by the broker
-                logger.debug("AMQP channel closed by the broker: %r", exc)
-            except CONNECTION_ERRORS as exc:
-                self.lost(exc)
-                return
-
-    def _run_commands(self) -> None:
-        while True:
-            try:
-                fn, args, future = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn(*args))
-            except BackendUnavailable as exc:  # a wait that timed out: the connection is fine
-                future.set_exception(exc)
-            except CONNECTION_ERRORS as exc:
-                self.lost(exc)
-                future.set_exception(BackendUnavailable(f"AMQP broker connection failed: {exc}"))
-            except BaseException as exc:
-                future.set_exception(exc)
-
-    def _run_timers(self) -> None:
-        now = time.monotonic()
-        while self._timers and self._timers[0][0] <= now:
-            _, _, fn = heapq.heappop(self._timers)
-            try:
-                fn()
-            except BackendUnavailable:
-                logger.exception("AMQP semaphore timer failed")
-            except CONNECTION_ERRORS as exc:
-                self.lost(exc)
-            except Exception:
-                logger.exception("AMQP semaphore timer failed")
-
-    def wait_for(self, done: Callable[[], bool], timeout: float, what: str = "") -> None:
-        """Process incoming frames until ``done()`` (I/O thread only), heartbeats included."""
-        started = time.monotonic()
-        warned = False
-        while not done():
-            waited = time.monotonic() - started
-            if waited >= timeout:
-                raise BackendUnavailable(f"waited {timeout}s for {what or 'the AMQP broker'}")
-            if waited > 5 and not warned:
-                warned = True
-                logger.warning("still waiting for %s after %.0fs", what or "the broker", waited)
-            conn = self.connection()
-            try:
-                conn.blocking_read(timeout=min(timeout - waited, 1.0))  # see _drain
-            except socket.timeout:
-                pass
-            conn.heartbeat_tick(rate=4)
-
-
-def _readable(sock: socket.socket) -> bool:
-    pending = getattr(sock, "pending", None)  # TLS: decrypted bytes the socket no longer shows
-    if pending is not None and pending():
-        return True
-    return bool(select.select([sock], [], [], 0)[0])
-
 
 def _text(body: Any) -> str:
     return body.decode("utf-8") if isinstance(body, bytes) else body
@@ -327,7 +83,7 @@ def watch_channel(channel: amqp.Channel, on_closed: Callable[[], None]) -> None:
 
 @dataclass
 class Hand:
-    """One holder's channel and the physical evidence of its slot."""
+    """One holder's channel and the physical evidence of its slot (kept by subclasses)."""
 
     name: str
     holder: str
@@ -335,18 +91,55 @@ class Hand:
     lost: bool = False
     granted: bool = False
     deadline: float = 0.0
-    consumer_tag: Optional[str] = None
-    message: Optional[amqp.Message] = None
     slot: Optional[int] = None
-    claimed: bool = False  # slot-queue backend: its exclusive queue is declared
+
+    def forget_evidence(self) -> None:
+        """The broker closed the channel, and took back what it held."""
+
+    def holds_nothing(self) -> bool:
+        """Nothing of this hand is left on its channel: the channel can serve another hand."""
+        return not self.lost
+
+    def awaits_delivery(self) -> bool:
+        """Its consumer will be delivered the evidence itself (no wake-up needed)."""
+        return False
 
 
-class RabbitBackend(ModelBackend):
+class RegistryTransaction(Transaction):
+    """A semaphore's registry message held (``version``; None when there is no registry
+    yet), its state, and the token generations the token backend stores beside it."""
+
+    def __init__(self, name: str, message: Optional[amqp.Message], now: float) -> None:
+        self.body = _text(message.body) if message is not None else None
+        document = json.loads(self.body) if self.body is not None else None
+        state = None
+        if document is not None:  # {"state": ..., "tokens": ...}; before 0.3 the bare state
+            state = State.from_dict(document.get("state", document))
+        super().__init__(name, state, now, message)
+        self.loaded_limit = state.limit if state is not None else None
+        legacy = (document or {}).get("extra", {})
+        #: token number (as a string) -> its current generation (token backend only)
+        self.tokens: Dict[str, int] = dict((document or {}).get("tokens", legacy.get("tokens", {})))
+        #: the new state is being stored: a failure now must not give the old message back
+        self.settled = False
+
+    def dumps(self) -> str:
+        assert self.state is not None
+        document: Dict[str, Any] = {"state": self.state.to_dict()}
+        if self.tokens:
+            document["tokens"] = self.tokens
+        return json.dumps(document, separators=(",", ":"))
+
+
+class RabbitBackend(DocumentBackend):
     """Base of the RabbitMQ backends: the registry (see module docstring) and the hands.
 
     Subclasses implement the physical side: :meth:`_create_physical`, :meth:`_resize_physical`,
-    :meth:`_delete_physical`, and the operations that involve their evidence.
+    :meth:`_delete_physical`, and the operations that involve their evidence, kept in their
+    :attr:`hand_class`.
     """
+
+    hand_class = Hand
 
     def __init__(
         self,
@@ -453,7 +246,7 @@ class RabbitBackend(ModelBackend):
         while self._spare and not self._spare[-1].is_open:
             self._spare.pop()
         channel = self._spare.pop() if self._spare else self._new_hand_channel()
-        hand = Hand(name, holder, channel)
+        hand = self.hand_class(name, holder, channel)
         self._owners[id(channel)] = hand
         self._hands[(name, holder)] = hand
         return hand
@@ -477,7 +270,7 @@ class RabbitBackend(ModelBackend):
             pass
         hand.channel = self._new_hand_channel()
         hand.lost = False
-        hand.consumer_tag = None
+        hand.forget_evidence()
         self._owners[id(hand.channel)] = hand
 
     def _channel_closed(self, channel: amqp.Channel) -> None:
@@ -485,8 +278,7 @@ class RabbitBackend(ModelBackend):
         hand = self._owners.pop(id(channel), None)
         if hand is not None:
             hand.lost = True
-            hand.message = None
-            hand.consumer_tag = None
+            hand.forget_evidence()
             self._evidence_lost([hand])
 
     def _close_hand(self, hand: Hand) -> None:
@@ -496,7 +288,7 @@ class RabbitBackend(ModelBackend):
         channel = hand.channel
         if self._owners.get(id(channel)) is hand:
             del self._owners[id(channel)]
-        reusable = hand.consumer_tag is None and hand.message is None and not hand.lost
+        reusable = hand.holds_nothing()
         try:
             if reusable and id(channel) not in self._tainted and len(self._spare) < 64:
                 self._spare.append(channel)
@@ -655,74 +447,64 @@ class RabbitBackend(ModelBackend):
             self._put(message, queue_name, json.dumps(value))
             return value
 
-    def _run(self, name: str, op: Callable[[Box], Any]) -> Any:
-        return self.link.call(self._run_here, name, op)
+    # -- the engine's storage: the registry message (I/O thread) ---------------------------
 
-    def _run_here(self, name: str, op: Callable[[Box], Any]) -> Any:
-        """ModelBackend's atomic section: take the state, apply ``op``, store (I/O thread)."""
-        queue_name = self.queue_name(name, "registry")
+    def _transact(self, name: str, rule: Any, *, write: bool = True) -> Any:
+        return self.link.call(functools.partial(super()._transact, write=write), name, rule)
+
+    @contextmanager
+    def _load(self, name: str) -> Iterator[Transaction]:
+        """Take the registry message (the semaphore's mutex) until :meth:`_commit` stores the
+        new state or the transaction ends. Any failure before the store gives the message
+        back: the registry is never left held by a live connection that will not touch it."""
         if self._wake_queue is None and self._watchers:
             self._listen_here()  # after a reconnect: the old wake-up queue died with it
-        for _ in range(10):
-            message = self._take(queue_name)
-            state = State.loads(_text(message.body)) if message is not None else None
-            before = state.admissible() if state is not None else set()
-            now = time.time()
-            if state is not None:
-                state.prune(now, self.idle_ttl)
-            old_limit = state.limit if state is not None else None
-            box = Box(state, now)
-            if message is None:
-                result = op(box)
-                if box.state is None:
-                    return result
-                if not self._create(queue_name, functools.partial(self._created, name, box.state)):
-                    continue  # another client created it first: decide again on its state
-                self._update_document(self.names_queue, functools.partial(_add, name), [])
-            else:
-                result = self._commit_registry(message, queue_name, name, box, op, state,
-                                               old_limit)
-            for client, holder in wakeups(before, box.state):
-                self._send_wakeup(client, name, holder)
-            return result
-        raise BackendUnavailable(f"semaphore {name!r}: the registry kept changing under us")
-
-    def _commit_registry(self, message: amqp.Message, queue_name: str, name: str, box: Box,
-                         op: Callable[[Box], Any], state: State, old_limit: int) -> Any:
-        """Apply ``op`` to the registry state held in ``message`` and store the outcome. Any
-        failure before the store gives the message back: the registry is never left held
-        by a live connection that will not touch it again."""
-        settled = False
+        message = self._take(self.queue_name(name, "registry"))
+        txn = RegistryTransaction(name, message, time.time())
         try:
-            result = op(box)
-            if box.state is None:
-                self._delete(message, queue_name,
-                             functools.partial(self._after_reset, name, state))
-                return result
-            if box.state.limit != old_limit:
-                self._resize_physical(name, box.state, old_limit)
-            body = box.state.dumps()
-            settled = True
-            if body == _text(message.body):
-                self._return_registry(message)
-            else:
-                self._put(message, queue_name, body)
-            return result
+            yield txn
         except BaseException:
-            if not settled and self.link.conn is not None:
+            if message is not None and not txn.settled and self.link.conn is not None:
                 try:
                     self._return_registry(message)
                 except CONNECTION_ERRORS + (amqp_errors.ChannelError,):
                     pass  # the broker requeues what a closed channel or connection held
             raise
+        if message is not None and not txn.settled:  # a read
+            self._return_registry(message)
 
-    def _created(self, name: str, state: State) -> str:
-        self._create_physical(name, state)
-        return state.dumps()
+    def _commit(self, txn: Transaction) -> bool:
+        assert isinstance(txn, RegistryTransaction)
+        name, queue_name = txn.name, self.queue_name(txn.name, "registry")
+        message = txn.version
+        if message is None:  # no registry yet
+            if txn.state is None:
+                return True
+            if not self._create(queue_name, functools.partial(self._created, txn)):
+                return False  # another client created it first: decide again on its state
+            self._update_document(self.names_queue, functools.partial(_add, name), [])
+            return True
+        if txn.state is None:
+            self._delete(message, queue_name, functools.partial(self._after_reset, txn))
+            txn.settled = True
+            return True
+        if txn.state.limit != txn.loaded_limit:
+            self._resize_physical(txn)
+        body = txn.dumps()
+        txn.settled = True
+        if body == txn.body:
+            self._return_registry(message)
+        else:
+            self._put(message, queue_name, body)
+        return True
 
-    def _after_reset(self, name: str, state: State) -> None:
-        self._delete_physical(name, state)
-        self._update_document(self.names_queue, functools.partial(_discard, name), [])
+    def _created(self, txn: "RegistryTransaction") -> str:
+        self._create_physical(txn)
+        return txn.dumps()
+
+    def _after_reset(self, txn: "RegistryTransaction") -> None:
+        self._delete_physical(txn)
+        self._update_document(self.names_queue, functools.partial(_discard, txn.name), [])
 
     def _stored_names(self) -> List[str]:
         def read() -> List[str]:
@@ -763,15 +545,16 @@ class RabbitBackend(ModelBackend):
 
     # -- physical side, per design (I/O thread, registry message held) -------------------
 
-    def _create_physical(self, name: str, state: State) -> None:
+    def _create_physical(self, txn: "RegistryTransaction") -> None:
         raise NotImplementedError
 
-    def _resize_physical(self, name: str, state: State, old_limit: int) -> None:
-        """Change the physical side to ``state.limit`` (registry message held; acks and
-        rejects on the ``tx`` channel commit with the new registry state)."""
+    def _resize_physical(self, txn: "RegistryTransaction") -> None:
+        """Change the physical side from ``txn.loaded_limit`` to ``txn.state.limit`` (registry
+        message held; acks and rejects on the ``tx`` channel commit with the new state)."""
         raise NotImplementedError
 
-    def _delete_physical(self, name: str, state: State) -> None:
+    def _delete_physical(self, txn: "RegistryTransaction") -> None:
+        """Remove the physical side of ``txn.loaded_limit`` slots."""
         raise NotImplementedError
 
     # -- wake-ups ------------------------------------------------------------------------
@@ -803,7 +586,7 @@ class RabbitBackend(ModelBackend):
         try:
             data = json.loads(_text(message.body))
             hand = self._hands.get((data["name"], data["holder"]))
-            if hand is not None and hand.consumer_tag is not None and hand.message is None:
+            if hand is not None and hand.awaits_delivery():
                 return  # its consumer is delivered the token itself
             self._notify(data["name"], data["holder"])
         except Exception:
@@ -818,9 +601,7 @@ class RabbitBackend(ModelBackend):
         hand = self._hands.get((name, holder))
         if hand is not None and hand.lost:  # the broker took the evidence back
             return False
-        return bool(self._run_here(
-            name, lambda box: box.state is not None and holder in box.state.holders
-        ))
+        return super().verify(name, holder)
 
     def ping(self) -> None:
         self.link.call(lambda: self.link.connection() and None)

@@ -41,13 +41,24 @@ from typing import Any, Optional, Set
 from amqp import exceptions as amqp_errors
 
 from ..base import Attempt, Meta
-from ..model import State, Waiter
-from .registry import Hand, RabbitBackend
+from ..engine import Transaction
+from ..model import Waiter
+from .registry import Hand, RabbitBackend, RegistryTransaction
+
+
+class SlotHand(Hand):
+    """A holder's channel; ``claimed`` while its exclusive B queue is declared on it."""
+
+    def __init__(self, name: str, holder: str, channel: Any) -> None:
+        super().__init__(name, holder, channel)
+        self.claimed = False
 
 
 class SlotQueueBackend(RabbitBackend):
     """The slot-queue semaphore on RabbitMQ. Options: ``lock_retries`` (default 5),
     ``overshoot`` (default 8), and those of :class:`.registry.RabbitBackend`."""
+
+    hand_class = SlotHand
 
     def __init__(self, url: str, *, lock_retries: int = 5, overshoot: int = 8,
                  **options: Any) -> None:
@@ -81,20 +92,22 @@ class SlotQueueBackend(RabbitBackend):
         for slot in range(top + self.overshoot - 1, down_to - 1, -1):
             channel.queue_delete(self.slot_queue(name, slot))
 
-    def _create_physical(self, name: str, state: State) -> None:
-        self._delete_slots(name, state.limit, state.limit)  # leftovers of an earlier life
-        self._declare_slots(name, range(state.limit))
+    def _create_physical(self, txn: RegistryTransaction) -> None:
+        limit = txn.state.limit
+        self._delete_slots(txn.name, limit, limit)  # leftovers of an earlier life
+        self._declare_slots(txn.name, range(limit))
 
-    def _resize_physical(self, name: str, state: State, old_limit: int) -> None:
-        if state.limit > old_limit:
-            self._declare_slots(name, range(old_limit, state.limit))
+    def _resize_physical(self, txn: RegistryTransaction) -> None:
+        limit, old_limit = txn.state.limit, txn.loaded_limit
+        if limit > old_limit:
+            self._declare_slots(txn.name, range(old_limit, limit))
         else:
-            self._delete_slots(name, state.limit, old_limit)
+            self._delete_slots(txn.name, limit, old_limit)
 
-    def _delete_physical(self, name: str, state: State) -> None:
-        self._delete_slots(name, 0, state.limit)
+    def _delete_physical(self, txn: RegistryTransaction) -> None:
+        self._delete_slots(txn.name, 0, txn.loaded_limit)
 
-    def _claimed_by_another_hand(self, hand: Hand, slot: int) -> bool:
+    def _claimed_by_another_hand(self, hand: SlotHand, slot: int) -> bool:
         """Exclusive queues belong to the connection: a second hand of this process would
         re-declare a B queue this process holds without an error, so look here first."""
         return any(
@@ -102,7 +115,7 @@ class SlotQueueBackend(RabbitBackend):
             and other.slot == slot for other in self._hands.values()
         )
 
-    def _claim(self, hand: Hand, slot: int) -> bool:
+    def _claim(self, hand: SlotHand, slot: int) -> bool:
         """Declare the slot's B queue on the hand's channel; False if another holds it."""
         if self._claimed_by_another_hand(hand, slot):
             return False
@@ -115,7 +128,7 @@ class SlotQueueBackend(RabbitBackend):
         hand.claimed = True
         return True
 
-    def _drop_evidence(self, hand: Hand, keep: bool) -> None:
+    def _drop_evidence(self, hand: SlotHand, keep: bool) -> None:
         claimed, hand.claimed = hand.claimed, False
         if claimed and hand.slot is not None and hand.channel.is_open and not (
             self._claimed_by_another_hand(hand, hand.slot)
@@ -136,17 +149,13 @@ class SlotQueueBackend(RabbitBackend):
             self._release_here(name, holder)  # its B queue is gone: so is its lease
         locked: Set[int] = set()
         for attempt_number in range(self.lock_retries + 1):
-            def op(box: Any) -> Attempt:
-                if box.state is None:
-                    box.state = State(limit=limit)
-                slots = [s for s in range(box.state.limit) if s not in locked]
-                return box.state.acquire(
-                    holder, declared=limit, ttl=ttl, meta=meta, wait=wait,
-                    client=self.client_id, now=box.now, waiter_ttl=self.waiter_ttl,
-                    slots=slots,
-                )
+            def admit(txn: Transaction) -> Attempt:
+                if txn.state is None:
+                    txn.state = txn.new_state(limit)
+                slots = [s for s in range(txn.state.limit) if s not in locked]
+                return self._admit(txn, holder, limit, ttl, meta, wait, slots=slots)
 
-            attempt = self._run_here(name, op)
+            attempt = self._transact(name, admit)
             if attempt.grant is None:
                 if not wait and (name, holder) in self._hands:
                     self._close_hand(self._hands[(name, holder)])
@@ -160,22 +169,22 @@ class SlotQueueBackend(RabbitBackend):
             # Granted by the registry, but the previous holder's B queue is still there: give
             # the slot back and stay first in line (we were), then try another slot.
             locked.add(attempt.grant.slot)
-            self._run_here(name, functools.partial(self._back_to_the_head, holder, meta, wait))
+            self._transact(name, functools.partial(self._back_to_the_head, holder, meta, wait))
             self._close_hand(hand)
             time.sleep(random.uniform(0.001, 0.005) * (attempt_number + 1))
         return Attempt(None, 0 if wait else None, 0.05, attempt.limit)
 
-    def _back_to_the_head(self, holder: str, meta: Meta, wait: bool, box: Any) -> None:
-        state = box.state
+    def _back_to_the_head(self, holder: str, meta: Meta, wait: bool, txn: Transaction) -> None:
+        state = txn.state
         if state is None or not state.release(holder) or not wait:
             return
         ticket = min((w.ticket for w in state.waiters.values()), default=state.next_ticket) - 1
-        state.waiters[holder] = Waiter(ticket, box.now, box.now + self.waiter_ttl,
+        state.waiters[holder] = Waiter(ticket, txn.now, txn.now + self.waiter_ttl,
                                        self.client_id, meta)
 
     def _release_here(self, name: str, holder: str) -> bool:
-        released = self._run_here(
-            name, lambda box: box.state is not None and box.state.release(holder)
+        released = self._transact(
+            name, lambda txn: txn.state is not None and txn.state.release(holder)
         )
         hand = self._hands.get((name, holder))
         if hand is not None:
@@ -184,7 +193,7 @@ class SlotQueueBackend(RabbitBackend):
         return released
 
     def cancel(self, name: str, holder: str) -> None:
-        self._run(name, lambda box: box.state.cancel(holder) if box.state else None)
+        self._transact(name, lambda txn: txn.state.cancel(holder) if txn.state else None)
 
     def _renew_here(self, name: str, holder: str, ttl: float, requested_at: float
                     ) -> Optional[float]:
@@ -192,8 +201,8 @@ class SlotQueueBackend(RabbitBackend):
         if hand is not None and hand.lost:
             self._release_here(name, holder)
             return None
-        expiry = self._run_here(
-            name, lambda box: box.state.renew(holder, ttl, box.now) if box.state else None
+        expiry = self._transact(
+            name, lambda txn: txn.state.renew(holder, ttl, txn.now) if txn.state else None
         )
         if hand is not None:
             if expiry is None:

@@ -45,13 +45,14 @@ from __future__ import annotations
 import functools
 import json
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import amqp
 
 from ..base import Attempt, Meta
-from ..model import State, next_epoch
-from .registry import Hand, RabbitBackend, _text
+from ..engine import Transaction
+from ..model import next_epoch
+from .registry import Hand, RabbitBackend, RegistryTransaction, _text
 
 
 def token_of(message: Optional[amqp.Message]) -> Optional[Tuple[int, int]]:
@@ -66,9 +67,41 @@ def is_current(tokens: Dict[str, int], token: Tuple[int, int]) -> bool:
     return tokens.get(str(token[0])) == token[1]
 
 
+class TokenHand(Hand):
+    """A holder's channel with its token: delivered to ``message`` (unacked), or awaited by
+    the consumer ``consumer_tag``."""
+
+    def __init__(self, name: str, holder: str, channel: amqp.Channel) -> None:
+        super().__init__(name, holder, channel)
+        self.message: Optional[amqp.Message] = None
+        self.consumer_tag: Optional[str] = None
+
+    def forget_evidence(self) -> None:
+        self.message = None
+        self.consumer_tag = None
+
+    def holds_nothing(self) -> bool:
+        return self.consumer_tag is None and self.message is None and not self.lost
+
+    def awaits_delivery(self) -> bool:
+        return self.consumer_tag is not None and self.message is None
+
+
+class TokenVerdict(NamedTuple):
+    """What the acquire rule decided, and what it saw of the token we hold."""
+
+    attempt: Attempt
+    created: bool  # the semaphore did not exist: this attempt created it
+    token_stale: bool  # our token is above the limit or of an old generation
+    token_slot_held: bool  # another holder's lease still covers our token's slot
+    free: int  # limit - holders, before admitting us
+
+
 class TokenBackend(RabbitBackend):
     """The token-queue semaphore on RabbitMQ. Options: ``heartbeat`` (s, default 10),
     ``connect_timeout``, ``registry_timeout``, plus the common backend options."""
+
+    hand_class = TokenHand
 
     def tokens_queue(self, name: str) -> str:
         return self.queue_name(name, "tokens")
@@ -87,7 +120,8 @@ class TokenBackend(RabbitBackend):
                 exchange="", routing_key=self.tokens_queue(name),
             )
 
-    def _create_physical(self, name: str, state: State) -> None:
+    def _create_physical(self, txn: RegistryTransaction) -> None:
+        name, limit = txn.name, txn.state.limit
         channel = self._channel("confirm")
         queue_name = self.tokens_queue(name)
         channel.queue_declare(
@@ -95,20 +129,20 @@ class TokenBackend(RabbitBackend):
         )
         channel.queue_purge(queue_name)  # tokens of an earlier incarnation
         generation = next_epoch(0, time.time())
-        state.extra["tokens"] = {str(n): generation for n in range(state.limit)}
-        self._publish_tokens(name, range(state.limit), generation)
+        txn.tokens = {str(n): generation for n in range(limit)}
+        self._publish_tokens(name, range(limit), generation)
 
-    def _resize_physical(self, name: str, state: State, old_limit: int) -> None:
-        tokens: Dict[str, int] = state.extra.setdefault("tokens", {})
-        if state.limit > old_limit:
+    def _resize_physical(self, txn: RegistryTransaction) -> None:
+        name, tokens, limit, old_limit = txn.name, txn.tokens, txn.state.limit, txn.loaded_limit
+        if limit > old_limit:
             # Published before the registry lists them: if we die first, they are stale
             # tokens (not listed) and whoever takes one acks it away.
             generation = next_epoch(max(tokens.values(), default=0), time.time())
-            for number in range(old_limit, state.limit):
+            for number in range(old_limit, limit):
                 tokens[str(number)] = generation
-            self._publish_tokens(name, range(old_limit, state.limit), generation)
+            self._publish_tokens(name, range(old_limit, limit), generation)
         else:
-            for number in range(state.limit, old_limit):
+            for number in range(limit, old_limit):
                 tokens.pop(str(number), None)
             self._ack_surplus(name, tokens)
 
@@ -130,13 +164,13 @@ class TokenBackend(RabbitBackend):
             else:
                 channel.basic_ack(message.delivery_tag)
 
-    def _delete_physical(self, name: str, state: State) -> None:
-        self._channel("confirm").queue_delete(self.tokens_queue(name))
-        self._known.discard(self.tokens_queue(name))
+    def _delete_physical(self, txn: RegistryTransaction) -> None:
+        self._channel("confirm").queue_delete(self.tokens_queue(txn.name))
+        self._known.discard(self.tokens_queue(txn.name))
 
     # -- hands ---------------------------------------------------------------------------
 
-    def _take_token(self, hand: Hand) -> None:
+    def _take_token(self, hand: TokenHand) -> None:
         queue_name = self.tokens_queue(hand.name)
         if hand.message is None and self._exists(queue_name):
             try:
@@ -145,7 +179,7 @@ class TokenBackend(RabbitBackend):
                 self._known.discard(queue_name)
                 self._rehome(hand)  # the broker closed its channel (py-amqp reopened it bare)
 
-    def _consume(self, hand: Hand) -> None:
+    def _consume(self, hand: TokenHand) -> None:
         if hand.consumer_tag is None and hand.message is None:
             hand.consumer_tag = hand.channel.basic_consume(
                 self.tokens_queue(hand.name),
@@ -153,14 +187,14 @@ class TokenBackend(RabbitBackend):
                 on_cancel=lambda tag: self._consumer_cancelled(hand, tag),
             )
 
-    def _consumer_cancelled(self, hand: Hand, tag: str) -> None:
+    def _consumer_cancelled(self, hand: TokenHand, tag: str) -> None:
         """The broker cancelled our consumer: the token queue was deleted (a reset)."""
         if hand.consumer_tag == tag:
             hand.consumer_tag = None
             self._known.discard(self.tokens_queue(hand.name))
             self._notify(hand.name, hand.holder)  # re-try: the semaphore is gone or new
 
-    def _stop_consuming(self, hand: Hand) -> None:
+    def _stop_consuming(self, hand: TokenHand) -> None:
         tag, hand.consumer_tag = hand.consumer_tag, None
         if tag is not None and hand.channel.is_open:
             # nowait (this runs inside delivery callbacks too): py-amqp would keep the
@@ -170,7 +204,7 @@ class TokenBackend(RabbitBackend):
             hand.channel.callbacks.pop(tag, None)
             hand.channel.cancel_callbacks.pop(tag, None)
 
-    def _on_token(self, hand: Hand, message: amqp.Message) -> None:
+    def _on_token(self, hand: TokenHand, message: amqp.Message) -> None:
         self._stop_consuming(hand)
         if self._hands.get((hand.name, hand.holder)) is not hand or hand.message is not None:
             hand.channel.basic_reject(message.delivery_tag, requeue=True)
@@ -178,7 +212,7 @@ class TokenBackend(RabbitBackend):
         hand.message = message
         self._notify(hand.name, hand.holder)
 
-    def _drop_evidence(self, hand: Hand, keep: bool) -> None:
+    def _drop_evidence(self, hand: TokenHand, keep: bool) -> None:
         self._stop_consuming(hand)
         message, hand.message = hand.message, None
         if message is None or not hand.channel.is_open:
@@ -188,7 +222,7 @@ class TokenBackend(RabbitBackend):
         else:
             hand.channel.basic_ack(message.delivery_tag)
 
-    def _give_up(self, hand: Hand, tokens: Optional[Dict[str, int]]) -> None:
+    def _give_up(self, hand: TokenHand, tokens: Optional[Dict[str, int]]) -> None:
         """Return the hand's token (ack it when no longer current) and close its channel."""
         token = token_of(hand.message) if not hand.lost else None
         self._drop_evidence(hand, keep=token is not None and tokens is not None
@@ -223,24 +257,26 @@ class TokenBackend(RabbitBackend):
                     pass
             raise
 
-    def _look_for_token(self, hand: Hand, name: str, holder: str, limit: int, ttl: float,
+    def _look_for_token(self, hand: TokenHand, name: str, holder: str, limit: int, ttl: float,
                         meta: Meta, wait: bool, requested_at: float,
                         parked: List[amqp.Message]) -> Attempt:
         created = False
         for _ in range(limit + 64):
             self._take_token(hand)
             token = token_of(hand.message)
-            seen: Dict[str, Any] = {}
-            op = functools.partial(self._acquire_op, holder, limit, ttl, meta, wait, token, seen)
-            attempt = self._run_here(name, op)
-            if seen["created"] and not created:
+            verdict: TokenVerdict = self._transact(
+                name, functools.partial(self._admit_with_token, holder, limit, ttl, meta, wait,
+                                        token)
+            )
+            attempt = verdict.attempt
+            if verdict.created and not created:
                 created = True  # the tokens exist now: look again
                 continue
             if attempt.grant is not None or token is None:
                 break
-            if seen["stale"]:
+            if verdict.token_stale:
                 self._drop_evidence(hand, keep=False)
-            elif seen["taken"]:
+            elif verdict.token_slot_held:
                 parked.append(hand.message)
                 hand.message = None
             else:
@@ -260,51 +296,47 @@ class TokenBackend(RabbitBackend):
                 self._arm_deadline(hand, attempt.grant.ttl, requested_at)
         elif not wait:
             self._close_hand(hand)
-        elif attempt.position is not None and attempt.position < seen.get("free", 0):
+        elif attempt.position is not None and attempt.position < verdict.free:
             self._consume(hand)  # next in line, only the token is missing
         else:
             self._stop_consuming(hand)
         return attempt
 
-    def _acquire_op(
+    def _admit_with_token(
         self, holder: str, limit: int, ttl: float, meta: Meta, wait: bool,
-        token: Optional[Tuple[int, int]], seen: Dict[str, Any], box: Any,
-    ) -> Attempt:
-        """The registry side of acquire: FIFO rule, restricted to the slot of our token."""
-        seen["created"] = box.state is None
-        if box.state is None:
-            box.state = State(limit=limit)
-            box.state.extra["tokens"] = {}
-        state: State = box.state
-        tokens = state.extra.get("tokens", {})
-        seen["stale"] = token is not None and not is_current(tokens, token)
-        seen["taken"] = token is not None and any(
+        token: Optional[Tuple[int, int]], txn: Transaction,
+    ) -> "TokenVerdict":
+        """The acquire rule, restricted to the slot of the token we hold (if any)."""
+        assert isinstance(txn, RegistryTransaction)
+        created = txn.state is None
+        state = txn.state or txn.new_state(limit)
+        txn.state = state
+        stale = token is not None and not is_current(txn.tokens, token)
+        slot_held = token is not None and any(
             h.slot == token[0] for k, h in state.holders.items() if k != holder
         )
-        slots = [token[0]] if token is not None and not seen["stale"] else []
-        seen["free"] = state.limit - len(state.holders)
-        return state.acquire(
-            holder, declared=limit, ttl=ttl, meta=meta, wait=wait, client=self.client_id,
-            now=box.now, waiter_ttl=self.waiter_ttl, slots=slots,
-        )
+        free = state.limit - len(state.holders)
+        slots = [token[0]] if token is not None and not stale else []
+        attempt = self._admit(txn, holder, limit, ttl, meta, wait, slots=slots)
+        return TokenVerdict(attempt, created, stale, slot_held, free)
 
-    def _run_with_tokens(self, name: str, op: Callable[[Any], Any], missing: Any
-                         ) -> Tuple[Any, Optional[Dict[str, int]]]:
-        """Run ``op`` on the registry box (its state present); also return the current token
-        generations (None when the semaphore is gone): whether a held token goes back or away."""
-        seen: Dict[str, Any] = {}
+    def _with_tokens(self, name: str, rule: Callable[[Transaction], Any], missing: Any
+                     ) -> Tuple[Any, Optional[Dict[str, int]]]:
+        """Apply ``rule`` to the semaphore (``missing`` when it does not exist); also return
+        the current token generations (None when the semaphore is gone): whether a held token
+        goes back to the queue or away."""
 
-        def wrapped(box: Any) -> Any:
-            if box.state is None:
-                return missing
-            seen["tokens"] = dict(box.state.extra.get("tokens", {}))
-            return op(box)
+        def with_tokens(txn: Transaction) -> Tuple[Any, Optional[Dict[str, int]]]:
+            assert isinstance(txn, RegistryTransaction)
+            if txn.state is None:
+                return missing, None
+            return rule(txn), dict(txn.tokens)
 
-        return self._run_here(name, wrapped), seen.get("tokens")
+        return self._transact(name, with_tokens)
 
     def _release_here(self, name: str, holder: str) -> bool:
-        released, tokens = self._run_with_tokens(
-            name, lambda box: box.state.release(holder), False
+        released, tokens = self._with_tokens(
+            name, lambda txn: txn.state.release(holder), False
         )
         hand = self._hands.get((name, holder))
         if hand is not None:
@@ -319,7 +351,7 @@ class TokenBackend(RabbitBackend):
         if hand is not None and not hand.granted:
             self._drop_evidence(hand, keep=True)
             self._close_hand(hand)
-        self._run_here(name, lambda box: box.state.cancel(holder) if box.state else None)
+        self._transact(name, lambda txn: txn.state.cancel(holder) if txn.state else None)
 
     def _renew_here(self, name: str, holder: str, ttl: float, requested_at: float
                     ) -> Optional[float]:
@@ -327,8 +359,8 @@ class TokenBackend(RabbitBackend):
         if hand is not None and hand.lost:  # the broker took the token back
             self._release_here(name, holder)
             return None
-        expiry, tokens = self._run_with_tokens(
-            name, lambda box: box.state.renew(holder, ttl, box.now), None
+        expiry, tokens = self._with_tokens(
+            name, lambda txn: txn.state.renew(holder, ttl, txn.now), None
         )
         if hand is not None:
             if expiry is None:
