@@ -114,15 +114,15 @@ def test_sessions_another_process_pruned_are_forgotten(consul_url, prefix):
     ours, theirs = (ConsulBackend(consul_url, key_prefix=prefix) for _ in range(2))
     try:
         assert ours.acquire("c", "a", limit=1, ttl=0.3, meta={}, wait=False).grant
-        [session] = ours._owned
+        [session] = ours.sessions.owned
         time.sleep(0.4)
         assert theirs.acquire("c", "b", limit=1, ttl=30, meta={}, wait=False).grant  # prunes a
         assert admin(consul_url).session.info(session)[1] is None
-        ttl, renewed = ours._owned[session]
-        ours._owned[session] = (ttl, renewed - 2 * ttl - 1)  # twice its TTL without renewal
+        ttl, renewed = ours.sessions.owned[session]
+        ours.sessions.owned[session] = (ttl, renewed - 2 * ttl - 1)  # twice its TTL without renewal
         assert theirs.release("c", "b")
         assert ours.acquire("c", "c", limit=1, ttl=30, meta={}, wait=False).grant
-        assert session not in ours._owned and len(ours._owned) == 1
+        assert session not in ours.sessions.owned and len(ours.sessions.owned) == 1
     finally:
         ours.close()
         theirs.close()
@@ -199,7 +199,7 @@ def test_short_lived_threads_leave_no_connection_open(consul_url, prefix):
     """Callers' threads, the spare-session sweeper and the watchers come and go; they share
     a few pooled HTTP connections (one per thread would pile up to Consul's per-client
     connection limit in a long-lived worker)."""
-    from celery_semaphore.backends.consul import backend as module
+    from celery_semaphore.backends.consul import http as module
 
     fds = len(os.listdir("/proc/self/fd"))
     backend = ConsulBackend(consul_url, key_prefix=prefix, spare_keep=0.05)
