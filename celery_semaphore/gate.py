@@ -29,8 +29,6 @@ Release, exactly once, on every way a task ends (all in the main process):
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import logging
 import os
 import random
@@ -53,6 +51,7 @@ from .backends.base import Backend, Grant, new_holder_id
 from .exceptions import ConfigurationError, SemaphoreError, SemaphoreTimeout
 from .guards import Guard, Guards
 from .keeper import default_keeper
+from .scheduler import Scheduler
 from .semaphore import Lease
 from .settings import Settings
 from .states import WAITING, WAITING_EVENT
@@ -90,49 +89,6 @@ def process_alive(pid: int) -> bool:
     except PermissionError:
         pass
     return True
-
-
-class IOThread:
-    """One daemon thread running callables at due times, in order."""
-
-    def __init__(self, name: str) -> None:
-        self._heap: List[Tuple[float, int, Callable[..., Any], tuple]] = []
-        self._counter = itertools.count()
-        self._cond = threading.Condition()
-        self._stopped = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self, timeout: float = 5.0) -> None:
-        with self._cond:
-            self._stopped = True
-            self._cond.notify()
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
-
-    def call(self, fn: Callable[..., Any], *args: Any, delay: float = 0.0) -> None:
-        with self._cond:
-            heapq.heappush(self._heap, (time.monotonic() + delay, next(self._counter), fn, args))
-            self._cond.notify()
-
-    def _run(self) -> None:
-        """Run each callable when due; once stopped, run what is left at once, then exit."""
-        while True:
-            with self._cond:
-                while True:
-                    if self._heap and (self._stopped or self._heap[0][0] <= time.monotonic()):
-                        _, _, fn, args = heapq.heappop(self._heap)
-                        break
-                    if self._stopped:
-                        return
-                    timeout = self._heap[0][0] - time.monotonic() if self._heap else None
-                    self._cond.wait(timeout)
-            try:
-                fn(*args)
-            except Exception:
-                logger.exception("celery-semaphore: %r failed", fn)
 
 
 class LoopCaller:
@@ -260,7 +216,7 @@ class Gate:
         # our completion callbacks, frees a process.
         self.handoffs: Deque[Any] = deque()
         self.loop = LoopCaller(consumer.hub, self.lock, self._flush_handoffs)
-        self.io = IOThread("celery-semaphore-gate")
+        self.io = Scheduler("celery-semaphore-gate")
         self.pending: Dict[str, Pending] = {}  # holder -> Pending
         self.line: Deque[Pending] = deque()  # waiting for a free local pool process
         self.queued: Dict[str, int] = {}  # semaphore name -> requests in the backend's queue
@@ -278,7 +234,6 @@ class Gate:
         self.loop.start()
         if not self._running:
             self._running = True
-            self.io.start()
             self.io.call(self._tick, delay=self.settings.poll_interval)
             signals.task_revoked.connect(self._on_task_revoked, weak=False)
 

@@ -1,6 +1,6 @@
 """Background renewal of leases, with lost-lease detection.
 
-One daemon thread per process renews every registered lease each time a third of its TTL has
+A scheduler thread renews every registered lease each time a third of its TTL has
 passed, so two renewals can fail before the lease expires. A renewal that finds the lease gone
 marks it lost at once; a renewal that cannot reach the backend is retried until the lease's
 local deadline passes, and then the lease is marked lost too: never later than the backend
@@ -12,8 +12,9 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
-from typing import TYPE_CHECKING, Dict, Optional
+from typing import TYPE_CHECKING, Dict
+
+from .scheduler import Scheduler, Timer
 
 if TYPE_CHECKING:
     from .semaphore import Lease
@@ -25,48 +26,31 @@ RETRY_DELAY = 0.5
 
 
 class LeaseKeeper:
-    """Renews leases from a daemon thread started on first use (per process)."""
+    """Renews leases on a :class:`.scheduler.Scheduler` thread (one per keeper and process)."""
 
     def __init__(self) -> None:
+        self._scheduler = Scheduler("celery-semaphore-keeper")
         self._forked()
         if hasattr(os, "register_at_fork"):
-            # A fork can happen while the keeper's thread holds the condition's lock; the
-            # child would wait for it for ever. The parent's leases are not the child's.
+            # The parent's leases are not the child's (the scheduler drops its calls too).
             os.register_at_fork(after_in_child=self._forked)
 
     def _forked(self) -> None:
-        self._due: Dict["Lease", float] = {}
-        self._cond = threading.Condition()
-        self._thread: Optional[threading.Thread] = None
+        self._lock = threading.Lock()
+        self._timers: Dict["Lease", Timer] = {}
 
     def add(self, lease: "Lease") -> None:
-        with self._cond:
-            self._due[lease] = time.monotonic() + lease.ttl / 3
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="celery-semaphore-keeper", daemon=True
-                )
-                self._thread.start()
-            self._cond.notify()
+        """Renew ``lease`` every third of its TTL until it is discarded, released or lost."""
+        self._reschedule(lease, lease.ttl / 3, add=True)
 
     def discard(self, lease: "Lease") -> None:
-        with self._cond:
-            self._due.pop(lease, None)
+        with self._lock:
+            timer = self._timers.pop(lease, None)
+        if timer is not None:
+            timer.cancel()
 
     def __len__(self) -> int:
-        return len(self._due)
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                now = time.monotonic()
-                due = [lease for lease, at in self._due.items() if at <= now]
-                if not due:
-                    wait = min(self._due.values(), default=now + 60) - now
-                    self._cond.wait(max(wait, 0.001))
-                    continue
-            for lease in due:
-                self._renew(lease)
+        return len(self._timers)
 
     def _renew(self, lease: "Lease") -> None:
         try:
@@ -88,10 +72,14 @@ class LeaseKeeper:
             logger.error("lease %r lost: the backend no longer holds it", lease)
             self.discard(lease)
 
-    def _reschedule(self, lease: "Lease", delay: float) -> None:
-        with self._cond:
-            if lease in self._due:
-                self._due[lease] = time.monotonic() + delay
+    def _reschedule(self, lease: "Lease", delay: float, add: bool = False) -> None:
+        with self._lock:
+            old = self._timers.get(lease)
+            if old is None and not add:  # discarded meanwhile
+                return
+            if old is not None:
+                old.cancel()
+            self._timers[lease] = self._scheduler.call(self._renew, lease, delay=delay)
 
 
 default_keeper = LeaseKeeper()

@@ -1,84 +1,108 @@
-"""The library's background threads: the lease keeper and the gate's I/O thread."""
+"""The library's background threads: the scheduler and the lease keeper built on it."""
 
 import os
 import threading
 import time
 
 from celery_semaphore import Semaphore
-from celery_semaphore.gate import IOThread
 from celery_semaphore.keeper import LeaseKeeper
+from celery_semaphore.scheduler import Scheduler
+from tests.util import wait_until
 
 
-def test_a_fork_while_the_keeper_holds_its_lock_does_not_deadlock_the_child():
-    keeper = LeaseKeeper()
-    holding, forked = threading.Event(), threading.Event()
+def test_calls_run_in_due_order_and_a_cancelled_one_never_runs():
+    scheduler = Scheduler("test-order")
+    ran, done = [], threading.Event()
+    scheduler.call(ran.append, 3, delay=0.06)
+    scheduler.call(ran.append, 1)
+    cancelled = scheduler.call(ran.append, "cancelled", delay=0.03)
+    scheduler.call(ran.append, 2, delay=0.03)
+    cancelled.cancel()
+    scheduler.call(done.set, delay=0.1)
+    assert done.wait(5)
+    scheduler.stop()
+    assert ran == [1, 2, 3]
 
-    def keeper_thread():  # as the keeper's thread does while it looks for due leases
-        with keeper._cond:
-            holding.set()
-            forked.wait(10)
 
-    thread = threading.Thread(target=keeper_thread)
+def test_a_stopped_scheduler_runs_what_is_left_and_its_thread_ends():
+    """Releases scheduled a little ahead (waiting for a pool child to exit) must not be dropped
+    when the worker shuts down."""
+    scheduler = Scheduler("test-stop")
+    ran = []
+    scheduler.call(ran.append, "later", delay=30)
+    scheduler.call(ran.append, "now")
+    assert wait_until(lambda: ran == ["now"])
+    scheduler.stop(timeout=5)
+    assert ran == ["now", "later"]
+    assert not any(t.name == "test-stop" for t in threading.enumerate())
+    scheduler.call(ran.append, "after stop")  # runs at once, in the caller
+    assert ran[-1] == "after stop"
+
+
+def test_a_failing_call_is_logged_and_the_next_ones_run(caplog):
+    scheduler = Scheduler("test-fail")
+    done = threading.Event()
+    scheduler.call(lambda: 1 / 0)
+    scheduler.call(done.set)
+    assert done.wait(5)
+    scheduler.stop()
+    assert "ZeroDivisionError" in caplog.text
+
+
+def test_a_forked_child_schedules_and_runs_calls_of_its_own():
+    """A fork can come while another thread schedules (holding the scheduler's lock) and the
+    parent's thread does not exist in the child: the child must still run its calls, and never
+    the parent's."""
+    scheduler = Scheduler("test-fork")
+    parents = []
+    scheduler.call(parents.append, "parent's", delay=60)
+    busy = threading.Event()
+
+    def schedule_constantly():
+        while not busy.is_set():
+            scheduler.call(lambda: None, delay=120)
+
+    thread = threading.Thread(target=schedule_constantly)
     thread.start()
-    holding.wait(5)
-    pid = os.fork()
-    if pid == 0:
-        ok = keeper._cond.acquire(timeout=2)
-        os._exit(0 if ok and len(keeper) == 0 else 1)
-    forked.set()
-    thread.join()
-    deadline = time.monotonic() + 10
+    try:
+        for _ in range(20):
+            pid = os.fork()
+            if pid == 0:
+                ran = threading.Event()
+                scheduler.call(ran.set)
+                os._exit(0 if ran.wait(2) and scheduler.pending() == 0 else 1)
+            assert _exit_code(pid, timeout=10) == 0
+    finally:
+        busy.set()
+        thread.join()
+    assert parents == []
+
+
+def test_the_keeper_keeps_a_lease_past_its_ttl_and_a_release_is_not_reported_lost(caplog):
+    keeper = LeaseKeeper()
+    sem = Semaphore("kept", 1, "memory://keeper", ttl=0.3, auto_renew=False)
+    for _ in range(3):
+        lease = sem.acquire()
+        keeper.add(lease)
+        time.sleep(0.5)  # past its TTL: only the keeper's renewals keep it
+        assert lease.verify() and lease.remaining > 0
+        lease.release()
+        keeper.discard(lease)
+        assert len(keeper) == 0
+    lease = sem.acquire()
+    keeper.add(lease)
+    lease.release()  # released without discard: its next renewal finds it released
+    assert wait_until(lambda: len(keeper) == 0)
+    assert "lost" not in caplog.text
+
+
+def _exit_code(pid, timeout):
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
-            assert os.waitstatus_to_exitcode(status) == 0
-            return
+            return os.waitstatus_to_exitcode(status)
         time.sleep(0.01)
     os.kill(pid, 9)
-    raise AssertionError("the forked child is stuck on the keeper's lock")
-
-
-def test_the_keeper_renews_and_a_released_lease_is_not_reported_lost(caplog):
-    keeper = LeaseKeeper()
-    lease = Semaphore("kept", 1, "memory://keeper", ttl=0.3).acquire()
-    keeper.add(lease)
-    time.sleep(0.5)  # past its TTL: only renewals keep it
-    assert lease.verify()
-    lease.release()
-    keeper._renew(lease)  # a renewal that was due when the release came
-    assert len(keeper) == 0 and "lost" not in caplog.text
-
-
-def test_a_stopped_io_thread_runs_what_is_left_before_it_exits():
-    """Releases scheduled a little ahead (waiting for a pool child to exit) must not be dropped
-    when the worker shuts down."""
-    io = IOThread("test-io")
-    io.start()
-    ran = []
-    io.call(ran.append, "later", delay=30)
-    io.call(ran.append, "now")
-    assert _wait(lambda: ran == ["now"])
-    io.stop(timeout=5)
-    assert ran == ["now", "later"]
-    assert not io._thread.is_alive()
-
-
-def _wait(predicate, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return False
-
-
-def test_io_thread_runs_calls_in_due_order():
-    io = IOThread("test-io-order")
-    io.start()
-    ran, done = [], threading.Event()
-    io.call(ran.append, 2, delay=0.05)
-    io.call(ran.append, 1)
-    io.call(done.set, delay=0.1)
-    assert done.wait(5)
-    io.stop()
-    assert ran == [1, 2]
+    os.waitpid(pid, 0)
+    raise AssertionError("the forked child is stuck")
