@@ -67,13 +67,59 @@ def urls(combo, redis_url, amqp_url, tmp_dir):
     return broker, backend
 
 
+class SharedCluster:
+    """One cluster per combination, shared by the tests that leave it as they found it.
+
+    Before each test the cluster must be whole and quiet (every worker alive, no slot held, no
+    request waiting); after a failed test, or when that check fails, the next test gets a fresh
+    cluster (new queue, key prefix, probe and database), so no test depends on another's order
+    or outcome.
+    """
+
+    def __init__(self, combo, redis_url, amqp_url, tmp_path_factory):
+        self.combo, self.redis_url, self.amqp_url = combo, redis_url, amqp_url
+        self.tmp_path_factory = tmp_path_factory
+        self.current = None
+
+    def ready(self) -> Cluster:
+        if self.current is not None and not self._whole_and_quiet(self.current):
+            self.discard()
+        if self.current is None:
+            tmp_dir = str(self.tmp_path_factory.mktemp(self.combo))
+            broker, backend = urls(self.combo, self.redis_url, self.amqp_url, tmp_dir)
+            self.current = Cluster(tmp_dir, self.redis_url, broker, backend)
+        return self.current
+
+    def discard(self) -> None:
+        if self.current is not None:
+            self.current.stop()
+            self.current = None
+
+    @staticmethod
+    def _whole_and_quiet(cluster: Cluster) -> bool:
+        if any(worker.proc.poll() is not None for worker in cluster.workers):
+            return False
+
+        def quiet():
+            statuses = [cluster.backend.status(name) for name in cluster.backend.names()]
+            return all(s is None or (s.held == 0 and s.waiting == 0) for s in statuses)
+
+        return wait_until(quiet, timeout=10)
+
+
 @pytest.fixture(scope="module", params=COMBOS)
-def cluster(request, redis_url, amqp_url, tmp_path_factory):
-    tmp_dir = str(tmp_path_factory.mktemp(request.param))
-    broker, backend = urls(request.param, redis_url, amqp_url, tmp_dir)
-    cluster = Cluster(tmp_dir, redis_url, broker, backend)
-    yield cluster
-    cluster.stop()
+def shared_cluster(request, redis_url, amqp_url, tmp_path_factory):
+    shared = SharedCluster(request.param, redis_url, amqp_url, tmp_path_factory)
+    yield shared
+    shared.discard()
+
+
+@pytest.fixture
+def cluster(shared_cluster, request):
+    failures_before = request.session.testsfailed
+    yield shared_cluster.ready()
+    if request.session.testsfailed != failures_before:
+        shared_cluster.discard()
 
 
 def test_limit_holds_and_every_task_runs_once(cluster):
