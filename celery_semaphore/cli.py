@@ -164,7 +164,8 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[Any]],
     return [line(headers)] + [line(r) for r in cells]
 
 
-def render_status(status: SemaphoreStatus, now: Optional[float] = None) -> str:
+def render_status(status: SemaphoreStatus, now: Optional[float] = None,
+                  parked: Optional[int] = None) -> str:
     now = time.time() if now is None else now
     declared = ", ".join(f"{k} ({relative(seen, now)})"
                          for k, seen in sorted(status.declared.items())) or "none seen"
@@ -175,6 +176,8 @@ def render_status(status: SemaphoreStatus, now: Optional[float] = None) -> str:
         f"  held      {status.held}",
         f"  waiting   {status.waiting}",
     ]
+    if parked is not None:
+        lines.append(f"  parked    {parked}")
     if any(k != status.limit for k in status.declared):
         lines.append("  note: the stored limit rules; declared limits only create the "
                      "semaphore (change it with `resize`, or `sync` for semaphore_limits)")
@@ -263,6 +266,19 @@ class Context:
             return Settings.from_app(self.app)
         except ConfigurationError as exc:
             raise click.ClickException(str(exc)) from None
+
+    def parked(self, names: List[str]) -> Optional[Dict[str, int]]:
+        """Tasks parked per name on the app's broker; None without an app or a broker that
+        answers (the column shows ``-``)."""
+        if self.app is None or not names:
+            return None if self.app is None else {}
+        from .waiting_room import parked_counts
+
+        try:
+            return parked_counts(self.app, self.settings.key_prefix, names)
+        except Exception as exc:
+            click.echo(f"warning: parked counts unavailable: broker: {exc}", err=True)
+            return None
 
     @property
     def backend(self) -> Backend:
@@ -383,11 +399,16 @@ def semaphore(ctx: click.Context, backend_url: Optional[str]) -> None:
 @click.pass_obj
 @_operational
 def list_(obj: Context, as_json: bool) -> None:
-    """Every known semaphore: name, limit, held, waiting."""
+    """Every known semaphore: name, limit, held, waiting (in workers' lines and the backend's
+    queue), parked (in the broker's waiting room; with -A only)."""
     rows = list_semaphores(obj.backend)
-    human = table(("NAME", "LIMIT", "HELD", "WAITING"),
-                  [(r["name"], r["limit"], r["held"], r["waiting"]) for r in rows],
-                  right=(1, 2, 3))
+    parked = obj.parked([r["name"] for r in rows])
+    for row in rows:
+        row["parked"] = parked.get(row["name"]) if parked is not None else None
+    human = table(("NAME", "LIMIT", "HELD", "WAITING", "PARKED"),
+                  [(r["name"], r["limit"], r["held"], r["waiting"],
+                    "-" if r["parked"] is None else r["parked"]) for r in rows],
+                  right=(1, 2, 3, 4))
     _emit(as_json, rows, "\n".join(human) if rows else "no semaphores")
 
 
@@ -400,7 +421,9 @@ def list_(obj: Context, as_json: bool) -> None:
 def status(obj: Context, name: str, as_json: bool) -> None:
     """Limit, declared limits, holders and waiters of NAME (exit 1 if unknown)."""
     found = semaphore_status(obj.backend, name)
-    _emit(as_json, found.as_dict(), render_status(found))
+    parked = obj.parked([name])
+    count = parked.get(name) if parked is not None else None
+    _emit(as_json, {**found.as_dict(), "parked": count}, render_status(found, parked=count))
 
 
 @semaphore.command(context_settings={"ignore_unknown_options": True})  # "-1" is a LIMIT

@@ -1,4 +1,4 @@
-"""The touches of kombu's and Celery's internals the gate needs, kept in one place.
+"""Every touch of Celery's, billiard's and kombu's internals the worker side needs, in one place.
 
 Each function names the version whose behaviour it relies on; a transport or pool without the
 structure it expects is left alone (the function reports that it did nothing).
@@ -6,7 +6,85 @@ structure it expects is left alone (the function reports that it did nothing).
 
 from __future__ import annotations
 
-from typing import Any, List
+import os
+from typing import Any, List, Optional
+
+from billiard.exceptions import WorkerLostError
+from celery.concurrency.prefork import TaskPool as PreforkPool
+from celery.exceptions import Terminated, TimeLimitExceeded
+from celery.worker import state as worker_state
+
+#: Endings the pool reports before the child process has exited.
+CHILD_KILLED = (TimeLimitExceeded, Terminated, WorkerLostError, SystemExit, KeyboardInterrupt)
+
+
+def pool_forks(pool: Any) -> bool:
+    """True for the prefork pool, whose killed tasks may run until their process exits; other
+    pools run tasks in the worker process (gevent's ``worker_pid`` is a greenlet's id)."""
+    return isinstance(pool, PreforkPool)
+
+
+def pool_size(pool: Any) -> int:
+    return getattr(pool, "num_processes", None) or getattr(pool, "limit", None) or 1
+
+
+def reserved_count() -> int:
+    """Requests the worker has reserved: waiting ones, and those the pool runs or will run
+    (celery 5.x ``worker.state.reserved_requests``)."""
+    return len(worker_state.reserved_requests)
+
+
+def task_ready(request: Any) -> None:
+    """Tell Celery's worker state that ``request`` has left the worker (not run here)."""
+    worker_state.task_ready(request)
+
+
+def runs_in_child(pid: int) -> bool:
+    """True when an active request runs in pool child ``pid``."""
+    return any(other.worker_pid == pid for other in list(worker_state.active_requests))
+
+
+def pool_job(request: Any) -> Any:
+    """The pool's ApplyResult of ``request`` once handed to the pool (celery 5.x keeps a weak
+    reference in ``Request._apply_result``), else None."""
+    ref = getattr(request, "_apply_result", None)
+    return ref() if ref is not None else None
+
+
+def revoked_before_start(request: Any) -> bool:
+    """True when Celery revoked (or expired) ``request`` before a pool process took it: its
+    ``_already_revoked`` flag is set and it never started."""
+    return request.time_start is None and getattr(request, "_already_revoked", False)
+
+
+def dropped_job_child(consumer: Any, request: Any, job: Any) -> Optional[Any]:
+    """After a broker reconnect flushed the prefork pool (celery 5.x ``AsynPool.flush``): was
+    ``request``'s job dropped? Returns False when the job is still in the pool (or ran, or the
+    pool does not fork), None when it was dropped before any child got it, else the child
+    process it was being written to (which runs it with no callbacks)."""
+    pool = getattr(consumer.pool, "_pool", None)  # None once the pool has stopped
+    if (job is None or request.time_start is not None or not pool_forks(consumer.pool)
+            or pool is None or job._job in pool._cache):
+        return False
+    return getattr(job, "_write_to", None)
+
+
+def process_alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie has stopped running and counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def detach_unacked(message: Any) -> bool:

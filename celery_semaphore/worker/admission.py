@@ -1,0 +1,269 @@
+"""Admission: guarded requests wait in the worker's line, then in the backend's queue, until
+the semaphore grants them a slot and a pool process is free to run them.
+
+A request enters the backend's waiter queue only while a pool process is free for it (per
+semaphore name), so a granted slot never waits for a local pool process; a grant that finds
+the pool full after all is given back and the request goes back to the head of the line.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any, Deque, Dict, NamedTuple, Optional
+
+from ..backends.base import Attempt, new_holder_id
+from ..guards import Guard
+from ..semaphore import Lease
+from ..task_lease import LEASE_KEY, LeaseRecord
+from . import celery_internals
+from .waiter import Waiter, WaitState
+
+if TYPE_CHECKING:
+    from .gate import Gate
+
+logger = logging.getLogger(__name__)
+
+
+class Answer(NamedTuple):
+    """What one acquire attempt came back with (``attempt`` None: the call raised)."""
+
+    holder: str
+    attempt: Optional[Attempt]
+    error: Optional[BaseException]
+    requested_at: float
+
+
+class Admission:
+    """The waiting requests of one worker and their way to a slot. Loop thread only, except
+    the methods marked I/O."""
+
+    def __init__(self, gate: "Gate") -> None:
+        self.gate = gate
+        self.backend = gate.backend
+        self.waiters: Dict[str, Waiter] = {}  # holder -> waiter
+        self.line: Deque[Waiter] = deque()  # LINED, in arrival order
+        self.queued: Dict[str, int] = {}  # semaphore name -> its QUEUED waiters
+        self.by_name: Dict[str, int] = {}  # semaphore name -> its waiters
+
+    def __len__(self) -> int:
+        return len(self.waiters)
+
+    def count(self, name: str) -> int:
+        return self.by_name.get(name, 0)
+
+    def add(self, request: Any, guard: Guard, pulled: bool = False) -> Waiter:
+        waiter = Waiter(request, guard, pulled=pulled)
+        self.waiters[waiter.holder] = waiter
+        self.by_name[guard.name] = self.by_name.get(guard.name, 0) + 1
+        if not pulled:  # so the consumer keeps fetching while it holds this message
+            self.gate.consumer.qos.increment_eventually()
+        return waiter
+
+    def wait(self, waiter: Waiter) -> None:
+        self.line.append(waiter)
+        self.pump()
+
+    def pool_size(self) -> int:
+        return celery_internals.pool_size(self.gate.consumer.pool)
+
+    def free_processes(self) -> int:
+        busy = (celery_internals.reserved_count() - len(self.waiters)
+                - sum(self.gate.parking.parking.values()))
+        return self.pool_size() - busy
+
+    def pump(self) -> None:
+        """Move waiters from the line into the backend's queue while processes are free."""
+        free = self.free_processes()
+        if free <= 0 or not self.line:
+            return
+        for waiter in list(self.line):
+            if self.queued.get(waiter.guard.name, 0) < free:
+                self.line.remove(waiter)
+                self._move(waiter, WaitState.QUEUED)
+                self.gate.io.call(self._watch, waiter, waiter.holder)
+                self._send(waiter)
+
+    def drop(self, waiter: Waiter) -> bool:
+        """Forget ``waiter`` (it runs, is requeued, failed or revoked); False if it had left
+        already. The caller settles its message."""
+        if waiter.state is WaitState.DONE:
+            return False
+        if waiter.state is WaitState.LINED and waiter in self.line:  # not yet, if refused
+            self.line.remove(waiter)
+        self._move(waiter, WaitState.DONE)
+        self.waiters.pop(waiter.holder, None)
+        name = waiter.guard.name
+        self.by_name[name] -= 1
+        if not self.by_name[name]:
+            del self.by_name[name]
+        self.backend.unwatch(name, waiter.holder)
+        if not waiter.pulled:
+            self.gate.consumer.qos.decrement_eventually()
+        self.gate.parking.refill(name)
+        return True
+
+    def leave_backend(self, waiter: Waiter) -> None:
+        """Take a dropped waiter out of the backend's queue (on the I/O thread)."""
+        if waiter.first_sent is not None:
+            expires = (waiter.guard.settings.lease_ttl if waiter.maybe_granted
+                       else self.backend.waiter_ttl)
+            self.gate.io.call(self._cancel, waiter.guard.name, waiter.holder,
+                              waiter.maybe_granted, waiter.last_sent + expires)
+
+    def _move(self, waiter: Waiter, to: WaitState) -> None:
+        name = waiter.guard.name
+        if waiter.state is WaitState.QUEUED:
+            self.queued[name] -= 1
+            if not self.queued[name]:
+                del self.queued[name]
+        waiter.move(to)
+        if to is WaitState.QUEUED:
+            self.queued[name] = self.queued.get(name, 0) + 1
+
+    # -- attempts: sent from the loop, made on the I/O thread, answered on the loop ----------
+
+    def _send(self, waiter: Waiter, delay: float = 0.0) -> None:
+        if waiter.next_attempt is not None:
+            waiter.next_attempt.cancel()
+        now = time.monotonic()
+        if waiter.first_sent is None:
+            waiter.first_sent = now
+        waiter.last_sent = now + delay
+        waiter.next_attempt = self.gate.io.call(self._acquire, waiter, waiter.holder,
+                                                delay=delay)
+
+    def _watch(self, waiter: Waiter, holder: str) -> None:  # I/O thread
+        self.backend.watch(waiter.guard.name, holder,
+                           lambda: self.gate.loop.post(self._woken, waiter, holder))
+
+    def _woken(self, waiter: Waiter, holder: str) -> None:
+        if waiter.state is WaitState.QUEUED and waiter.holder == holder:
+            self._send(waiter)
+
+    def _acquire(self, waiter: Waiter, holder: str) -> None:  # I/O thread
+        guard = waiter.guard
+        requested_at = time.monotonic()
+        try:
+            attempt = self.backend.acquire(
+                guard.name, holder, limit=guard.limit, ttl=guard.settings.lease_ttl,
+                meta=self.meta(waiter.request), wait=True,
+            )
+        except Exception as exc:
+            answer = Answer(holder, None, exc, requested_at)
+        else:
+            answer = Answer(holder, attempt, None, requested_at)
+        self.gate.loop.post(self._answered, waiter, answer)
+
+    def _answered(self, waiter: Waiter, answer: Answer) -> None:
+        current = waiter.holder == answer.holder
+        if waiter.state is not WaitState.QUEUED or not current:
+            self._late_answer(waiter, answer, current)
+            return
+        settings = waiter.guard.settings
+        if answer.error is not None:
+            if not waiter.backend_down:
+                logger.warning("celery-semaphore: %s waits: backend unavailable: %s",
+                               waiter.request.id, answer.error)
+            waiter.backend_down = waiter.maybe_granted = True
+            self._send(waiter, delay=min(settings.poll_interval, 1.0))
+            return
+        waiter.backend_down = False
+        attempt = answer.attempt
+        if attempt.grant is not None:
+            self._granted(waiter, answer)
+            return
+        waiter.attempts += 1
+        if attempt.position != waiter.position:
+            waiter.position = attempt.position
+            self.gate.reporting.waiting(waiter, attempt.position, attempt.limit)
+        self._send(waiter, delay=self.backend.pause_after(attempt, settings.poll_interval))
+
+    def _late_answer(self, waiter: Waiter, answer: Answer, current: bool) -> None:
+        """An answer to an attempt sent before the waiter left the backend's queue (the I/O
+        thread may have made it after the grant that ended the wait). Repeating an acquire
+        returns the holder's own grant: while the waiter gives that grant back (GRANTED) or
+        its task holds it, the answer is that very slot and changes nothing. Otherwise a
+        grant, or an error that may hide one, must not keep a slot."""
+        if current and waiter.state is WaitState.GRANTED:
+            return
+        if answer.holder in self.gate.releases.held:
+            return
+        if answer.attempt is not None and answer.attempt.grant is not None:
+            self.gate.io.call(self.gate.releases.release, self._lease(waiter, answer))
+        elif answer.error is not None:
+            self.gate.io.call(self._cancel, waiter.guard.name, answer.holder, True,
+                              answer.requested_at + waiter.guard.settings.lease_ttl)
+
+    # -- a grant -----------------------------------------------------------------------------
+
+    def _lease(self, waiter: Waiter, answer: Answer) -> Lease:
+        attempt = answer.attempt
+        return Lease(self.backend, waiter.guard.name, answer.holder, attempt.grant,
+                     answer.requested_at, limit=attempt.limit, meta=self.meta(waiter.request))
+
+    def _granted(self, waiter: Waiter, answer: Answer) -> None:
+        self._move(waiter, WaitState.GRANTED)
+        self.backend.unwatch(waiter.guard.name, waiter.holder)
+        lease = self._lease(waiter, answer)
+        request, guard = waiter.request, waiter.guard
+        if request.revoked():  # by id, by stamped header or expired: announced and acked
+            self.drop(waiter)
+            self.gate.io.call(self.gate.releases.release, lease)
+            return
+        if self.free_processes() <= 0:
+            # The pool filled up meanwhile: never sit on a slot waiting for a process.
+            self.gate.io.call(self._give_back_grant, waiter, lease)
+            return
+        self.drop(waiter)
+        grant = answer.attempt.grant
+        request.request_dict[LEASE_KEY] = LeaseRecord(
+            guard.name, answer.attempt.limit, waiter.holder, grant.slot, grant.epoch, grant.ttl,
+            self.backend.url, self.backend.key_prefix,
+            waited=waiter.attempts > 0,  # WAITING was stored: the task stores STARTED
+        ).to_header()
+        self.gate.releases.hold(request, lease, guard)
+        self.gate.handoffs.append(request)
+
+    def _give_back_grant(self, waiter: Waiter, lease: Lease) -> None:  # I/O thread
+        """Release a grant the pool had no process for, then put the request back in line.
+        The waiter stays GRANTED until the release is done: an answer to an attempt made
+        before it would carry this very grant, about to be freed."""
+        self.gate.releases.release(lease)
+        self.gate.loop.post(self._line_again, waiter, lease)
+
+    def _line_again(self, waiter: Waiter, lease: Lease) -> None:
+        if waiter.state is not WaitState.GRANTED:
+            return
+        if not lease.released:  # the release is being retried: wait under another holder id
+            del self.waiters[waiter.holder]
+            waiter.holder = new_holder_id()
+            self.waiters[waiter.holder] = waiter
+            waiter.first_sent = None
+        self._move(waiter, WaitState.LINED)
+        waiter.position = None
+        self.line.appendleft(waiter)
+        self.pump()
+
+    # -- leaving -----------------------------------------------------------------------------
+
+    def _cancel(self, name: str, holder: str, maybe_granted: bool, expires: float,
+                retry: float = 0.0) -> None:  # I/O thread
+        """Leave the backend's queue (abandon: and release a grant whose reply may have been
+        lost), retrying until the entry expires anyway (``expires``, monotonic)."""
+        try:
+            if maybe_granted:
+                self.backend.abandon(name, holder)
+            else:
+                self.backend.cancel(name, holder)
+        except Exception as exc:
+            self.gate.retry_io(
+                lambda next_retry: self._cancel(name, holder, maybe_granted, expires,
+                                                next_retry),
+                retry, expires - time.monotonic(), f"leaving the queue of {name!r}", exc)
+
+    def meta(self, request: Any) -> Dict[str, Any]:
+        return {"task_id": request.id, "task": request.name,
+                "worker": self.gate.consumer.hostname, "pid": os.getpid()}

@@ -1,0 +1,258 @@
+"""The waiting room: a worker keeps only the requests it can start soon; the rest of a backlog
+is parked in the broker, per semaphore, in order, and pulled back the moment this worker has
+room for it.
+
+Where: one durable queue per semaphore name on the task broker (``<key_prefix>park.<name>``;
+a list on Redis, a durable classic queue on RabbitMQ, a folder on the filesystem transport),
+published to through kombu with persistent messages, so parked tasks are exactly as durable as
+queued ones and the broker's own tooling shows them.
+
+How: a guarded request that arrives while this worker already holds
+``semaphore_worker_max_waiting`` waiting requests, or has waited past
+``semaphore_worker_max_hold``, is copied to the parking queue, and the original is acked once
+the copy is published (at-least-once: a kill in between leaves both, never neither). Whenever a
+request of that semaphore leaves this worker's waiting line (it got its slot, failed, was
+revoked), the worker pulls parked ones (``basic_get``, unacked) and feeds them through Celery's
+own task strategy (received event, revoke and expiry checks, the gate), acking each on the
+parking channel when Celery acks the request. A pulled request is never parked again for being
+one too many. Other workers learn that a semaphore has parked requests from a broadcast
+(``semaphore_parked``, at most once a second per name) and from the parking queues of the
+backend's semaphores, probed at worker start.
+
+Threads: the parking connection belongs to the I/O thread; the loop thread decides.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set
+
+from celery.worker.control import control_command
+from kombu import Exchange, Producer, Queue
+from vine import promise
+
+from ..waiting_room import parking_queue_name
+from . import celery_internals
+from .waiter import FIRST_WAIT_HEADER, PARKED_HEADER, Waiter
+
+if TYPE_CHECKING:
+    from .gate import Gate
+
+logger = logging.getLogger(__name__)
+
+#: Seconds between two broadcasts that a semaphore has parked requests.
+ANNOUNCE_EVERY = 1.0
+#: Messages one pull takes at most.
+PULL_BATCH = 16
+
+
+class ParkingLot:
+    """Parks and pulls one worker's guarded requests. See the module docstring."""
+
+    def __init__(self, gate: "Gate") -> None:
+        self.gate = gate
+        # loop thread
+        self.known: Set[str] = set()  # names whose parking queue may hold requests
+        self.pulling: Dict[str, int] = {}  # name -> gets on their way
+        self.parking: Dict[str, int] = {}  # name -> copies being published
+        self._announced: Dict[str, float] = {}
+        # I/O thread
+        self._connection: Any = None
+        self._declared: Set[str] = set()
+
+    # -- decisions (loop thread) -------------------------------------------------------------
+
+    def room(self) -> int:
+        """How many more requests this worker should hold waiting
+        (``semaphore_worker_max_waiting`` in all)."""
+        return self.gate.settings.worker_max_waiting - len(self.gate.admission)
+
+    def park(self, waiter: Waiter, why: str) -> None:
+        """Take ``waiter`` out of this worker and park it (its message is acked once the
+        parked copy is published)."""
+        name = waiter.guard.name
+        self.gate.admission.drop(waiter)
+        self.gate.admission.leave_backend(waiter)
+        self.parking[name] = self.parking.get(name, 0) + 1
+        logger.debug("celery-semaphore: parking %s (%s)", waiter.request.id, why)
+        self.gate.reporting.parked(waiter)  # stored before the copy exists: never after it ran
+        self.gate.io.call(self._park, waiter, name)
+
+    def refill(self, name: str) -> None:
+        """Pull parked requests of ``name`` while this worker has room for them."""
+        if name not in self.known or not self.gate.running:
+            return
+        want = min(self.room() - sum(self.pulling.values()), PULL_BATCH)
+        if want > 0:
+            self.pulling[name] = self.pulling.get(name, 0) + want
+            self.gate.io.call(self._pull, name, want)
+
+    def refill_all(self) -> None:
+        for name in list(self.known):
+            self.refill(name)
+
+    def learn(self, name: str) -> None:
+        """Another worker parked requests of ``name``."""
+        self.known.add(name)
+        self.refill(name)
+
+    def parked(self, waiter: Waiter, name: str, published: bool) -> None:
+        self.parking[name] -= 1
+        if not self.parking[name]:
+            del self.parking[name]
+        request = waiter.request
+        if not published:  # what the waiting room cannot take goes the requeue way
+            self.gate.requeue.requeue(waiter)
+            return
+        request.acknowledge()
+        celery_internals.task_ready(request)
+        self.gate.admission.pump()
+        self.known.add(name)
+        now = time.monotonic()
+        if now - self._announced.get(name, 0.0) >= ANNOUNCE_EVERY:
+            self._announced[name] = now
+            self.gate.io.call(self._announce, name)
+
+    def _pulled(self, name: str, asked: int, messages: List[Any], empty: bool) -> None:
+        self.pulling[name] -= asked
+        if not self.pulling[name]:
+            del self.pulling[name]
+        if empty:
+            self.known.discard(name)
+        for message in messages:
+            self._deliver(message)
+        if messages and not empty:
+            self.refill(name)
+
+    def _deliver(self, message: Any) -> None:
+        """Hand a pulled message to Celery's strategy for its task, as the consumer does for a
+        delivery, with acks and rejects going to the parking channel on the I/O thread."""
+        consumer = self.gate.consumer
+        strategy = consumer.strategies.get(message.headers.get("task"))
+        if strategy is None:  # not a task this worker knows: leave it for one that does
+            self.gate.io.call(message.reject_log_error, logger, (), True)
+            return
+        strategy(message, None, promise(self.gate.io.call, (message.ack_log_error,)),
+                 promise(self.gate.io.call, (message.reject_log_error,)),
+                 consumer.on_task_message)
+
+    # -- broker calls (I/O thread) -----------------------------------------------------------
+
+    def _queue(self, name: str) -> Queue:
+        arguments = None
+        if self._connection.transport.driver_type == "amqp":
+            arguments = {"x-expires": int(self.gate.backend.idle_ttl * 1000)}
+        queue_name = parking_queue_name(self.gate.settings.key_prefix, name)
+        return Queue(queue_name, Exchange(""), routing_key=queue_name, durable=True,
+                     auto_delete=False, queue_arguments=arguments)
+
+    def _channel(self) -> Any:
+        if self._connection is None:
+            self._connection = self.gate.app.connection_for_write()
+            self._declared.clear()
+        self._connection.ensure_connection(max_retries=1, interval_start=0)
+        return self._connection.default_channel
+
+    def _declared_queue(self, name: str) -> Queue:
+        channel = self._channel()
+        queue = self._queue(name)(channel)
+        if queue.name not in self._declared:
+            queue.declare()
+            self._declared.add(queue.name)
+        return queue
+
+    def _lost(self, exc: BaseException, what: str) -> None:
+        logger.warning("celery-semaphore: %s: broker unavailable: %s", what, exc)
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            try:
+                connection.close()
+            except Exception:
+                pass
+
+    def _park(self, waiter: Waiter, name: str) -> None:
+        message = waiter.request.message
+        headers = dict(message.headers)
+        headers[PARKED_HEADER] = name
+        headers[FIRST_WAIT_HEADER] = waiter.first_wait
+        headers.pop("eta", None)  # it was due already
+        properties = dict(message.properties or {})
+        delivery = waiter.request.delivery_info or {}
+        try:
+            queue = self._declared_queue(name)
+            Producer(queue.channel, auto_declare=False).publish(
+                message.body, exchange="", routing_key=queue.name, headers=headers,
+                content_type=message.content_type, content_encoding=message.content_encoding,
+                delivery_mode=2, priority=delivery.get("priority"),
+                correlation_id=properties.get("correlation_id"),
+                reply_to=properties.get("reply_to"))
+        except Exception as exc:
+            self._lost(exc, f"parking {waiter.request.id}, rejecting it for redelivery")
+            self.gate.loop.post(self.parked, waiter, name, False)
+            return
+        self.gate.loop.post(self.parked, waiter, name, True)
+
+    def _pull(self, name: str, want: int) -> None:
+        messages: List[Any] = []
+        empty = False
+        try:
+            queue = self._declared_queue(name)
+            while len(messages) < want:
+                message = queue.get(no_ack=False)
+                if message is None:
+                    empty = True
+                    break
+                messages.append(message)
+        except Exception as exc:
+            self._lost(exc, f"pulling parked requests of {name!r}")
+        self.gate.loop.post(self._pulled, name, want, messages, empty)
+
+    def _announce(self, name: str) -> None:
+        try:
+            self.gate.app.control.broadcast("semaphore_parked", arguments={"name": name},
+                                            connection=self._connection)
+        except Exception as exc:
+            logger.debug("celery-semaphore: announcing parked %r failed: %s", name, exc)
+
+    def discover(self, names: List[str]) -> None:  # I/O thread, at worker start
+        """Learn which of ``names`` have parked requests (a worker that starts after the
+        others parked a backlog, or after the whole cluster restarted)."""
+        found = []
+        for name in names:
+            try:
+                channel = self._channel()
+                queue = self._queue(name)(channel)
+                _, count, _ = queue.queue_declare(passive=True)
+            except Exception:  # no such queue (AMQP closes the channel) or broker down
+                self._reset_channel()
+                continue
+            if count:
+                found.append(name)
+        for name in found:
+            self.gate.loop.post(self.learn, name)
+
+    def _reset_channel(self) -> None:
+        if self._connection is not None:
+            try:
+                self._connection.default_channel.close()
+            except Exception:
+                pass
+            self._connection._default_channel = None
+
+    def close(self) -> None:  # I/O thread, at shutdown, after the last ack
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            try:
+                connection.close()
+            except Exception:
+                pass
+
+
+@control_command(args=[("name", str)], signature="<semaphore name>")
+def semaphore_parked(state: Any, name: str, **kwargs: Any) -> Any:
+    """A worker parked requests of semaphore ``name``: pull them when there is room."""
+    gate: Optional["Gate"] = getattr(state.consumer, "semaphore_gate", None)
+    if gate is not None:
+        gate.loop.post(gate.parking.learn, name)
+    return {"ok": "learned"}

@@ -1,0 +1,225 @@
+"""Release, exactly once, on every way a guarded task ends (all in the worker's main process):
+
+* success, failure, retry, time limits, a killed child (WorkerLostError), revoke with
+  terminate: the request's ``on_success``/``on_failure`` pool callbacks, which are wrapped;
+* a hard time limit: also ``on_timeout`` (the gevent pool calls nothing else; prefork calls
+  ``on_failure`` too, and the first of the two releases);
+* revoked or expired before running: the ``task_revoked`` signal;
+* warm or cold shutdown: :meth:`Releases.release_all`;
+* a broker reconnect: the consumer drops the jobs no pool child has acknowledged, with their
+  callbacks: released at once if no child got the job, else once that child moves on or exits;
+* a whole worker dying: the lease's TTL.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
+
+from celery import signals
+from celery.exceptions import TimeLimitExceeded
+
+from ..guards import Guard
+from ..keeper import default_keeper
+from ..semaphore import Lease
+from . import celery_internals
+
+if TYPE_CHECKING:
+    from .gate import Gate
+
+logger = logging.getLogger(__name__)
+
+#: Seconds to wait for a timed-out or terminated pool child to exit before releasing anyway.
+CHILD_EXIT_WAIT = 30.0
+
+
+@dataclass(eq=False)
+class Held:
+    """A guarded request that holds its slot: handed to the pool, running, or ending."""
+
+    request: Any
+    lease: Lease
+    guard: Guard
+    job: Any = None  # the pool's ApplyResult, once handed to the pool
+    orphan_of: Optional[int] = None  # the pool child running it with no callbacks left
+    orphan_child_up: Optional[float] = None  # monotonic time that child was first seen up
+
+
+class Releases:
+    """The slots this worker's requests hold, and their release. Loop thread, except the
+    methods marked I/O."""
+
+    def __init__(self, gate: "Gate") -> None:
+        self.gate = gate
+        self.held: Dict[str, Held] = {}  # lease holder -> Held
+
+    def connect(self) -> None:
+        signals.task_revoked.connect(self._on_task_revoked, weak=False)
+
+    def disconnect(self) -> None:
+        signals.task_revoked.disconnect(self._on_task_revoked)
+
+    def hold(self, request: Any, lease: Lease, guard: Guard) -> Held:
+        """``request`` got its slot and goes to the pool: renew its lease until it ends."""
+        entry = self.held[lease.holder] = Held(request, lease, guard)
+        request.semaphore_held = entry
+        lease.on_lost(lambda lost: self.gate.loop.post(self._lease_lost, entry))
+        default_keeper.add(lease)
+        self.track(request)
+        return entry
+
+    def handed_to_pool(self, request: Any) -> None:
+        entry = getattr(request, "semaphore_held", None)
+        if entry is not None:
+            entry.job = celery_internals.pool_job(request)
+
+    def track(self, request: Any) -> None:
+        """Wrap the request's pool callbacks: release its lease, and look for free processes."""
+        on_success, on_failure = request.on_success, request.on_failure
+
+        def success(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return on_success(*args, **kwargs)
+            finally:
+                self.finished(request)
+
+        def failure(exc_info: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return on_failure(exc_info, *args, **kwargs)
+            finally:
+                self.finished(request, getattr(exc_info, "exception", None))
+
+        def time_limit(soft: bool, timeout: float) -> Any:  # billiard passes timeout=...
+            try:
+                return on_timeout(soft, timeout)
+            finally:
+                if not soft:  # the gevent pool never calls on_failure for a hard limit
+                    self.finished(request, TimeLimitExceeded(timeout))
+
+        on_timeout = request.on_timeout
+        request.on_success, request.on_failure, request.on_timeout = success, failure, time_limit
+
+    def finished(self, request: Any, exc: Optional[BaseException] = None) -> None:
+        with self.gate.lock:
+            entry: Optional[Held] = getattr(request, "semaphore_held", None)
+            if entry is not None and self.held.pop(entry.lease.holder, None) is not None:
+                pid = request.worker_pid
+                exc = getattr(exc, "exc", exc)  # billiard's ExceptionWithTraceback
+                if (isinstance(exc, celery_internals.CHILD_KILLED) and pid
+                        and celery_internals.pool_forks(self.gate.consumer.pool)):
+                    # Celery reports these before the pool child has died; the body may
+                    # still run (a finally block, a handler): keep the slot until it exits.
+                    self.gate.io.call(self._release_after_exit, entry.lease, pid,
+                                      time.monotonic() + CHILD_EXIT_WAIT)
+                else:
+                    default_keeper.discard(entry.lease)
+                    self.gate.io.call(self.release, entry.lease)
+            self.gate.admission.pump()
+
+    def _release_after_exit(self, lease: Lease, pid: int, deadline: float) -> None:  # I/O
+        # At worker shutdown the pool has been stopped first: release now, not never.
+        if (self.gate.running and celery_internals.process_alive(pid)
+                and time.monotonic() < deadline):
+            self.gate.io.call(self._release_after_exit, lease, pid, deadline, delay=0.005)
+            return
+        default_keeper.discard(lease)
+        self.release(lease)
+
+    def release(self, lease: Lease, retry: float = 0.0) -> None:  # I/O thread
+        """Release ``lease``; while the backend cannot be reached, try again with backoff
+        until it answers or the lease would have expired anyway (its TTL then frees it)."""
+        try:
+            if not lease.release() and not lease.lost:
+                logger.debug("celery-semaphore: lease %r had expired before release", lease)
+        except Exception as exc:
+            self.gate.retry_io(lambda next_retry: self.release(lease, next_retry), retry,
+                               lease.remaining, f"releasing {lease!r}", exc)
+
+    def release_all(self) -> None:
+        """The worker exits: release every lease still held."""
+        with self.gate.lock:
+            held = list(self.held.values())
+            self.held.clear()
+        for entry in held:
+            default_keeper.discard(entry.lease)
+            self.gate.io.call(self.release, entry.lease)
+
+    def _lease_lost(self, entry: Held) -> None:
+        if self.held.get(entry.lease.holder) is not entry:
+            return
+        policy = entry.guard.settings.on_lost_lease
+        logger.error("celery-semaphore: task %s lost its slot of %r (token %s); policy: %s",
+                     entry.request.id, entry.lease.name, entry.lease.token, policy)
+        if policy == "terminate":
+            entry.request.terminate(self.gate.consumer.pool, signal="SIGTERM")
+
+    # -- revoked before a pool process took it ----------------------------------------------
+
+    def _on_task_revoked(self, sender: Any = None, request: Any = None, **kwargs: Any) -> None:
+        task_id = getattr(request, "id", None)
+        if task_id is not None:
+            self.gate.loop.post(self._revoked, task_id)
+
+    def _revoked(self, task_id: str) -> None:
+        for entry in list(self.held.values()):
+            request = entry.request
+            if request.id == task_id and celery_internals.revoked_before_start(request):
+                # No pool callback comes. (Another delivery of the same task id may hold a
+                # slot too, and run.)
+                self.finished(request)
+
+    # -- jobs a broker reconnect dropped from the pool --------------------------------------
+
+    def after_flush(self) -> None:
+        """On a broker reconnect the consumer flushes the prefork pool: jobs no child has
+        acknowledged leave the pool's cache and their callbacks never run (the broker
+        redelivers their messages). A job no child got never runs: release now. A job whose
+        write to a child had begun runs there unseen: release once that child has moved on to
+        another task or exited, or has been up for a whole lease TTL without doing either
+        (:meth:`check_orphans`)."""
+        for entry in list(self.held.values()):
+            child = celery_internals.dropped_job_child(self.gate.consumer, entry.request,
+                                                       entry.job)
+            if child is False:
+                continue
+            if child is None:
+                logger.warning("celery-semaphore: %s was dropped by the pool on a broker "
+                               "reconnect before any child got it; releasing its slot",
+                               entry.request.id)
+                self._forget(entry)
+            else:
+                logger.warning("celery-semaphore: %s runs in pool child %s without callbacks "
+                               "after a broker reconnect; its slot is released when that child "
+                               "moves on", entry.request.id, child.pid)
+                entry.orphan_of = child.pid
+
+    def check_orphans(self) -> None:
+        """Release an orphan's slot once its child has moved on or exited. A child that is
+        up runs the job it was written first, and one that takes no other job and does not
+        exit (with ``max_tasks_per_child``) shows nothing: a write to a child can also be
+        lost with the pipe of one that exited before reading it, and the slot would be held
+        until the worker stops. So a child up for a whole lease TTL frees the slot too: if it
+        runs the job after all, that run has lost its lease (``current_lease().verify()``
+        says so, and fencing tokens reject its writes), as a partitioned holder's would."""
+        now = time.monotonic()
+        orphans: List[Held] = [e for e in self.held.values() if e.orphan_of is not None]
+        for entry in orphans:
+            pid = entry.orphan_of
+            if not celery_internals.process_alive(pid) or celery_internals.runs_in_child(pid):
+                self._forget(entry)
+            elif celery_internals.child_is_up(self.gate.consumer.pool, pid):
+                if entry.orphan_child_up is None:
+                    entry.orphan_child_up = now
+                elif now - entry.orphan_child_up > entry.lease.ttl:
+                    logger.warning("celery-semaphore: pool child %s has not moved on in a lease "
+                                   "TTL after a broker reconnect; releasing the slot of %s",
+                                   pid, entry.request.id)
+                    self._forget(entry)
+
+    def _forget(self, entry: Held) -> None:
+        """Release a held slot no pool callback will release."""
+        if self.held.pop(entry.lease.holder, None) is entry:
+            default_keeper.discard(entry.lease)
+            self.gate.io.call(self.release, entry.lease)

@@ -1,0 +1,82 @@
+"""What the worker tells the world about waiting requests: the ``task-waiting`` event (Flower
+shows WAITING with the position), the ``WAITING`` state in the result backend, and the
+``semaphore_requests`` remote-control command (``celery semaphore workers``)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
+
+from celery.worker.control import inspect_command
+
+from ..states import WAITING, WAITING_EVENT
+from .waiter import Waiter, WaitState
+
+if TYPE_CHECKING:
+    from .gate import Gate
+
+logger = logging.getLogger(__name__)
+
+
+class Reporting:
+    def __init__(self, gate: "Gate") -> None:
+        self.gate = gate
+
+    def waiting(self, waiter: Waiter, position: Optional[int], limit: Any) -> None:
+        """``waiter`` waits at ``position`` of the backend's queue: announce it (loop)."""
+        fields = {"semaphore": waiter.guard.name, "limit": limit, "position": position,
+                  "attempt": waiter.requeues + 1}
+        waiter.request.send_event(WAITING_EVENT, **fields)
+        if not waiter.request.ignore_result:
+            self.gate.io.call(self._store_waiting, waiter, fields)
+
+    def parked(self, waiter: Waiter) -> None:
+        """``waiter`` went to the waiting room: announce it WAITING, parked (loop)."""
+        fields = {"semaphore": waiter.guard.name, "limit": waiter.guard.limit,
+                  "position": None, "parked": True, "attempt": waiter.requeues + 1}
+        waiter.request.send_event(WAITING_EVENT, **fields)
+        if not waiter.request.ignore_result:
+            self.gate.io.call(self._store_waiting, waiter, fields, True)
+
+    def _store_waiting(self, waiter: Waiter, fields: Dict[str, Any],
+                       parked: bool = False) -> None:  # I/O thread
+        # A read of the loop's state: if it left meanwhile it may have run and stored its
+        # outcome already, which WAITING must not overwrite.
+        if waiter.state is not WaitState.QUEUED and not parked:
+            return
+        request = waiter.request
+        backend = request.task.backend
+        if getattr(backend, "persistent", True) and type(backend).__name__ != "DisabledBackend":
+            try:
+                backend.store_result(request.id, fields, WAITING, request=request._context)
+            except Exception as exc:
+                logger.debug("celery-semaphore: storing WAITING for %s failed: %s",
+                             request.id, exc)
+
+    def snapshot(self) -> Dict[str, List[Dict[str, Any]]]:
+        gate = self.gate
+        with gate.lock:
+            return {
+                "waiting": [
+                    {"id": w.request.id, "task": w.request.name, "semaphore": w.guard.name,
+                     "position": w.position, "queued": w.state is WaitState.QUEUED,
+                     "waited": round(time.monotonic() - w.entered, 3),
+                     "requeues": w.requeues}
+                    for w in gate.admission.waiters.values()
+                ],
+                "held": [
+                    {"id": h.request.id, "task": h.request.name, "semaphore": h.lease.name,
+                     "holder": h.lease.holder, "token": str(h.lease.token)}
+                    for h in gate.releases.held.values()
+                ],
+            }
+
+
+@inspect_command(alias="semaphores")
+def semaphore_requests(state: Any, **kwargs: Any) -> Any:
+    """Requests this worker holds for a slot ("waiting") and runs with one ("held")."""
+    gate: Optional["Gate"] = getattr(state.consumer, "semaphore_gate", None)
+    if gate is None:
+        return {"error": "celery-semaphore is not installed on this worker"}
+    return gate.reporting.snapshot()

@@ -1,0 +1,84 @@
+"""Requeue: a request the worker will not keep waiting goes back to the broker as a copy with
+a backoff ETA (the original is acknowledged once the copy is published: at-least-once, never
+lost, possibly delivered twice if the worker dies in between). Requeues do not count against
+``max_retries``; the copy carries the requeue count and the first-wait time in its headers."""
+
+from __future__ import annotations
+
+import logging
+import random
+from datetime import datetime, timedelta, timezone
+from typing import TYPE_CHECKING, Any
+
+from . import celery_internals
+from .waiter import FIRST_WAIT_HEADER, REQUEUES_HEADER, Waiter
+
+if TYPE_CHECKING:
+    from .gate import Gate
+
+logger = logging.getLogger(__name__)
+
+
+def backoff(waiter: Waiter) -> float:
+    """Seconds until the requeued copy is due: ``semaphore_retry_backoff`` doubling per
+    requeue up to ``semaphore_retry_backoff_max``, with jitter if ``semaphore_retry_jitter``."""
+    settings = waiter.guard.settings
+    delay = min(settings.retry_backoff * 2 ** waiter.requeues, settings.retry_backoff_max)
+    if settings.retry_jitter:
+        delay = random.uniform(delay / 2, delay)
+    return delay
+
+
+class Requeue:
+    def __init__(self, gate: "Gate") -> None:
+        self.gate = gate
+
+    def requeue(self, waiter: Waiter) -> None:
+        """Publish a copy of the message with a backoff ETA, then ack the original (loop).
+        Only for what the waiting room cannot take (the broker refused the parked copy)."""
+        if self.gate.admission.drop(waiter):
+            self.gate.admission.leave_backend(waiter)
+        countdown = backoff(waiter)
+        logger.warning("celery-semaphore: requeueing %s with a backoff of %.2fs: the waiting "
+                       "room could not take it", waiter.request.id, countdown)
+        self.gate.io.call(self._republish, waiter, countdown)
+
+    def _republish(self, waiter: Waiter, countdown: float) -> None:  # I/O thread
+        request = waiter.request
+        message = request.message
+        headers = dict(message.headers)
+        headers[REQUEUES_HEADER] = waiter.requeues + 1
+        headers[FIRST_WAIT_HEADER] = waiter.first_wait
+        headers["eta"] = (datetime.now(timezone.utc) + timedelta(seconds=countdown)).isoformat()
+        properties = dict(message.properties or {})
+        delivery = request.delivery_info or {}
+        try:
+            with self.gate.app.producer_or_acquire() as producer:
+                producer.publish(
+                    message.body,
+                    exchange=delivery.get("exchange") or "",
+                    routing_key=delivery.get("routing_key"),
+                    headers=headers,
+                    content_type=message.content_type,
+                    content_encoding=message.content_encoding,
+                    correlation_id=properties.get("correlation_id"),
+                    reply_to=properties.get("reply_to"),
+                    priority=delivery.get("priority"),
+                    delivery_mode=properties.get("delivery_mode", 2),
+                    retry=True,
+                    retry_policy={"max_retries": 3},
+                )
+        except Exception as exc:
+            logger.warning("celery-semaphore: requeue of %s failed, rejecting for redelivery: %s",
+                           request.id, exc)
+            self.gate.loop.post(self._settle, request, False)
+            return
+        self.gate.loop.post(self._settle, request, True)
+
+    @staticmethod
+    def _settle(request: Any, republished: bool) -> None:
+        if republished:
+            request.acknowledge()
+        else:
+            request.reject(requeue=True)
+        celery_internals.task_ready(request)

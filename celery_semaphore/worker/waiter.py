@@ -1,0 +1,90 @@
+"""A guarded request's life in the worker before it runs, as one explicit state machine.
+
+Every transition happens on the consumer's loop thread (under the gate's lock with
+``synloop``); the I/O thread only makes backend calls and posts their answers back.
+
+::
+
+    LINED ──> QUEUED ──> GRANTED ──> DONE (handed to the pool)
+      │  ^       │          │
+      │  └───────┼──────────┘  (the pool filled up: the grant is given back)
+      └──────────┴────────────> DONE (revoked, failed, requeued, given back to the broker)
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional, Set
+
+from ..backends.base import new_holder_id
+from ..guards import Guard
+from ..scheduler import Timer
+from ..task_lease import LEASE_KEY
+
+#: Message headers the gate writes when it requeues a request.
+REQUEUES_HEADER = "semaphore_requeues"
+FIRST_WAIT_HEADER = "semaphore_first_wait"
+#: On a parked copy: the semaphore it waits for (see :mod:`.parking`).
+PARKED_HEADER = "semaphore_parked"
+#: What the gate adds to a request; kept out of messages the task publishes (``self.retry``).
+GATE_HEADERS = (REQUEUES_HEADER, FIRST_WAIT_HEADER, PARKED_HEADER, LEASE_KEY)
+
+
+class WaitState(enum.Enum):
+    LINED = "lined"  # in this worker's line, until a pool process is free for it
+    QUEUED = "queued"  # in the backend's waiter queue: acquire attempts go out
+    GRANTED = "granted"  # a grant reached the loop; the pool had no process: giving it back
+    DONE = "done"  # left the gate: handed to the pool, revoked, failed, requeued, given back
+
+
+ALLOWED: Dict[WaitState, Set[WaitState]] = {
+    WaitState.LINED: {WaitState.QUEUED, WaitState.DONE},
+    WaitState.QUEUED: {WaitState.GRANTED, WaitState.DONE},
+    WaitState.GRANTED: {WaitState.LINED, WaitState.DONE},
+    WaitState.DONE: set(),
+}
+
+
+@dataclass(eq=False)
+class Waiter:
+    """A guarded request held in the worker's main process until it gets a slot."""
+
+    request: Any
+    guard: Guard
+    holder: str = field(default_factory=new_holder_id)
+    state: WaitState = WaitState.LINED
+    entered: float = field(default_factory=time.monotonic)
+    entered_wall: float = field(default_factory=time.time)
+    #: Acquire answers that were "wait"; > 0 means WAITING was reported.
+    attempts: int = 0
+    position: Optional[int] = None
+    #: The next acquire attempt scheduled on the I/O thread.
+    next_attempt: Optional[Timer] = None
+    #: Monotonic time the first acquire was sent (None: it never reached the backend).
+    first_sent: Optional[float] = None
+    last_sent: float = 0.0
+    backend_down: bool = False
+    #: An acquire raised: the backend may have granted with the reply lost.
+    maybe_granted: bool = False
+    #: Pulled from the parking queue: its message is acked on the parking channel, and it
+    #: did not raise the consumer's prefetch.
+    pulled: bool = False
+
+    def move(self, to: WaitState) -> None:
+        if to not in ALLOWED[self.state]:
+            raise RuntimeError(f"waiter {self.holder}: {self.state.value} -> {to.value}")
+        self.state = to
+        if to is not WaitState.QUEUED and self.next_attempt is not None:
+            self.next_attempt.cancel()
+            self.next_attempt = None
+
+    @property
+    def requeues(self) -> int:
+        return int(self.request.request_dict.get(REQUEUES_HEADER) or 0)
+
+    @property
+    def first_wait(self) -> float:
+        """Unix time this task first waited for a slot, across requeues."""
+        return float(self.request.request_dict.get(FIRST_WAIT_HEADER) or self.entered_wall)
