@@ -47,15 +47,19 @@ class Probe:
                 runs[key].append((start, ns))
         return runs
 
-    def max_concurrent(self, prefix: str = "") -> int:
-        """Most bodies whose keys start with ``prefix`` that ran at once."""
+    def max_concurrent(self, prefix: str = "", killed_at: Optional[int] = None) -> int:
+        """Most bodies whose keys start with ``prefix`` that ran at once. A body that never
+        ended ran until ``killed_at`` (monotonic ns: its process was killed) if it started
+        before that, else until now."""
         points = []
         for key, runs in self.intervals().items():
             if not key.startswith(prefix):
                 continue
             for start, end in runs:
                 points.append((start, 1))
-                points.append((end if end is not None else 2**63, -1))
+                if end is None:
+                    end = killed_at if killed_at is not None and start < killed_at else 2**63
+                points.append((end, -1))
         current = best = 0
         for _, delta in sorted(points):
             current += delta

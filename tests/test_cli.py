@@ -18,13 +18,7 @@ from tests import servers
 from tests.test_settings import MALFORMED_URLS
 from tests.test_worker import Cluster
 from tests.util import wait_until
-from tests.workers import ROOT
-
-
-def run_cli(env, *args, app=True, cwd=ROOT):
-    command = [sys.executable, "-m", "celery"] + (["-A", "tests.celery_app"] if app else [])
-    return subprocess.run(command + ["semaphore", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, stdin=subprocess.DEVNULL, timeout=60)
+from tests.workers import ROOT, run_cli
 
 
 def make_cli(url, **env_extra):
@@ -100,7 +94,7 @@ def test_resize_status_list_release(cli):
     assert "t-44" in human
 
     assert json.loads(listed.stdout) == [
-        {"name": "thumbs", "limit": 2, "held": 2, "waiting": 1}]
+        {"name": "thumbs", "limit": 2, "held": 2, "waiting": 1, "parked": 0}]
     # release by holder id, and by task id; a holder that holds nothing is an error
     by_holder, by_task, nobody = parallel(cli, ("release", "thumbs", first.holder, "--json"),
                                           ("release", "thumbs", "t-43"),
@@ -264,7 +258,7 @@ def test_django_manage_py_semaphore(redis_url):
     # `--settings` is Django's: manage.py applied it, click never sees it
     assert listed.returncode == 0, listed.stderr
     assert json.loads(listed.stdout) in ([], [{"name": "reports", "limit": 3, "held": 0,
-                                               "waiting": 0}])
+                                               "waiting": 0, "parked": 0}])
     # call_command(): output on its stdout, errors as CommandError with the CLI's exit code
     assert called.returncode == 0, called.stderr
     result, code, message = json.loads(called.stdout)

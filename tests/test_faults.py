@@ -112,7 +112,7 @@ def one_running_five_waiting(cluster, key):
     delivered (kombu's Redis transport loses one it has popped but not yet recorded as
     unacked when the server dies: the transport's own window, not the gate's)."""
     slow = cluster.task("slow")
-    results = [slow.delay(f"{key}0", 1.0)]
+    results = [slow.delay(f"{key}0", 4.0)]  # outlasts rabbitmqctl's start (1.5 s or more)
     assert wait_until(lambda: cluster.started(f"slow:{key}0"))
     results += [slow.delay(f"{key}{i}", 0.05) for i in range(1, 6)]
     worker = cluster.workers[0]

@@ -275,8 +275,8 @@ def test_an_eager_call_that_gets_no_slot_fails_without_running_the_body():
 def test_a_retry_does_not_carry_the_gates_headers():
     """self.retry() copies the request's custom headers into the new message: the lease (with
     the backend URL and its password) and the requeue bookkeeping must stay out of it."""
-    from celery_semaphore.gate import FIRST_WAIT_HEADER, REQUEUES_HEADER
     from celery_semaphore.task_lease import LEASE_KEY
+    from celery_semaphore.worker.waiter import FIRST_WAIT_HEADER, REQUEUES_HEADER
 
     app = make_app(task_default_queue="retry-headers")
     install(app)
@@ -346,7 +346,7 @@ def test_the_client_api_loads_no_worker_machinery():
 
     code = ("import sys; from celery_semaphore import Semaphore, current_lease, task; "
             "print([m for m in ('celery.concurrency.prefork', 'billiard.pool', "
-            "'celery_semaphore.gate', 'celery_semaphore.worker', 'celery_semaphore.keeper') "
+            "'celery_semaphore.worker', 'celery_semaphore.keeper') "
             "if m in sys.modules])")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60, cwd=os.path.dirname(os.path.dirname(__file__)))

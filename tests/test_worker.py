@@ -18,7 +18,7 @@ from tests import servers
 from tests.celery_app import create_app
 from tests.probe import Probe
 from tests.util import wait_until
-from tests.workers import Worker, cluster_env
+from tests.workers import Worker, cluster_env, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -29,13 +29,14 @@ RESULTS_DB = 13  # the result backend: this database of the tests' Redis server
 
 class Cluster:
     def __init__(self, tmp_dir, redis_url, broker, backend, workers=2, concurrency=4,
-                 **env_extra):
+                 names="w", **env_extra):
         results = servers.redis_db(redis_url, RESULTS_DB)
         self.env = cluster_env(tmp_dir, broker, backend, results, **env_extra)
         self.app = create_app(self.env)
         self.probe = Probe(self.env["CS_PROBE"])
         self.backend = get_backend(backend or broker, key_prefix=self.env["CS_KEY_PREFIX"])
-        self.workers = [Worker(self.env, f"w{i}", concurrency) for i in range(workers)]
+        # Worker names are unique per broker: a RabbitMQ worker's pidbox queue is exclusive.
+        self.workers = [Worker(self.env, f"{names}{i}", concurrency) for i in range(workers)]
         for worker in self.workers:
             worker.wait_ready()
 
@@ -406,3 +407,83 @@ def _kill_clients(client):
     for client_id in ids:
         client.client_kill_filter(_id=client_id)
     return ids
+
+
+# -- the waiting room -----------------------------------------------------------------------
+
+
+def _parked(cluster, name):
+    """Messages in the parking queue of semaphore ``name``, asked of the broker itself."""
+    queue = f"{cluster.env['CS_KEY_PREFIX']}park.{name}"
+    with cluster.app.connection_for_write() as connection:
+        try:
+            return connection.default_channel.queue_declare(queue=queue, passive=True)[1]
+        except connection.channel_errors:  # not declared (yet)
+            return 0
+
+
+@pytest.mark.parametrize("broker_kind", ["redis", "amqp"])
+def test_a_backlog_past_the_worker_bound_is_parked_in_the_broker_and_drained(
+        broker_kind, redis_url, amqp_url, tmp_path):
+    """Requests past semaphore_worker_max_waiting wait in a parking queue on the broker, not
+    in ETA requeues: each runs once, never more than the limit at once, with at most one
+    extra delivery (the pull from the parking queue) and no requeue."""
+    broker = servers.redis_broker(redis_url) if broker_kind == "redis" else amqp_url
+    cluster = Cluster(str(tmp_path), redis_url, broker, redis_url, names="park",
+                      CS_SETTINGS=json.dumps({"semaphore_worker_max_waiting": 3}))
+    try:
+        guarded = cluster.task("guarded")
+        long = [guarded.delay(f"long{i}", 6) for i in range(2)]  # both slots, for a while
+        assert wait_until(lambda: all(cluster.started(f"guarded:long{i}") for i in range(2)))
+        results = [guarded.delay(f"p{i}", 0.02) for i in range(80)]
+        # 3 wait in each worker, the rest in the parking queue: WAITING, parked, and counted
+        # by `celery semaphore status` from the broker
+        assert wait_until(lambda: _parked(cluster, "images") == 80 - 2 * 3, timeout=20)
+        assert wait_until(lambda: results[-1].state == "WAITING", timeout=10)
+        assert results[-1].info["parked"] is True
+        shown = run_cli(cluster.env, "status", "images", "--json")
+        assert shown.returncode == 0, shown.stderr
+        assert json.loads(shown.stdout)["parked"] == 80 - 2 * 3
+        assert [r.get(timeout=30) for r in long] == ["long0", "long1"]
+        assert sorted(r.get(timeout=60) for r in results) == sorted(f"p{i}" for i in range(80))
+        assert cluster.probe.max_concurrent("guarded:p") == 2
+        assert all(n == 1 for n in cluster.probe.completed("guarded:p").values())
+        logs = "".join(worker.output() for worker in cluster.workers)
+        assert "requeueing" not in logs
+        assert logs.count(" received") <= 2 * 80 + 2
+        assert wait_until(lambda: _parked(cluster, "images") == 0)
+        assert cluster.held("images") == 0
+    finally:
+        cluster.stop()
+
+
+def test_sigkill_while_parking_and_pulling_loses_no_task(redis_url, amqp_url, tmp_path):
+    """A worker killed with a backlog half parked, half pulled back: the broker returns its
+    unacked messages, the next worker drains the parking queue, every task runs, never more
+    than the limit at once (the dead worker's leases expire after their TTL)."""
+    cluster = Cluster(str(tmp_path), redis_url, amqp_url, redis_url, workers=1, concurrency=2,
+                      names="killed", CS_LEASE_TTL="3",
+                      CS_SETTINGS=json.dumps({"semaphore_worker_max_waiting": 3}))
+    try:
+        guarded = cluster.task("guarded")
+        results = [guarded.delay(f"k{i}", 0.02) for i in range(80)]
+        assert wait_until(lambda: _parked(cluster, "images") >= 10, timeout=20)
+        assert wait_until(lambda: len(cluster.probe.completed("guarded:k")) >= 5, timeout=20)
+        cluster.workers[0].kill()
+        killed_at = time.monotonic_ns()
+        # Running bodies die with the worker; Celery acked them when they started (acks_late
+        # off): those are Celery's own at-most-once, not the waiting room's.
+        died = {key for key, runs in cluster.probe.intervals().items()
+                if key.startswith("guarded:k") and runs[-1][1] is None}
+        spare = Worker(cluster.env, "park-spare", 4)
+        spare.wait_ready()
+        cluster.workers.append(spare)
+        for i, result in enumerate(results):
+            if f"guarded:k{i}" not in died:
+                result.get(timeout=90)
+        completed = cluster.probe.completed("guarded:k")
+        assert set(completed) | died == {f"guarded:k{i}" for i in range(80)}
+        assert cluster.probe.max_concurrent("guarded:k", killed_at) <= 2
+        assert wait_until(lambda: _parked(cluster, "images") == 0)
+    finally:
+        cluster.stop()

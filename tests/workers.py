@@ -79,6 +79,14 @@ class Worker:
                 pass
 
 
+def run_cli(env: Dict[str, str], *args: str, app: bool = True,
+            cwd: str = ROOT) -> subprocess.CompletedProcess:
+    """``celery [-A tests.celery_app] semaphore ARGS`` in a subprocess."""
+    command = [sys.executable, "-m", "celery"] + (["-A", "tests.celery_app"] if app else [])
+    return subprocess.run(command + ["semaphore", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, stdin=subprocess.DEVNULL, timeout=60)
+
+
 def cluster_env(tmp_dir: str, broker: str, backend: Optional[str], result: str,
                 **extra: str) -> Dict[str, str]:
     tag = servers.unique_tag()
