@@ -168,10 +168,10 @@ class Gate:
             self.handoffs.append(request)
             return
         pulled = PARKED_HEADER in (request.message.headers or {})
-        room = self.parking.room()
+        room = self.parking.room(guard.name)
         waiter = self.admission.add(request, guard, pulled=pulled)
         if room <= 0 and not pulled:
-            return self.parking.park(waiter, "semaphore_worker_max_waiting reached")
+            return self.parking.park(waiter, "this worker holds its share already")
         self.admission.wait(waiter)
 
     def flush_handoffs(self) -> None:

@@ -43,6 +43,8 @@ logger = logging.getLogger(__name__)
 
 #: Seconds between two broadcasts that a semaphore has parked requests.
 ANNOUNCE_EVERY = 1.0
+#: Requests of one semaphore a worker holds waiting, per pool process.
+SHARE_PER_PROCESS = 2
 #: Messages one pull takes at most.
 PULL_BATCH = 16
 
@@ -63,10 +65,14 @@ class ParkingLot:
 
     # -- decisions (loop thread) -------------------------------------------------------------
 
-    def room(self) -> int:
-        """How many more requests this worker should hold waiting
-        (``semaphore_worker_max_waiting`` in all)."""
-        return self.gate.settings.worker_max_waiting - len(self.gate.admission)
+    def room(self, name: str) -> int:
+        """How many more requests of ``name`` this worker should hold waiting: what it can
+        start soon (:data:`SHARE_PER_PROCESS` per pool process), within
+        ``semaphore_worker_max_waiting`` in all. The rest wait in the parking queue, where any
+        worker with room takes them, and a hot semaphore does not crowd out the others."""
+        admission = self.gate.admission
+        share = SHARE_PER_PROCESS * admission.pool_size() - admission.count(name)
+        return min(share, self.gate.settings.worker_max_waiting - len(admission))
 
     def park(self, waiter: Waiter, why: str) -> None:
         """Take ``waiter`` out of this worker and park it (its message is acked once the
@@ -83,7 +89,11 @@ class ParkingLot:
         """Pull parked requests of ``name`` while this worker has room for them."""
         if name not in self.known or not self.gate.running:
             return
-        want = min(self.room() - sum(self.pulling.values()), PULL_BATCH)
+        admission = self.gate.admission
+        share = SHARE_PER_PROCESS * admission.pool_size() - admission.count(name)
+        total = self.gate.settings.worker_max_waiting - len(admission)
+        want = min(share - self.pulling.get(name, 0), total - sum(self.pulling.values()),
+                   PULL_BATCH)
         if want > 0:
             self.pulling[name] = self.pulling.get(name, 0) + want
             self.gate.io.call(self._pull, name, want)
