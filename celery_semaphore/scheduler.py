@@ -19,6 +19,10 @@ from typing import Any, Callable, List, Optional, Tuple
 logger = logging.getLogger(__name__)
 
 
+def _nothing() -> None:
+    pass
+
+
 class Timer:
     """A scheduled call; :meth:`cancel` keeps it from running if it has not started."""
 
@@ -31,7 +35,11 @@ class Timer:
         self.cancelled = False
 
     def cancel(self) -> None:
+        # A cancelled timer stays in its heap until it is due: keep nothing alive till then
+        # (a lease keeper's timers are due a third of a lease TTL later, thousands of them).
         self.cancelled = True
+        self.fn = _nothing
+        self.args = ()
 
     def run(self) -> None:
         if not self.cancelled:

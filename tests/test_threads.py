@@ -1,8 +1,10 @@
 """The library's background threads: the scheduler and the lease keeper built on it."""
 
+import gc
 import os
 import threading
 import time
+import weakref
 
 from celery_semaphore import Semaphore
 from celery_semaphore.keeper import LeaseKeeper
@@ -106,3 +108,22 @@ def _exit_code(pid, timeout):
     os.kill(pid, 9)
     os.waitpid(pid, 0)
     raise AssertionError("the forked child is stuck")
+
+
+def test_a_cancelled_call_keeps_nothing_alive():
+    """A cancelled timer waits in the heap until it is due; what it would have run with must
+    not (the lease keeper cancels thousands of renewals due a third of a TTL later)."""
+
+    class Payload:
+        pass
+
+    scheduler = Scheduler("test-cancelled")
+    payload = Payload()
+    alive = weakref.ref(payload)
+    timer = scheduler.call(lambda p: None, payload, delay=3600)
+    del payload
+    timer.cancel()
+    gc.collect()
+    assert alive() is None
+    assert scheduler.pending() == 1  # still in the heap, as an empty shell
+    scheduler.stop()
