@@ -10,7 +10,7 @@ import platform
 import sys
 from datetime import datetime, timezone
 
-from benchmarks import backends, workload
+from benchmarks import backends, backlog, workload
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -32,11 +32,8 @@ def table(rows, columns) -> str:
 
 
 def markdown(data) -> str:
-    base = next(r for r in data["workload"] if r["setup"] == "dedicated")
-    ratios = ", ".join(
-        f"{r['setup']} **{round(r['utilization'] / base['utilization'], 3)}**"
-        for r in data["workload"] if r["setup"].startswith("gate")
-    )
+    uniform = [r for r in data["workload"] if r["workload"] != "W3"]
+    hot = [r for r in data["workload"] if r["workload"] == "W3"]
     return "\n\n".join([
         f"Measured {data['date']} on {data['machine']}; Redis and RabbitMQ on loopback.",
         "Backends: acquire+release pairs/s and acquire latency (limit above the number of "
@@ -46,13 +43,23 @@ def markdown(data) -> str:
         "The last row divides a second by Redis's own time per acquire+release (two script "
         "calls): the server's capacity. The runs above it are bound by the Python clients, "
         "which share the machine's cores with Redis.",
-        f"Celery workload: {workload.TASKS} tasks of {int(workload.HOLD * 1000)} ms, limit "
-        f"{workload.LIMIT}, Redis broker; gate and diy on 2 workers x 4 prefork processes, "
-        "dedicated queue on 1 worker x 4; the gate with the Redis backend unless named:",
-        table(data["workload"], ["setup", "utilization", "deliveries_per_task",
-                                 "handoff_p50_ms", "handoff_p99_ms", "makespan_s",
-                                 "max_concurrent"]),
-        f"Gate utilization / dedicated-queue utilization: {ratios}.",
+        "Celery workloads (`../shared/workloads.md`), Redis broker; the gate (Redis backend "
+        "unless named) and diy on 2 workers x 4 prefork processes, the dedicated queue on one "
+        "worker with concurrency = limit, prefetch 1, acks late; `vs_dedicated` = utilization / "
+        "the dedicated queue's utilization in the same run:",
+        table(uniform, ["workload", "setup", "tasks", "limit", "utilization", "vs_dedicated",
+                        "deliveries_per_task", "handoff_p50_ms", "handoff_p99_ms",
+                        "makespan_s", "max_concurrent"]),
+        "W3, a hot tenant: the 60 small-tenant tasks' makespan (first send to last end), alone "
+        "and sent behind the hot tenant's 400:",
+        table(hot, ["setup", "tasks", "limit", "small_makespan_s", "vs_alone",
+                    "deliveries_per_task", "max_concurrent"]),
+        "The waiting room under a deep backlog: one worker (-c 4) parks guarded tasks queued "
+        "before it started while their semaphore is full (parked/s from the broker's parking "
+        "queue length; RSS of the worker's main process), then drains them at limit 4:",
+        table(data["backlog"], ["tasks", "parked_per_s", "rss_idle_mb", "rss_peak_mb",
+                                "rss_growth_mb", "drained_s", "rss_after_drain_mb", "ran_once",
+                                "max_concurrent", "received_per_task"]),
     ]) + "\n"
 
 
@@ -71,15 +78,18 @@ def plots(data, out: str) -> None:
     fig.tight_layout()
     fig.savefig(os.path.join(out, "backends.png"), dpi=110)
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
-    setups = [r["setup"] for r in data["workload"]]
-    left.bar(setups, [r["utilization"] for r in data["workload"]], color="#55a868")
-    left.set_ylim(0, 1.05)
+    rows = [r for r in data["workload"] if r["workload"] != "W3"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    labels = [f"{r['workload']} {r['tasks']}\n{r['setup']}" for r in rows]
+    left.barh(labels, [r["utilization"] for r in rows], color="#55a868")
+    left.set_xlim(0, 1.05)
+    left.invert_yaxis()
     left.set_title("Slot utilization")
-    right.bar(setups, [r["handoff_p50_ms"] or 0 for r in data["workload"]], color="#c44e52",
-              label="p50")
-    right.set_yscale("log")
-    right.set_title("Handoff latency p50 (ms, log)")
+    right.barh(labels, [r["handoff_p99_ms"] or 0 for r in rows], color="#c44e52")
+    right.set_xscale("log")
+    right.invert_yaxis()
+    right.set_yticklabels([])
+    right.set_title("Handoff latency p99 (ms, log)")
     fig.tight_layout()
     fig.savefig(os.path.join(out, "workload.png"), dpi=110)
 
@@ -91,7 +101,10 @@ def main(argv=None) -> int:
     parser.add_argument("--output", default=RESULTS, metavar="DIR",
                         help="where results.json, results.md and the plots go "
                              "(default: benchmarks/results, the README's figures)")
-    out = parser.parse_args(argv).output
+    parser.add_argument("--backlog", type=int, default=20000, metavar="N",
+                        help="guarded tasks in the backlog benchmark (default: 20000)")
+    args = parser.parse_args(argv)
+    out = args.output
     from tests.servers import amqp_url, redis_url, sweep_amqp, sweep_redis
 
     os.makedirs(out, exist_ok=True)
@@ -101,8 +114,10 @@ def main(argv=None) -> int:
         print("backends:", flush=True)
         data = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "machine": machine(),
                 "backends": backends.run(url, rabbit)}
-        print("celery workload:", flush=True)
+        print("celery workloads:", flush=True)
         data["workload"] = workload.run(url, rabbit)
+        print("backlog:", flush=True)
+        data["backlog"] = [backlog.run(workload.broker_url(url), url, args.backlog, drain=True)]
     finally:  # the benchmarks' own queues and keys (their names carry this run's tags)
         sweep_amqp(rabbit)
         sweep_redis(url)

@@ -1,4 +1,8 @@
-"""The Celery app of the workload benchmark (run by real ``celery worker`` subprocesses)."""
+"""The Celery app of the workload benchmarks (run by real ``celery worker`` subprocesses).
+
+``BENCH_LIMIT`` is the limit of ``gated`` (and ``diy``); ``tenant`` is guarded by the template
+``tenant:{tenant}``, limit 2, with ``tenant:hot`` at 1 (workload W3).
+"""
 
 import os
 import time
@@ -8,13 +12,14 @@ from celery import Celery
 import celery_semaphore
 from tests.probe import Probe
 
-LIMIT = 4
+LIMIT = int(os.environ.get("BENCH_LIMIT", "4"))
 
 app = Celery("benchmarks.bench_app")
 app.conf.update(
     broker_url=os.environ.get("BENCH_BROKER", "redis://127.0.0.1:6379/12"),
     semaphore_backend=os.environ.get("BENCH_SEMAPHORE_BACKEND") or None,
     semaphore_key_prefix=os.environ.get("BENCH_PREFIX", "bench:"),
+    semaphore_limits={"tenant:hot": 1},
     task_default_queue=os.environ.get("BENCH_QUEUE", "bench"),
     worker_hijack_root_logger=False,
     broker_connection_retry_on_startup=True,
@@ -34,8 +39,14 @@ def gated(key, hold):
     body(key, hold)
 
 
-@app.task
+@app.task(semaphore="tenant:{tenant}", limit=2)
+def tenant(tenant, key, hold):
+    body(key, hold)
+
+
+@app.task(acks_late=True)
 def plain(key, hold):
+    """The dedicated-queue baseline: a worker with concurrency = limit, prefetch 1, acks late."""
     body(key, hold)
 
 

@@ -1,38 +1,48 @@
-"""The [celery] workload: 120 tasks of 50 ms, limit 4, 2 workers x 4 prefork processes.
+"""The Celery workloads of ``../shared/workloads.md`` (W1 - W4), each beside its baseline in
+the same run, on one Redis broker, with real ``celery worker`` processes (prefork):
 
-Three set-ups in one run, on one Redis broker:
+* W1 burst: 120 x 50 ms, limit 4; also with the RabbitMQ backends, and "diy" (a Redis
+  semaphore taken in the task body, ``self.retry(countdown=1)`` when full);
+* W2 backlog: 2,000 x 10 ms, and 1,000 x 50 ms, sent at once, limit 4;
+* W4 wider than one worker: 400 x 50 ms, limit 8;
+* W3 hot tenant: 400 x 20 ms of tenant "hot" (limit 1), then 60 x 20 ms over 6 other tenants
+  (limit 2 each), one template ``tenant:{tenant}``; baseline: the same 60 with no backlog.
 
-* ``gate``: celery-semaphore (``@app.task(semaphore=..., limit=4)``), 2 workers x 4;
-* ``dedicated queue``: the Celery docs' advice, 1 worker with concurrency 4, unguarded;
-* ``diy``: a Redis semaphore taken in the task body, ``self.retry(countdown=1)`` when full.
+The gate runs on 2 workers x 4 processes; the dedicated-queue baseline is one worker with
+concurrency = limit on its own queue, prefetch 1, acks late (Celery's advice for a limit).
 
 Measured from the probe file the bodies write (CLOCK_MONOTONIC, system-wide) and the workers'
-logs: slot utilization = sum of body time / (limit x makespan, first start to last end);
+logs: utilization = sum of body time / (limit x makespan, first start to last end);
 deliveries per task = "received" log lines / tasks; handoff = a body's end to the start of the
-body that took its slot (the i-th start after the first ``limit`` pairs with the i-th end).
+body that took its slot (the k-th start minus the (k - limit)-th end).
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from tests.probe import Probe
 from tests.servers import redis_db, slots_url, unique_tag
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TASKS, HOLD, LIMIT = 120, 0.05, 4
+#: A send: (task name in bench_app, args).
+Send = Tuple[str, tuple]
+SMALL_TENANTS = ("a", "b", "c", "d", "e", "f")
 
 
-def _start_worker(env: Dict[str, str], name: str, concurrency: int, log: str):
+def _start_worker(env: Dict[str, str], name: str, concurrency: int, log: str,
+                  extra: Sequence[str] = ()):
     cmd = [sys.executable, "-m", "celery", "-A", "benchmarks.bench_app", "worker", "-P",
            "prefork", "-c", str(concurrency), "-n", f"{name}@%h", "-Q", env["BENCH_QUEUE"],
-           "-l", "info", "--without-gossip", "--without-mingle", "--without-heartbeat"]
+           "-l", "info", "--without-gossip", "--without-mingle", "--without-heartbeat",
+           *extra]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log, "wb"),
                             stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 60
@@ -43,73 +53,134 @@ def _start_worker(env: Dict[str, str], name: str, concurrency: int, log: str):
     return proc
 
 
-def run_setup(kind: str, broker: str, backend: str) -> Dict[str, Any]:
+def run_setup(kind: str, broker: str, backend: str, limit: int, batches: List[List[Send]],
+              timeout: float = 600) -> Tuple[Probe, int, List[int]]:
+    """Start the workers of ``kind`` (gate: 2 x 4; dedicated: 1 x limit, prefetch 1), send
+    each batch in turn, wait until every body has ended. Returns the probe, the deliveries
+    counted in the workers' logs, and the monotonic_ns time each batch began to be sent."""
     tmp = tempfile.mkdtemp(prefix=f"bench-{kind}-")
     tag = unique_tag()
     env = dict(os.environ, BENCH_BROKER=broker, BENCH_SEMAPHORE_BACKEND=backend,
-               BENCH_PREFIX=f"{tag}:", BENCH_QUEUE=f"{tag}.q",
+               BENCH_PREFIX=f"{tag}:", BENCH_QUEUE=f"{tag}.q", BENCH_LIMIT=str(limit),
                BENCH_PROBE=os.path.join(tmp, "probe.log"), PYTHONPATH=ROOT)
-    workers = [(f"{kind}1", 4)] if kind == "dedicated" else [(f"{kind}1", 4), (f"{kind}2", 4)]
-    logs = [os.path.join(tmp, f"{name}.log") for name, _ in workers]
-    procs = [_start_worker(env, name, c, log) for (name, c), log in zip(workers, logs)]
+    if kind == "dedicated":
+        workers = [(f"{kind}1", limit, ["--prefetch-multiplier", "1"])]
+    else:
+        workers = [(f"{kind}1", 4, []), (f"{kind}2", 4, [])]
+    logs = [os.path.join(tmp, f"{name}.log") for name, _, _ in workers]
+    procs = [_start_worker(env, name, c, log, extra)
+             for (name, c, extra), log in zip(workers, logs)]
     os.environ.update({k: env[k] for k in env if k.startswith("BENCH_")})
-    import importlib
-
     import benchmarks.bench_app as bench_app
 
     bench_app = importlib.reload(bench_app)
-    task = {"gate": bench_app.gated, "dedicated": bench_app.plain, "diy": bench_app.diy}[kind]
     probe = Probe(env["BENCH_PROBE"])
+    total = sum(len(batch) for batch in batches)
+    sent_at = []
     try:
-        for i in range(TASKS):
-            task.delay(f"t{i}", HOLD)
-        deadline = time.monotonic() + 300
-        while len(probe.completed()) < TASKS or any(
+        for batch in batches:
+            sent_at.append(time.monotonic_ns())
+            for task, args in batch:
+                bench_app.app.tasks[f"benchmarks.bench_app.{task}"].delay(*args)
+        deadline = time.monotonic() + timeout
+        while len(probe.completed()) < total or any(
                 n == 0 for n in probe.completed().values()):
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{kind}: only {len(probe.completed())} tasks finished")
+                raise RuntimeError(f"{kind}: only {len(probe.completed())} of {total} tasks "
+                                   f"finished in {timeout}s")
             time.sleep(0.05)
     finally:
         for proc in procs:
             proc.terminate()
         for proc in procs:
-            proc.wait(30)
+            proc.wait(60)
         bench_app.app.close()
     received = sum(open(log, errors="replace").read().count(" received") for log in logs)
-    return {"setup": kind, **analyse(probe), "deliveries_per_task": round(received / TASKS, 3)}
+    return probe, received, sent_at
 
 
-def analyse(probe: Probe) -> Dict[str, Any]:
-    spans = [run for runs in probe.intervals().values() for run in runs]
+def analyse(probe: Probe, limit: int, prefix: str = "") -> Dict[str, Any]:
+    spans = [run for key, runs in probe.intervals().items() if key.startswith(prefix)
+             for run in runs]
     starts = sorted(s for s, _ in spans)
     ends = sorted(e for _, e in spans)
     makespan = (ends[-1] - starts[0]) / 1e9
     busy = sum(e - s for s, e in spans) / 1e9
-    handoffs = [(starts[LIMIT + i] - ends[i]) / 1e6 for i in range(len(starts) - LIMIT)]
+    handoffs = [(starts[limit + i] - ends[i]) / 1e6 for i in range(len(starts) - limit)]
     handoffs = sorted(h for h in handoffs if h >= 0)
     return {
         "makespan_s": round(makespan, 3),
-        "utilization": round(busy / (LIMIT * makespan), 4),
-        "max_concurrent": probe.max_concurrent(),
+        "utilization": round(busy / (limit * makespan), 4),
+        "max_concurrent": probe.max_concurrent(prefix),
         "handoff_p50_ms": round(statistics.median(handoffs), 2) if handoffs else None,
         "handoff_p99_ms": round(handoffs[int(len(handoffs) * 0.99)], 2) if handoffs else None,
     }
 
 
+def uniform(workload: str, tasks: int, hold: float, limit: int, broker: str,
+            setups: List[Tuple[str, str, str]]) -> List[Dict[str, Any]]:
+    """One semaphore, ``tasks`` bodies of ``hold`` seconds sent at once; a row per setup and
+    each gate row's utilization as a ratio of the dedicated queue's."""
+    rows = []
+    for label, kind, backend in setups:
+        task = {"gate": "gated", "dedicated": "plain", "diy": "diy"}[kind]
+        probe, received, _ = run_setup(kind, broker, backend, limit,
+                                       [[(task, (f"t{i}", hold)) for i in range(tasks)]])
+        row = {"workload": workload, "setup": label, "tasks": f"{tasks} x {int(hold * 1000)} ms",
+               "limit": limit, **analyse(probe, limit),
+               "deliveries_per_task": round(received / tasks, 3)}
+        print(f"  {row}", flush=True)
+        rows.append(row)
+    base = next(r for r in rows if r["setup"] == "dedicated")
+    for row in rows:
+        row["vs_dedicated"] = round(row["utilization"] / base["utilization"], 3)
+    return rows
+
+
+def hot_tenant(broker: str, backend: str, hot: int = 400, per_small: int = 10,
+               hold: float = 0.02) -> List[Dict[str, Any]]:
+    """W3: the small tenants' makespan (from their first send to their last body's end) behind
+    the hot tenant's backlog, against the same tasks alone."""
+    small = [("tenant", (t, f"s{t}:{i}", hold)) for i in range(per_small) for t in SMALL_TENANTS]
+    rows = []
+    alone: Optional[float] = None
+    for label, batches in (("small tenants alone", [small]),
+                           ("small tenants behind the hot backlog",
+                            [[("tenant", ("hot", f"hot:{i}", hold)) for i in range(hot)],
+                             small])):
+        probe, received, sent_at = run_setup("gate", broker, backend, 2, batches)
+        ends = [e for key, runs in probe.intervals().items() if key.startswith("s")
+                for _, e in runs]
+        small_makespan = (max(ends) - sent_at[-1]) / 1e9
+        alone = alone or small_makespan
+        row = {"workload": "W3", "setup": label, "tasks": f"{len(small)} x {int(hold * 1000)} ms"
+               + (f" behind {hot}" if len(batches) > 1 else ""),
+               "limit": "1 / 2", "small_makespan_s": round(small_makespan, 3),
+               "vs_alone": round(small_makespan / alone, 2),
+               "max_concurrent": max(probe.max_concurrent(f"s{t}:") for t in SMALL_TENANTS),
+               "deliveries_per_task": round(received / sum(map(len, batches)), 3)}
+        if len(batches) > 1:
+            row["max_concurrent"] = f"{probe.max_concurrent('hot:')} hot, " \
+                                    f"{row['max_concurrent']} small"
+        print(f"  {row}", flush=True)
+        rows.append(row)
+    return rows
+
+
 def broker_url(redis_url: str) -> str:
-    """The workload's broker: database 12 of the benchmarks' Redis server."""
+    """The workloads' broker: database 12 of the benchmarks' Redis server."""
     return redis_db(redis_url, 12)
 
 
 def run(redis_url: str, amqp_url: str) -> List[Dict[str, Any]]:
     broker = broker_url(redis_url)
-    rows = []
-    setups = [("dedicated", "dedicated", redis_url), ("gate", "gate", redis_url),
-              ("gate amqp tokens", "gate", amqp_url),
-              ("gate amqp slots", "gate", slots_url(amqp_url)),
-              ("diy", "diy", redis_url)]
-    for label, kind, backend in setups:
-        row = {**run_setup(kind, broker, backend), "setup": label}
-        print(f"  {row}", flush=True)
-        rows.append(row)
+    gate_vs_dedicated = [("dedicated", "dedicated", redis_url), ("gate", "gate", redis_url)]
+    rows = uniform("W1", 120, 0.05, 4, broker, gate_vs_dedicated + [
+        ("gate amqp tokens", "gate", amqp_url),
+        ("gate amqp slots", "gate", slots_url(amqp_url)),
+        ("diy", "diy", redis_url)])
+    rows += uniform("W2", 2000, 0.01, 4, broker, gate_vs_dedicated)
+    rows += uniform("W2", 1000, 0.05, 4, broker, gate_vs_dedicated)
+    rows += uniform("W4", 400, 0.05, 8, broker, gate_vs_dedicated)
+    rows += hot_tenant(broker, redis_url)
     return rows
