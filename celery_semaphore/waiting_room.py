@@ -32,9 +32,10 @@ def parked_counts(app: Any, key_prefix: str, names: Iterable[str]) -> Dict[str, 
                 try:
                     counts[name] = channel.queue_declare(
                         queue=parking_queue_name(key_prefix, name), passive=True)[1]
-                except connection.channel_errors:  # no such queue; AMQP closed the channel
+                except connection.channel_errors:  # no such queue
                     counts[name] = 0
-                    channel = connection.channel()
+                    if getattr(channel, "is_open", True) is False:  # AMQP closes the channel
+                        channel = connection.channel()
         finally:
             try:
                 channel.close()

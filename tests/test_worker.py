@@ -487,3 +487,30 @@ def test_sigkill_while_parking_and_pulling_loses_no_task(redis_url, amqp_url, tm
         assert wait_until(lambda: _parked(cluster, "images") == 0)
     finally:
         cluster.stop()
+
+
+def test_a_worker_started_after_the_backlog_was_parked_drains_it(redis_url, tmp_path):
+    """The only worker stops with a backlog parked; a new worker, which never received one of
+    those tasks and hears no broadcast, finds the parking queue from the backend's semaphore
+    names at start and drains it."""
+    cluster = Cluster(str(tmp_path), redis_url, servers.redis_broker(redis_url), redis_url,
+                      workers=1, names="before",
+                      CS_SETTINGS=json.dumps({"semaphore_worker_max_waiting": 2}))
+    try:
+        guarded = cluster.task("guarded")
+        long = [guarded.delay(f"long{i}", 2) for i in range(2)]
+        assert wait_until(lambda: all(cluster.started(f"guarded:long{i}") for i in range(2)))
+        results = [guarded.delay(f"d{i}", 0.02) for i in range(20)]
+        assert wait_until(lambda: _parked(cluster, "images") == 20 - 2, timeout=20)
+        cluster.workers[0].stop()  # warm: the running two finish; the two waiting go back
+        assert [r.get(timeout=5) for r in long] == ["long0", "long1"]
+        assert _parked(cluster, "images") == 20 - 2
+        after = Worker(cluster.env, "after", 4)
+        after.wait_ready()
+        cluster.workers.append(after)
+        assert sorted(r.get(timeout=60) for r in results) == sorted(f"d{i}" for i in range(20))
+        assert all(n == 1 for n in cluster.probe.completed("guarded:d").values())
+        assert cluster.probe.max_concurrent("guarded:") <= 2
+        assert wait_until(lambda: _parked(cluster, "images") == 0)
+    finally:
+        cluster.stop()

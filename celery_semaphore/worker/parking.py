@@ -32,7 +32,7 @@ from celery.worker.control import control_command
 from kombu import Exchange, Producer, Queue
 from vine import promise
 
-from ..waiting_room import parking_queue_name
+from ..waiting_room import parked_counts, parking_queue_name
 from . import celery_internals
 from .waiter import FIRST_WAIT_HEADER, PARKED_HEADER, Waiter
 
@@ -174,12 +174,7 @@ class ParkingLot:
 
     def _lost(self, exc: BaseException, what: str) -> None:
         logger.warning("celery-semaphore: %s: broker unavailable: %s", what, exc)
-        connection, self._connection = self._connection, None
-        if connection is not None:
-            try:
-                connection.close()
-            except Exception:
-                pass
+        self.close()
 
     def _park(self, waiter: Waiter, name: str) -> None:
         message = waiter.request.message
@@ -228,27 +223,14 @@ class ParkingLot:
     def discover(self, names: List[str]) -> None:  # I/O thread, at worker start
         """Learn which of ``names`` have parked requests (a worker that starts after the
         others parked a backlog, or after the whole cluster restarted)."""
-        found = []
-        for name in names:
-            try:
-                channel = self._channel()
-                queue = self._queue(name)(channel)
-                _, count, _ = queue.queue_declare(passive=True)
-            except Exception:  # no such queue (AMQP closes the channel) or broker down
-                self._reset_channel()
-                continue
+        try:
+            counts = parked_counts(self.gate.app, self.gate.settings.key_prefix, names)
+        except Exception as exc:
+            logger.warning("celery-semaphore: cannot look for parked tasks: broker: %s", exc)
+            return
+        for name, count in counts.items():
             if count:
-                found.append(name)
-        for name in found:
-            self.gate.loop.post(self.learn, name)
-
-    def _reset_channel(self) -> None:
-        if self._connection is not None:
-            try:
-                self._connection.default_channel.close()
-            except Exception:
-                pass
-            self._connection._default_channel = None
+                self.gate.loop.post(self.learn, name)
 
     def close(self) -> None:  # I/O thread, at shutdown, after the last ack
         connection, self._connection = self._connection, None
