@@ -514,3 +514,53 @@ def test_a_worker_started_after_the_backlog_was_parked_drains_it(redis_url, tmp_
         assert wait_until(lambda: _parked(cluster, "images") == 0)
     finally:
         cluster.stop()
+
+
+def test_a_parked_task_is_revoked_while_parked(redis_url, tmp_path):
+    """Revoked by id or by stamped header while it waits in the parking queue: REVOKED at
+    once (not when a worker pulls it), and it never runs."""
+    cluster = Cluster(str(tmp_path), redis_url, servers.redis_broker(redis_url), redis_url,
+                      workers=1, names="revoke",
+                      CS_SETTINGS=json.dumps({"semaphore_worker_max_waiting": 2}))
+    try:
+        slow = cluster.task("slow")
+        first = slow.delay("r0", 30)
+        assert wait_until(lambda: cluster.started("slow:r0"))
+        waiting = [slow.delay(f"r{i}", 0.05) for i in range(1, 6)]
+        stamped = slow.s("rs", 0.05)
+        stamped.stamp(batch="cancel-parked")
+        stamped = stamped.apply_async()
+        assert wait_until(lambda: _parked(cluster, "slow") == 6 - 2, timeout=20)
+        by_id = waiting[-1]
+        assert wait_until(lambda: by_id.state == "WAITING" and stamped.state == "WAITING")
+        by_id.revoke()
+        cluster.app.control.revoke_by_stamped_headers({"batch": "cancel-parked"})
+        assert wait_until(lambda: by_id.state == "REVOKED", timeout=5)
+        assert wait_until(lambda: stamped.state == "REVOKED", timeout=5)
+        first.revoke(terminate=True)
+        for result in waiting[:-1]:
+            result.get(timeout=30)
+        assert wait_until(lambda: _parked(cluster, "slow") == 0)
+        assert not cluster.started("slow:r5") and not cluster.started("slow:rs")
+        assert by_id.state == "REVOKED" and stamped.state == "REVOKED"
+    finally:
+        cluster.stop()
+
+
+def test_semaphore_max_wait_fails_a_parked_task(redis_url, tmp_path):
+    cluster = Cluster(str(tmp_path), redis_url, servers.redis_broker(redis_url), redis_url,
+                      workers=1, names="maxwait", CS_SETTINGS=json.dumps(
+                          {"semaphore_max_wait": 1.0, "semaphore_worker_max_waiting": 1}))
+    try:
+        slow = cluster.task("slow")
+        slow.delay("m0", 6)
+        assert wait_until(lambda: cluster.started("slow:m0"))
+        late = [slow.delay(f"m{i}", 0.01) for i in range(1, 4)]
+        assert wait_until(lambda: _parked(cluster, "slow") >= 1, timeout=10)
+        for result in late:
+            with pytest.raises(SemaphoreTimeout) as err:
+                result.get(timeout=10)
+            assert "semaphore_max_wait" in str(err.value)
+        assert not any(cluster.started(f"slow:m{i}") for i in range(1, 4))
+    finally:
+        cluster.stop()

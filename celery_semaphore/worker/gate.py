@@ -208,6 +208,7 @@ class Gate:
             elif now - waiter.entered > settings.worker_max_hold:
                 self.parking.park(waiter, "semaphore_worker_max_hold passed")
         self.releases.check_orphans()
+        self.parking.check_tracked()
         self.admission.pump()
         self.parking.refill_all()
 
@@ -233,6 +234,13 @@ class Gate:
         request.send_event("task-failed", exception=repr(exc), traceback="")
         request.acknowledge()
         celery_internals.task_ready(request)
+
+    def fail_parked(self, task_id: str, task_name: str, exc: BaseException) -> None:
+        """Fail a parked task (its message waits in the parking queue: whoever pulls it fails
+        it again, acking it)."""
+        logger.error("celery-semaphore: task %s[%s] failed: %s", task_name, task_id, exc)
+        self.reporting.event("task-failed", task_id, exception=repr(exc), traceback="")
+        self.io.call(self.reporting.store, task_id, task_name, "failure", exc)
 
     def retry_io(self, again: Callable[[float], None], retry: float, left: float, what: str,
                  exc: BaseException) -> None:  # I/O thread

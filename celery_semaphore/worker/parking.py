@@ -24,14 +24,18 @@ Threads: the parking connection belongs to the I/O thread; the loop thread decid
 
 from __future__ import annotations
 
+import heapq
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 from celery.worker.control import control_command
 from kombu import Exchange, Producer, Queue
 from vine import promise
 
+from ..exceptions import SemaphoreTimeout
 from ..waiting_room import parked_counts, parking_queue_name
 from . import celery_internals
 from .waiter import FIRST_WAIT_HEADER, PARKED_HEADER, Waiter
@@ -45,8 +49,23 @@ logger = logging.getLogger(__name__)
 ANNOUNCE_EVERY = 1.0
 #: Requests of one semaphore a worker holds waiting, per pool process.
 SHARE_PER_PROCESS = 2
+#: Parked tasks a worker remembers, to announce their revocation or max-wait failure while
+#: they are parked (the oldest are forgotten first; they are still judged when pulled).
+MAX_TRACKED = 100_000
 #: Messages one pull takes at most.
 PULL_BATCH = 16
+
+
+@dataclass
+class ParkedTask:
+    """What a worker keeps of a task it parked: enough to announce it revoked or timed out
+    while it is parked (a few hundred bytes; the message itself is in the broker)."""
+
+    task_id: str
+    task_name: str
+    semaphore: str
+    stamps: Optional[Dict[str, Any]]
+    deadline: Optional[float]  # Unix time semaphore_max_wait runs out
 
 
 class ParkingLot:
@@ -59,6 +78,9 @@ class ParkingLot:
         self.pulling: Dict[str, int] = {}  # name -> gets on their way
         self.parking: Dict[str, int] = {}  # name -> copies being published
         self._announced: Dict[str, float] = {}
+        self.tracked: "OrderedDict[str, ParkedTask]" = OrderedDict()  # task id -> parked task
+        self._deadlines: List[Tuple[float, str]] = []  # heap of (deadline, task id)
+        self._revocations: Tuple[int, int] = (0, 0)
         # I/O thread
         self._connection: Any = None
         self._declared: Set[str] = set()
@@ -117,12 +139,47 @@ class ParkingLot:
             return
         request.acknowledge()
         celery_internals.task_ready(request)
+        self._track(waiter)
         self.gate.admission.pump()
         self.known.add(name)
         now = time.monotonic()
         if now - self._announced.get(name, 0.0) >= ANNOUNCE_EVERY:
             self._announced[name] = now
             self.gate.io.call(self._announce, name)
+
+    # -- parked tasks revoked or past semaphore_max_wait (loop thread) ------------------------
+
+    def _track(self, waiter: Waiter) -> None:
+        request, settings = waiter.request, waiter.guard.settings
+        deadline = None if settings.max_wait is None else waiter.first_wait + settings.max_wait
+        task = ParkedTask(request.id, request.name, waiter.guard.name, request.stamps or None,
+                          deadline)
+        self.tracked[request.id] = task
+        if deadline is not None:
+            heapq.heappush(self._deadlines, (deadline, request.id))
+        while len(self.tracked) > MAX_TRACKED:
+            self.tracked.popitem(last=False)
+
+    def check_tracked(self) -> None:
+        """Announce parked tasks revoked since the last check (REVOKED stored, task-revoked
+        sent) and fail those whose ``semaphore_max_wait`` ran out, as for waiting ones. Their
+        messages stay parked until pulled, when Celery (or the gate) discards them again."""
+        now = time.time()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, task_id = heapq.heappop(self._deadlines)
+            task = self.tracked.pop(task_id, None)
+            if task is not None:
+                self.gate.fail_parked(task.task_id, task.task_name, SemaphoreTimeout(
+                    f"no slot of semaphore {task.semaphore!r} in its semaphore_max_wait "
+                    f"(parked)"))
+        revocations = celery_internals.revocations()
+        if revocations == self._revocations:
+            return
+        self._revocations = revocations
+        for task in list(self.tracked.values()):
+            if celery_internals.is_revoked(task.task_id, task.stamps):
+                del self.tracked[task.task_id]
+                self.gate.reporting.revoked_parked(task.task_id, task.task_name)
 
     def _pulled(self, name: str, asked: int, messages: List[Any], empty: bool) -> None:
         self.pulling[name] -= asked
@@ -138,6 +195,7 @@ class ParkingLot:
     def _deliver(self, message: Any) -> None:
         """Hand a pulled message to Celery's strategy for its task, as the consumer does for a
         delivery, with acks and rejects going to the parking channel on the I/O thread."""
+        self.tracked.pop(message.headers.get("id"), None)
         consumer = self.gate.consumer
         strategy = consumer.strategies.get(message.headers.get("task"))
         if strategy is None:  # not a task this worker knows: leave it for one that does

@@ -54,6 +54,32 @@ class Reporting:
                 logger.debug("celery-semaphore: storing WAITING for %s failed: %s",
                              request.id, exc)
 
+    def revoked_parked(self, task_id: str, task_name: str) -> None:
+        """A parked task was revoked: announce it now, as Celery does for a request it holds
+        (the message is discarded when pulled). Loop thread."""
+        logger.info("celery-semaphore: discarding revoked parked task: %s[%s]", task_name,
+                    task_id)
+        self.event("task-revoked", task_id, terminated=False, signum=None, expired=False)
+        self.gate.io.call(self.store, task_id, task_name, "revoked", None)
+
+    def event(self, kind: str, task_id: str, **fields: Any) -> None:
+        dispatcher = getattr(self.gate.consumer, "event_dispatcher", None)
+        if dispatcher is not None and dispatcher.enabled:
+            dispatcher.send(kind, uuid=task_id, **fields)
+
+    def store(self, task_id: str, task_name: str, outcome: str,
+              exc: Optional[BaseException]) -> None:  # I/O thread
+        task = self.gate.app.tasks.get(task_name)
+        backend = task.backend if task is not None else self.gate.app.backend
+        try:
+            if outcome == "revoked":
+                backend.mark_as_revoked(task_id, "revoked")
+            else:
+                backend.mark_as_failure(task_id, exc)
+        except Exception as store_exc:
+            logger.warning("celery-semaphore: storing %s for %s failed: %s", outcome, task_id,
+                           store_exc)
+
     def snapshot(self) -> Dict[str, List[Dict[str, Any]]]:
         gate = self.gate
         with gate.lock:
