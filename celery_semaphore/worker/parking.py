@@ -38,6 +38,7 @@ from vine import promise
 from ..exceptions import SemaphoreTimeout
 from ..waiting_room import parked_counts, parking_queue_name
 from . import celery_internals
+from .requeue import publish_copy
 from .waiter import FIRST_WAIT_HEADER, PARKED_HEADER, Waiter
 
 if TYPE_CHECKING:
@@ -88,13 +89,17 @@ class ParkingLot:
     # -- decisions (loop thread) -------------------------------------------------------------
 
     def room(self, name: str) -> int:
-        """How many more requests of ``name`` this worker should hold waiting: what it can
-        start soon (:data:`SHARE_PER_PROCESS` per pool process), within
-        ``semaphore_worker_max_waiting`` in all. The rest wait in the parking queue, where any
-        worker with room takes them, and a hot semaphore does not crowd out the others."""
+        """How many more requests of ``name`` this worker should hold waiting, counting those
+        it is pulling: what it can start soon (:data:`SHARE_PER_PROCESS` per pool process),
+        within ``semaphore_worker_max_waiting`` in all. The rest wait in the parking queue,
+        where any worker with room takes them, and a hot semaphore does not crowd out the
+        others."""
         admission = self.gate.admission
-        share = SHARE_PER_PROCESS * admission.pool_size() - admission.count(name)
-        return min(share, self.gate.settings.worker_max_waiting - len(admission))
+        share = (SHARE_PER_PROCESS * admission.pool_size() - admission.count(name)
+                 - self.pulling.get(name, 0))
+        total = (self.gate.settings.worker_max_waiting - len(admission)
+                 - sum(self.pulling.values()))
+        return min(share, total)
 
     def park(self, waiter: Waiter, why: str) -> None:
         """Take ``waiter`` out of this worker and park it (its message is acked once the
@@ -104,18 +109,15 @@ class ParkingLot:
         self.gate.admission.leave_backend(waiter)
         self.parking[name] = self.parking.get(name, 0) + 1
         logger.debug("celery-semaphore: parking %s (%s)", waiter.request.id, why)
-        self.gate.reporting.parked(waiter)  # stored before the copy exists: never after it ran
+        # stored before the copy exists: never after it ran
+        self.gate.reporting.waiting(waiter, None, waiter.guard.limit, parked=True)
         self.gate.io.call(self._park, waiter, name)
 
     def refill(self, name: str) -> None:
         """Pull parked requests of ``name`` while this worker has room for them."""
         if name not in self.known or not self.gate.running:
             return
-        admission = self.gate.admission
-        share = SHARE_PER_PROCESS * admission.pool_size() - admission.count(name)
-        total = self.gate.settings.worker_max_waiting - len(admission)
-        want = min(share - self.pulling.get(name, 0), total - sum(self.pulling.values()),
-                   PULL_BATCH)
+        want = min(self.room(name), PULL_BATCH)
         if want > 0:
             self.pulling[name] = self.pulling.get(name, 0) + want
             self.gate.io.call(self._pull, name, want)
@@ -235,23 +237,15 @@ class ParkingLot:
         self.close()
 
     def _park(self, waiter: Waiter, name: str) -> None:
-        message = waiter.request.message
-        headers = dict(message.headers)
-        headers[PARKED_HEADER] = name
-        headers[FIRST_WAIT_HEADER] = waiter.first_wait
-        headers.pop("eta", None)  # it was due already
-        properties = dict(message.properties or {})
-        delivery = waiter.request.delivery_info or {}
         try:
             queue = self._declared_queue(name)
-            Producer(queue.channel, auto_declare=False).publish(
-                message.body, exchange="", routing_key=queue.name, headers=headers,
-                content_type=message.content_type, content_encoding=message.content_encoding,
-                delivery_mode=2, priority=delivery.get("priority"),
-                correlation_id=properties.get("correlation_id"),
-                reply_to=properties.get("reply_to"))
+            publish_copy(Producer(queue.channel, auto_declare=False), waiter.request, "",
+                         queue.name, {PARKED_HEADER: name,
+                                      FIRST_WAIT_HEADER: waiter.first_wait,
+                                      "eta": None},  # it was due already
+                         delivery_mode=2)
         except Exception as exc:
-            self._lost(exc, f"parking {waiter.request.id}, rejecting it for redelivery")
+            self._lost(exc, f"parking {waiter.request.id}, requeueing it")
             self.gate.loop.post(self.parked, waiter, name, False)
             return
         self.gate.loop.post(self.parked, waiter, name, True)

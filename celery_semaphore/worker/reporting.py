@@ -23,21 +23,17 @@ class Reporting:
     def __init__(self, gate: "Gate") -> None:
         self.gate = gate
 
-    def waiting(self, waiter: Waiter, position: Optional[int], limit: Any) -> None:
-        """``waiter`` waits at ``position`` of the backend's queue: announce it (loop)."""
+    def waiting(self, waiter: Waiter, position: Optional[int], limit: Any,
+                parked: bool = False) -> None:
+        """``waiter`` waits at ``position`` of the backend's queue, or in the parking queue:
+        announce it (loop)."""
         fields = {"semaphore": waiter.guard.name, "limit": limit, "position": position,
                   "attempt": waiter.requeues + 1}
+        if parked:
+            fields["parked"] = True
         waiter.request.send_event(WAITING_EVENT, **fields)
         if not waiter.request.ignore_result:
-            self.gate.io.call(self._store_waiting, waiter, fields)
-
-    def parked(self, waiter: Waiter) -> None:
-        """``waiter`` went to the waiting room: announce it WAITING, parked (loop)."""
-        fields = {"semaphore": waiter.guard.name, "limit": waiter.guard.limit,
-                  "position": None, "parked": True, "attempt": waiter.requeues + 1}
-        waiter.request.send_event(WAITING_EVENT, **fields)
-        if not waiter.request.ignore_result:
-            self.gate.io.call(self._store_waiting, waiter, fields, True)
+            self.gate.io.call(self._store_waiting, waiter, fields, parked)
 
     def _store_waiting(self, waiter: Waiter, fields: Dict[str, Any],
                        parked: bool = False) -> None:  # I/O thread

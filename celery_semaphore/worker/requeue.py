@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import random
 from datetime import datetime, timedelta, timezone
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Dict, Optional
 
 from . import celery_internals
 from .waiter import FIRST_WAIT_HEADER, REQUEUES_HEADER, Waiter
@@ -29,6 +29,24 @@ def backoff(waiter: Waiter) -> float:
     return delay
 
 
+def publish_copy(producer: Any, request: Any, exchange: str, routing_key: Optional[str],
+                 headers: Dict[str, Any], **options: Any) -> None:
+    """Publish a copy of ``request``'s message (its body, content type, reply address,
+    priority and delivery mode, persistent unless given) with ``headers`` added to or
+    replacing its own; an ``eta`` of None removes the message's ETA."""
+    message = request.message
+    merged = {**message.headers, **headers}
+    if merged.get("eta") is None:
+        merged.pop("eta", None)
+    properties = message.properties or {}
+    options.setdefault("delivery_mode", properties.get("delivery_mode", 2))
+    producer.publish(
+        message.body, exchange=exchange, routing_key=routing_key, headers=merged,
+        content_type=message.content_type, content_encoding=message.content_encoding,
+        correlation_id=properties.get("correlation_id"), reply_to=properties.get("reply_to"),
+        priority=(request.delivery_info or {}).get("priority"), **options)
+
+
 class Requeue:
     def __init__(self, gate: "Gate") -> None:
         self.gate = gate
@@ -45,29 +63,15 @@ class Requeue:
 
     def _republish(self, waiter: Waiter, countdown: float) -> None:  # I/O thread
         request = waiter.request
-        message = request.message
-        headers = dict(message.headers)
-        headers[REQUEUES_HEADER] = waiter.requeues + 1
-        headers[FIRST_WAIT_HEADER] = waiter.first_wait
-        headers["eta"] = (datetime.now(timezone.utc) + timedelta(seconds=countdown)).isoformat()
-        properties = dict(message.properties or {})
         delivery = request.delivery_info or {}
+        eta = (datetime.now(timezone.utc) + timedelta(seconds=countdown)).isoformat()
         try:
             with self.gate.app.producer_or_acquire() as producer:
-                producer.publish(
-                    message.body,
-                    exchange=delivery.get("exchange") or "",
-                    routing_key=delivery.get("routing_key"),
-                    headers=headers,
-                    content_type=message.content_type,
-                    content_encoding=message.content_encoding,
-                    correlation_id=properties.get("correlation_id"),
-                    reply_to=properties.get("reply_to"),
-                    priority=delivery.get("priority"),
-                    delivery_mode=properties.get("delivery_mode", 2),
-                    retry=True,
-                    retry_policy={"max_retries": 3},
-                )
+                publish_copy(producer, request, delivery.get("exchange") or "",
+                             delivery.get("routing_key"),
+                             {REQUEUES_HEADER: waiter.requeues + 1,
+                              FIRST_WAIT_HEADER: waiter.first_wait, "eta": eta},
+                             retry=True, retry_policy={"max_retries": 3})
         except Exception as exc:
             logger.warning("celery-semaphore: requeue of %s failed, rejecting for redelivery: %s",
                            request.id, exc)
