@@ -239,11 +239,14 @@ class Semaphore:
             default_keeper.add(lease)
         return lease
 
-    def acquire(self, timeout: Optional[float] = None, *, meta: Optional[Meta] = None) -> Lease:
+    def acquire(self, timeout: Optional[float] = None, *, meta: Optional[Meta] = None,
+                task_id: Optional[str] = None) -> Lease:
         """Block until a slot is free and return its lease.
 
         Raises :class:`SemaphoreTimeout` when ``timeout`` seconds pass first (the caller then
-        leaves the queue). ``meta`` (JSON-able) is shown to operators in ``status``.
+        leaves the queue). ``meta`` (JSON-able) is shown to operators in ``status``. With
+        ``task_id``, no lease is granted while another lease of the same task id is held (a
+        duplicate delivery waits for its twin, keeping its place in line).
         """
         if timeout is not None and (isinstance(timeout, bool)
                                     or not isinstance(timeout, (int, float))
@@ -253,7 +256,7 @@ class Semaphore:
         if timeout is not None and math.isinf(timeout):
             timeout = None
         meta = {**self.meta, **(meta or {})}
-        holder = new_holder_id()
+        holder = new_holder_id(task_id)
         deadline = None if timeout is None else time.monotonic() + timeout
         wake = threading.Event()
         self.backend.watch(self.name, holder, wake.set)
@@ -289,10 +292,12 @@ class Semaphore:
         except Exception:  # the queue entry expires by itself after waiter_ttl
             pass
 
-    def try_acquire(self, *, meta: Optional[Meta] = None) -> Optional[Lease]:
-        """Take a slot if one is free and nobody is queued for it; never blocks."""
+    def try_acquire(self, *, meta: Optional[Meta] = None,
+                    task_id: Optional[str] = None) -> Optional[Lease]:
+        """Take a slot if one is free and nobody is queued for it; never blocks. ``meta`` and
+        ``task_id`` as for :meth:`acquire`."""
         meta = {**self.meta, **(meta or {})}
-        holder = new_holder_id()
+        holder = new_holder_id(task_id)
         requested_at = time.monotonic()
         try:
             attempt = self.backend.acquire(

@@ -324,6 +324,28 @@ def test_auto_renew_keeps_the_lease_and_reports_loss(spec):
 # -- limits -------------------------------------------------------------------------------
 
 
+def test_one_lease_per_task_id_a_twin_waits_in_place(spec):
+    """A duplicate delivery of a task (same task id) is not admitted beside its twin, though a
+    slot is free; it keeps its place, others behind it still get free slots, and it is woken
+    when the twin goes."""
+    sem = spec.semaphore("twins", 3, poll_interval=10)
+    first = sem.acquire(task_id="task-1")
+    assert sem.try_acquire(task_id="task-1") is None
+    results = []
+    start_waiter(sem, results, "twin", task_id="task-1", timeout=30)
+    assert wait_until(lambda: sem.status().waiting == 1)
+    other = sem.acquire(timeout=5, task_id="task-2")  # behind the twin, and a slot is free
+    assert sem.status().held == 2 and sem.status().waiting == 1
+    released_at = time.monotonic()
+    first.release()
+    assert wait_until(lambda: results, timeout=5)
+    assert results[0][2] - released_at < 1.0  # woken, not polled
+    twin = results[0][1]
+    assert sem.status().held == 2
+    other.release()
+    twin.release()
+
+
 def test_resize_up_wakes_waiters_at_once(spec):
     sem = spec.semaphore("grow", 1, poll_interval=10)
     held = sem.acquire()

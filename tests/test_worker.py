@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import time
+import uuid
 
 import pytest
 import redis
@@ -180,6 +181,20 @@ def test_unguarded_tasks_flow_while_guarded_ones_wait(cluster):
                 if key.startswith("slow:b")]
     assert min(b_starts) > terminated_at
     assert wait_until(lambda: cluster.held("slow") == 0)
+
+
+def test_a_duplicate_delivery_never_runs_beside_its_twin(cluster):
+    """Two messages of one task id (what a worker killed between parking a copy and acking
+    the original leaves): both run, at-least-once, but one after the other, though the
+    semaphore has a free slot."""
+    guarded = cluster.task("guarded")
+    task_id = str(uuid.uuid4())
+    for _ in range(2):
+        guarded.apply_async(("dup", 1.0), task_id=task_id)
+    assert wait_until(lambda: cluster.probe.completed("guarded:dup").get("guarded:dup") == 2,
+                      timeout=30)
+    assert cluster.probe.max_concurrent("guarded:dup") == 1
+    assert wait_until(lambda: cluster.held("images") == 0)
 
 
 def test_sigkilled_pool_child_frees_its_slot_at_once(cluster):

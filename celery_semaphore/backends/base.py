@@ -16,8 +16,14 @@ Admission rule (FIFO): a caller is admitted when ``len(holders) + rank < limit``
 is its place in the waiter queue (a caller that is not queued ranks behind every waiter). The
 admitted caller takes the lowest free slot ``s < limit`` and bumps ``epoch[s]``.
 
+One holder per task: a holder id of the form ``<task id>:<random>`` (:func:`new_holder_id`
+with a task id) names its task, and a caller is not admitted while another holder of the same
+task holds; it keeps its place in the queue and is woken when that twin goes. A duplicate
+delivery of a task (Celery is at-least-once) therefore never runs beside its twin.
+
 Wake-ups: whenever an operation can make a waiter admissible (release, cancel, resize, pruning),
-the backend notifies the waiters whose rank is now below ``limit - len(holders)``, addressed to
+the backend notifies the waiters whose rank is now below ``limit - len(holders)`` (and whose
+task no other holder holds), addressed to
 the process that queued them (its ``client_id``). A notification is only a hint: waiters also
 re-try after ``retry_after`` or their poll interval, because a notification can be lost and an
 expiring lease notifies nobody.
@@ -154,9 +160,16 @@ class SemaphoreStatus:
         }
 
 
-def new_holder_id() -> str:
-    """A random, unguessable holder id."""
-    return uuid.uuid4().hex
+def new_holder_id(task_id: Optional[str] = None) -> str:
+    """A random, unguessable holder id; with ``task_id``, ``<task_id>:<random>``, so that the
+    backend admits one holder of that task at a time (module docs)."""
+    unique = uuid.uuid4().hex
+    return f"{task_id}:{unique}" if task_id else unique
+
+
+def task_of(holder: str) -> Optional[str]:
+    """The task a holder id names (:func:`new_holder_id`), or None."""
+    return holder.rpartition(":")[0] or None
 
 
 def _after_fork(ref: "weakref.ref[Backend]") -> None:

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
-from .base import Attempt, Grant, HolderInfo, Meta, SemaphoreStatus, WaiterInfo
+from .base import Attempt, Grant, HolderInfo, Meta, SemaphoreStatus, WaiterInfo, task_of
 
 
 def next_epoch(previous: int, now: float) -> int:
@@ -96,7 +96,18 @@ class State:
     def admissible(self) -> Set[Tuple[str, str]]:
         """(client, holder) of the waiters the FIFO rule would admit now."""
         free = self.limit - len(self.holders)
-        return {(self.waiters[h].client, h) for h in self.queue()[: max(free, 0)]}
+        held = self.held_tasks()
+        return {(self.waiters[h].client, h) for h in self.queue()[: max(free, 0)]
+                if task_of(h) not in held}
+
+    def held_tasks(self) -> Set[str]:
+        """The tasks (:func:`.base.task_of`) that have a holder."""
+        return {task for task in map(task_of, self.holders) if task is not None}
+
+    def twin_holds(self, holder: str) -> bool:
+        """Another holder of ``holder``'s task holds: ``holder`` may not be admitted yet."""
+        task = task_of(holder)
+        return task is not None and holder not in self.holders and task in self.held_tasks()
 
     def earliest_expiry(self, now: float) -> Optional[float]:
         if not self.holders:
@@ -142,7 +153,7 @@ class State:
             free = [lowest] if lowest < self.limit else []
         else:
             free = [s for s in sorted(slots) if 0 <= s < self.limit and s not in used]
-        if len(self.holders) + rank < self.limit and free:
+        if len(self.holders) + rank < self.limit and free and not self.twin_holds(holder):
             slot = free[0]
             epoch = next_epoch(self.epochs.get(slot, 0), now)
             self.epochs[slot] = epoch

@@ -55,7 +55,7 @@ class Admission:
         return self.by_name.get(name, 0)
 
     def add(self, request: Any, guard: Guard, pulled: bool = False) -> Waiter:
-        waiter = Waiter(request, guard, pulled=pulled)
+        waiter = Waiter(request, guard, new_holder_id(request.id), pulled=pulled)
         self.waiters[waiter.holder] = waiter
         self.by_name[guard.name] = self.by_name.get(guard.name, 0) + 1
         if not pulled:  # so the consumer keeps fetching while it holds this message
@@ -239,7 +239,7 @@ class Admission:
             return
         if not lease.released:  # the release is being retried: wait under another holder id
             del self.waiters[waiter.holder]
-            waiter.holder = new_holder_id()
+            waiter.holder = new_holder_id(waiter.request.id)
             self.waiters[waiter.holder] = waiter
             waiter.first_sent = None
         self._move(waiter, WaitState.LINED)

@@ -18,7 +18,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Set
 
-from ..backends.base import new_holder_id
 from ..guards import Guard
 from ..scheduler import Timer
 from ..task_lease import LEASE_KEY
@@ -53,7 +52,9 @@ class Waiter:
 
     request: Any
     guard: Guard
-    holder: str = field(default_factory=new_holder_id)
+    #: ``<task id>:<random>``: the backend admits one holder per task, so a duplicate delivery
+    #: of this task waits for its twin (:func:`.base.new_holder_id`).
+    holder: str
     state: WaitState = WaitState.LINED
     entered: float = field(default_factory=time.monotonic)
     entered_wall: float = field(default_factory=time.time)

@@ -95,6 +95,7 @@ class TokenVerdict(NamedTuple):
     token_stale: bool  # our token is above the limit or of an old generation
     token_slot_held: bool  # another holder's lease still covers our token's slot
     free: int  # limit - holders, before admitting us
+    twin_holds: bool  # another holder of our task holds: we may not be admitted yet
 
 
 class TokenBackend(RabbitBackend):
@@ -296,7 +297,8 @@ class TokenBackend(RabbitBackend):
                 self._arm_deadline(hand, attempt.grant.ttl, requested_at)
         elif not wait:
             self._close_hand(hand)
-        elif attempt.position is not None and attempt.position < verdict.free:
+        elif (attempt.position is not None and attempt.position < verdict.free
+              and not verdict.twin_holds):
             self._consume(hand)  # next in line, only the token is missing
         else:
             self._stop_consuming(hand)
@@ -316,9 +318,10 @@ class TokenBackend(RabbitBackend):
             h.slot == token[0] for k, h in state.holders.items() if k != holder
         )
         free = state.limit - len(state.holders)
+        twin_holds = state.twin_holds(holder)
         slots = [token[0]] if token is not None and not stale else []
         attempt = self._admit(txn, holder, limit, ttl, meta, wait, slots=slots)
-        return TokenVerdict(attempt, created, stale, slot_held, free)
+        return TokenVerdict(attempt, created, stale, slot_held, free, twin_holds)
 
     def _with_tokens(self, name: str, rule: Callable[[Transaction], Any], missing: Any
                      ) -> Tuple[Any, Optional[Dict[str, int]]]:

@@ -7,13 +7,15 @@ local meta, wait, client, waiter_ttl = ARGV[7], ARGV[8] == '1', ARGV[9], tonumbe
 
 local before = begin()
 
--- One read of the holders gives the re-acquire check, their count and the lowest free slot.
+-- One read of the holders gives the re-acquire check, their count, the lowest free slot and
+-- any twin (another holder of this holder's task: while it holds, this one is not admitted).
 local infos = redis.call('HGETALL', hinfo)
 local count = #infos / 2
-local used, mine = {}, nil
+local used, mine, twin, task = {}, nil, false, task_of(holder)
 for i = 1, #infos, 2 do
   used[tonumber(string.match(infos[i + 1], '^%d+'))] = true
-  if infos[i] == holder then mine = infos[i + 1] end
+  if infos[i] == holder then mine = infos[i + 1]
+  elseif task and task_of(infos[i]) == task then twin = true end
 end
 local slot = 0
 while used[slot] do slot = slot + 1 end
@@ -40,7 +42,7 @@ if before then
   if not queued then rank = redis.call('ZCARD', queue) end
 end
 
-if count + rank < limit then
+if count + rank < limit and not twin then
   -- count < limit, so the lowest free slot is below the limit.
   local epoch = math.max((tonumber(cfg[3]) or 0) + 1, now)
   redis.call('HSET', config, 'limit', limit, 'd:' .. declared_limit, int(now),

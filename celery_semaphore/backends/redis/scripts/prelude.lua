@@ -42,11 +42,27 @@ local function prune_waiters()
   end
 end
 
--- The waiters the FIFO rule admits now: the first (limit - holders) of the queue.
+-- The task a holder id names ('<task id>:<random>'), or nil.
+local function task_of(h) return string.match(h, '^(.*):') end
+
+-- The waiters the FIFO rule admits now: the first (limit - holders) of the queue, but those
+-- whose task another holder holds (they keep their place until that twin goes).
 local function admissible(limit)
   local free = limit - redis.call('ZCARD', holders)
   if free <= 0 then return {} end
-  return redis.call('ZRANGE', queue, 0, free - 1)
+  local first, out, held = redis.call('ZRANGE', queue, 0, free - 1), {}, nil
+  for _, h in ipairs(first) do
+    local task = task_of(h)
+    if task and not held then
+      held = {}
+      for _, k in ipairs(redis.call('HKEYS', hinfo)) do
+        local t = task_of(k)
+        if t then held[t] = true end
+      end
+    end
+    if not (task and held[task]) then table.insert(out, h) end
+  end
+  return out
 end
 
 -- Every script that changes state starts here: remember which waiters were admissible before
