@@ -520,6 +520,9 @@ def test_a_worker_started_after_the_backlog_was_parked_drains_it(redis_url, tmp_
         cluster.workers[0].stop()  # warm: the running two finish; the two waiting go back
         assert [r.get(timeout=5) for r in long] == ["long0", "long1"]
         assert _parked(cluster, "images") == 20 - 2
+        # Nothing pulled after the consumer stopped took a slot it would keep for a lease TTL.
+        assert cluster.held("images") == 0
+        assert "Traceback" not in cluster.workers[0].output()
         after = Worker(cluster.env, "after", 4)
         after.wait_ready()
         cluster.workers.append(after)

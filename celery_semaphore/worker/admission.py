@@ -106,12 +106,12 @@ class Admission:
         return True
 
     def leave_backend(self, waiter: Waiter) -> None:
-        """Take a dropped waiter out of the backend's queue (on the I/O thread)."""
+        """Take a dropped waiter out of the backend's queue, and release the grant an attempt
+        still on its way may get (on the I/O thread, after that attempt; its answer may
+        never be read: the loop stops at shutdown)."""
         if waiter.first_sent is not None:
-            expires = (waiter.guard.settings.lease_ttl if waiter.maybe_granted
-                       else self.backend.waiter_ttl)
             self.gate.io.call(self._cancel, waiter.guard.name, waiter.holder,
-                              waiter.maybe_granted, waiter.last_sent + expires)
+                              waiter.last_sent + waiter.guard.settings.lease_ttl)
 
     def _move(self, waiter: Waiter, to: WaitState) -> None:
         name = waiter.guard.name
@@ -167,7 +167,7 @@ class Admission:
             if not waiter.backend_down:
                 logger.warning("celery-semaphore: %s waits: backend unavailable: %s",
                                waiter.request.id, answer.error)
-            waiter.backend_down = waiter.maybe_granted = True
+            waiter.backend_down = True
             self._send(waiter, delay=min(settings.poll_interval, 1.0))
             return
         waiter.backend_down = False
@@ -194,7 +194,7 @@ class Admission:
         if answer.attempt is not None and answer.attempt.grant is not None:
             self.gate.io.call(self.gate.releases.release, self._lease(waiter, answer))
         elif answer.error is not None:
-            self.gate.io.call(self._cancel, waiter.guard.name, answer.holder, True,
+            self.gate.io.call(self._cancel, waiter.guard.name, answer.holder,
                               answer.requested_at + waiter.guard.settings.lease_ttl)
 
     # -- a grant -----------------------------------------------------------------------------
@@ -249,19 +249,16 @@ class Admission:
 
     # -- leaving -----------------------------------------------------------------------------
 
-    def _cancel(self, name: str, holder: str, maybe_granted: bool, expires: float,
+    def _cancel(self, name: str, holder: str, expires: float,
                 retry: float = 0.0) -> None:  # I/O thread
-        """Leave the backend's queue (abandon: and release a grant whose reply may have been
-        lost), retrying until the entry expires anyway (``expires``, monotonic)."""
+        """Leave the backend's queue and release a grant an attempt may have got (its reply
+        lost, or never to be read), retrying until the lease would have expired anyway
+        (``expires``, monotonic)."""
         try:
-            if maybe_granted:
-                self.backend.abandon(name, holder)
-            else:
-                self.backend.cancel(name, holder)
+            self.backend.abandon(name, holder)
         except Exception as exc:
             self.gate.retry_io(
-                lambda next_retry: self._cancel(name, holder, maybe_granted, expires,
-                                                next_retry),
+                lambda next_retry: self._cancel(name, holder, expires, next_retry),
                 retry, expires - time.monotonic(), f"leaving the queue of {name!r}", exc)
 
     def meta(self, request: Any) -> Dict[str, Any]:

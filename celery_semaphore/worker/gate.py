@@ -14,6 +14,7 @@ WAITING, remote control) and :mod:`.celery_internals` (every touch of Celery's i
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import time
@@ -36,6 +37,13 @@ from .threads import RETRY_FIRST, RETRY_MAX, LoopCaller
 from .waiter import PARKED_HEADER
 
 logger = logging.getLogger(__name__)
+
+
+class GateState(enum.Enum):
+    NEW = "new"  # not started
+    OPEN = "open"  # the consumer runs: requests are admitted, parked ones pulled
+    PAUSED = "paused"  # the consumer stopped (a reconnect): nothing waits; leases still go
+    CLOSED = "closed"  # the worker exits
 
 
 class Gate:
@@ -63,18 +71,28 @@ class Gate:
         consumer.on_task_request = self.on_task_request
         self._on_connection_lost = consumer.on_connection_error_after_connected
         consumer.on_connection_error_after_connected = self.on_connection_lost
-        self.running = False
+        self.state = GateState.NEW
+
+    @property
+    def running(self) -> bool:
+        """Leases are kept and released (the worker has not shut down)."""
+        return self.state in (GateState.OPEN, GateState.PAUSED)
+
+    @property
+    def open(self) -> bool:
+        """Requests are admitted and parked ones pulled (the consumer runs)."""
+        return self.state is GateState.OPEN
 
     # -- lifecycle (consumer bootstep) -------------------------------------------------------
 
     def start(self) -> None:
         self.loop.hub = self.consumer.hub
         self.loop.start()
-        if not self.running:
-            self.running = True
+        if self.state is GateState.NEW:
             self.io.call(self._tick, delay=self.settings.poll_interval)
             self.io.call(self._discover_parked)
             self.releases.connect()
+        self.state = GateState.OPEN
 
     def stop(self) -> None:
         """The consumer stops (shutdown or reconnect): give waiting requests back.
@@ -85,6 +103,8 @@ class Gate:
         and :meth:`on_connection_lost` restores those of a Redis broker), and a reject on the
         dead channel would only log a CRITICAL traceback per request."""
         with self.lock:
+            if self.state is GateState.OPEN:
+                self.state = GateState.PAUSED  # pulls still on their way go back
             connected = self.consumer.connection is not None
             waiters = list(self.admission.waiters.values())
             if not connected and waiters:
@@ -142,7 +162,7 @@ class Gate:
         self.stop()
         self.releases.disconnect()
         self.releases.release_all()
-        self.running = False
+        self.state = GateState.CLOSED
         self.io.call(self.parking.close)  # after the acks and rejects already on their way
         self.io.stop()
         close_all()  # this process's backends: wake-up listeners, connections, socket files

@@ -115,7 +115,7 @@ class ParkingLot:
 
     def refill(self, name: str) -> None:
         """Pull parked requests of ``name`` while this worker has room for them."""
-        if name not in self.known or not self.gate.running:
+        if name not in self.known or not self.gate.open:
             return
         want = min(self.room(name), PULL_BATCH)
         if want > 0:
@@ -189,6 +189,10 @@ class ParkingLot:
             del self.pulling[name]
         if empty:
             self.known.discard(name)
+        if not self.gate.open:  # the consumer stopped meanwhile: they wait for another pull
+            for message in messages:
+                self.gate.io.call(message.reject_log_error, logger, (), True)
+            return
         for message in messages:
             self._deliver(message)
         if messages and not empty:

@@ -67,8 +67,6 @@ class Waiter:
     first_sent: Optional[float] = None
     last_sent: float = 0.0
     backend_down: bool = False
-    #: An acquire raised: the backend may have granted with the reply lost.
-    maybe_granted: bool = False
     #: Pulled from the parking queue: its message is acked on the parking channel, and it
     #: did not raise the consumer's prefetch.
     pulled: bool = False
