@@ -204,7 +204,9 @@ def _where_waiting(request: Mapping[str, Any]) -> str:
     return f"position {request['position']} at its last try"
 
 
-def render_workers(replies: Mapping[str, Any]) -> str:
+def render_workers(replies: Mapping[str, Any],
+                   parked_now: Optional[Mapping[str, int]] = None) -> str:
+    """``parked_now``: name -> tasks in its parking queue on the broker now."""
     if not replies:
         return "no worker answered"
     lines = []
@@ -215,9 +217,11 @@ def render_workers(replies: Mapping[str, Any]) -> str:
             continue
         held, waiting = info.get("held", []), info.get("waiting", [])
         queued = sum(1 for w in waiting if w.get("queued"))
+        parked, pulled = info.get("parked", {}), info.get("pulled", {})
         lines.append(f"{worker}: {len(held)} held, {len(waiting)} waiting "
                      f"({queued} in the backend's queue, {len(waiting) - queued} in the "
-                     "worker's own line)")
+                     f"worker's own line); since it started: {sum(parked.values())} parked, "
+                     f"{sum(pulled.values())} pulled back")
         rows += [(worker, "held", h["semaphore"], h["id"], h.get("task", "-"),
                   f"token {h['token']}") for h in held]
         rows += [(worker, "waiting", w["semaphore"], w["id"], w.get("task", "-"),
@@ -225,7 +229,20 @@ def render_workers(replies: Mapping[str, Any]) -> str:
     if rows:
         lines += [""] + table(("WORKER", "STATE", "SEMAPHORE", "TASK ID", "TASK", "DETAIL"),
                               rows)
+    if parked_now:
+        lines += [""] + table(("SEMAPHORE", "PARKED NOW"), sorted(parked_now.items()),
+                              right=(1,))
     return "\n".join(lines)
+
+
+def semaphores_of(replies: Mapping[str, Any]) -> List[str]:
+    """The semaphores the workers' replies name (requests, parked and pulled counts)."""
+    names = set()
+    for info in replies.values():
+        names.update(r["semaphore"] for r in info.get("held", []) + info.get("waiting", []))
+        names.update(info.get("parked", {}))
+        names.update(info.get("pulled", {}))
+    return sorted(names)
 
 
 # -- the click group ----------------------------------------------------------------------
@@ -518,7 +535,9 @@ def sync(obj: Context, dry_run: bool, as_json: bool) -> None:
 @click.pass_obj
 @_operational
 def workers(obj: Context, timeout: float, destination: Sequence[str], as_json: bool) -> None:
-    """Each worker's requests waiting for a slot and running with one.
+    """Each worker's requests waiting for a slot and running with one, the requests it parked
+    and pulled back since it started, and (not with --json) the tasks parked on the broker
+    now for the semaphores they name.
 
     A worker keeps a request in its own line until a pool process is free for it, and only
     then enters it in the backend's queue: `status` counts the backend's queue alone, so its
@@ -529,4 +548,5 @@ def workers(obj: Context, timeout: float, destination: Sequence[str], as_json: b
     if obj.app is None:
         raise click.UsageError("no app: pass -A/--app")
     replies = worker_requests(obj.app, timeout=timeout, destination=list(destination))
-    _emit(as_json, replies, render_workers(replies))
+    human = "" if as_json else render_workers(replies, obj.parked(semaphores_of(replies)))
+    _emit(as_json, replies, human)

@@ -5,6 +5,7 @@ Concurrency is read from the probe file the task bodies write, never from the li
 
 import json
 import os
+import re
 import signal
 import time
 import uuid
@@ -459,6 +460,13 @@ def test_a_backlog_past_the_worker_bound_is_parked_in_the_broker_and_drained(
         shown = run_cli(cluster.env, "status", "images", "--json")
         assert shown.returncode == 0, shown.stderr
         assert json.loads(shown.stdout)["parked"] == 80 - 2 * 3
+        # `workers`: what each worker parked, and what the broker holds parked now (the long
+        # tasks may end meanwhile, and the drain begin)
+        replies = json.loads(run_cli(cluster.env, "workers", "--json").stdout)
+        assert sum(info["parked"].get("images", 0) for info in replies.values()) == 80 - 2 * 3
+        shown = run_cli(cluster.env, "workers")
+        assert re.search(r"since it started: \d+ parked, \d+ pulled back", shown.stdout)
+        assert re.search(r"^images\s+\d+$", shown.stdout, re.M), shown.stdout + shown.stderr
         assert [r.get(timeout=30) for r in long] == ["long0", "long1"]
         assert sorted(r.get(timeout=60) for r in results) == sorted(f"p{i}" for i in range(80))
         assert cluster.probe.max_concurrent("guarded:p") == 2

@@ -82,6 +82,8 @@ class ParkingLot:
         self.tracked: "OrderedDict[str, ParkedTask]" = OrderedDict()  # task id -> parked task
         self._deadlines: List[Tuple[float, str]] = []  # heap of (deadline, task id)
         self._revocations: Tuple[int, int] = (0, 0)
+        self.parked_total: Dict[str, int] = {}  # name -> requests this worker parked
+        self.pulled_total: Dict[str, int] = {}  # name -> requests this worker pulled back
         # I/O thread
         self._connection: Any = None
         self._declared: Set[str] = set()
@@ -141,6 +143,7 @@ class ParkingLot:
             return
         request.acknowledge()
         celery_internals.task_ready(request)
+        self.parked_total[name] = self.parked_total.get(name, 0) + 1
         self._track(waiter)
         self.gate.admission.pump()
         self.known.add(name)
@@ -193,6 +196,8 @@ class ParkingLot:
             for message in messages:
                 self.gate.io.call(message.reject_log_error, logger, (), True)
             return
+        if messages:
+            self.pulled_total[name] = self.pulled_total.get(name, 0) + len(messages)
         for message in messages:
             self._deliver(message)
         if messages and not empty:

@@ -92,12 +92,15 @@ class Reporting:
                      "holder": h.lease.holder, "token": str(h.lease.token)}
                     for h in gate.releases.held.values()
                 ],
+                "parked": dict(gate.parking.parked_total),
+                "pulled": dict(gate.parking.pulled_total),
             }
 
 
 @inspect_command(alias="semaphores")
 def semaphore_requests(state: Any, **kwargs: Any) -> Any:
-    """Requests this worker holds for a slot ("waiting") and runs with one ("held")."""
+    """Requests this worker holds for a slot ("waiting") and runs with one ("held"); per
+    semaphore, the requests it parked and pulled back since it started."""
     gate: Optional["Gate"] = getattr(state.consumer, "semaphore_gate", None)
     if gate is None:
         return {"error": "celery-semaphore is not installed on this worker"}
