@@ -4,8 +4,14 @@ limit 1 whose one slot the benchmark holds, so that the worker can only park.
 
 Measured: how fast the worker parks the backlog (parked messages per second, read from the
 broker: the parking queue's length), its main process's RSS idle and at its peak while it
-parks; then, with ``drain``, the slot is released and the semaphore resized to 4: every task
-must run exactly once, never more than 4 at once (from the probe).
+parks, and how soon an unguarded task queued behind the first :data:`UNGUARDED_BEHIND`
+guarded ones starts after the worker is ready; then, with ``drain``, the slot is released and
+the semaphore resized to 4: every task must run exactly once, never more than 4 at once (from
+the probe).
+
+The floor beside it (:func:`discard_floor`): the same worker receiving and discarding
+expired unguarded tasks, Celery's own cost of a message it does not run (a receipt and an
+ack, as a park has, without the parked copy's publish).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import importlib
 import os
 import tempfile
 import time
+from datetime import datetime, timedelta, timezone
 from typing import Any, Dict
 
 import redis
@@ -30,7 +37,12 @@ def rss_mb(pid: int) -> float:
     return kb / 1024
 
 
-def run(broker: str, backend: str, tasks: int = 20000, drain: bool = False) -> Dict[str, Any]:
+#: Guarded tasks queued ahead of the one unguarded task.
+UNGUARDED_BEHIND = 5000
+
+
+def _setup(broker: str, backend: str) -> Any:
+    """A fresh tag, environment and bench app for one run: (tmp dir, tag, env, bench_app)."""
     tmp = tempfile.mkdtemp(prefix="bench-backlog-")
     tag = unique_tag()
     env = dict(os.environ, BENCH_BROKER=broker, BENCH_SEMAPHORE_BACKEND=backend,
@@ -39,18 +51,56 @@ def run(broker: str, backend: str, tasks: int = 20000, drain: bool = False) -> D
     os.environ.update({k: env[k] for k in env if k.startswith("BENCH_")})
     import benchmarks.bench_app as bench_app
 
-    bench_app = importlib.reload(bench_app)
-    client = redis.Redis.from_url(broker)
-    parked_key = parking_queue_name(f"{tag}:", "bench")
+    return tmp, tag, env, importlib.reload(bench_app)
+
+
+def discard_floor(broker: str, backend: str, tasks: int = 8000) -> float:
+    """Messages per second the worker receives and discards (expired unguarded tasks)."""
+    tmp, tag, env, bench_app = _setup(broker, backend)
+    expired = datetime.now(timezone.utc) - timedelta(hours=1)
     with bench_app.app.producer_or_acquire() as producer:
         for i in range(tasks):
+            bench_app.plain.apply_async((f"x{i}", 0.0), producer=producer, expires=expired)
+    client = redis.Redis.from_url(broker)
+    proc = _start_worker(env, "floor", 4, os.path.join(tmp, "worker.log"))
+    try:
+        first = None
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            now, left = time.monotonic(), client.llen(f"{tag}.q")
+            if first is None and left < tasks:
+                first = (now, left)
+            if left == 0 and first is not None:
+                return round(first[1] / max(now - first[0], 1e-3))
+            time.sleep(0.02)
+        raise RuntimeError("discard floor: the worker did not empty its queue")
+    finally:
+        proc.terminate()
+        proc.wait(120)
+        bench_app.app.close()
+        client.close()
+
+
+def run(broker: str, backend: str, tasks: int = 20000, drain: bool = False) -> Dict[str, Any]:
+    tmp, tag, env, bench_app = _setup(broker, backend)
+    client = redis.Redis.from_url(broker)
+    parked_key = parking_queue_name(f"{tag}:", "bench")
+    behind = min(UNGUARDED_BEHIND, tasks)
+    with bench_app.app.producer_or_acquire() as producer:
+        for i in range(tasks):
+            if i == behind:
+                bench_app.plain.apply_async(("unguarded", 0.0), producer=producer)
             bench_app.gated.apply_async((f"b{i}", 0.005), producer=producer)
+        if behind == tasks:
+            bench_app.plain.apply_async(("unguarded", 0.0), producer=producer)
     from celery_semaphore import Semaphore
 
     semaphore = Semaphore("bench", 1, backend, key_prefix=f"{tag}:", ttl=3600)
     blocker = semaphore.acquire()
     log = os.path.join(tmp, "worker.log")
     proc = _start_worker(env, "backlog", 4, log)
+    ready = time.monotonic_ns()
+    probe = Probe(env["BENCH_PROBE"])
     row: Dict[str, Any] = {"tasks": tasks}
     try:
         idle = rss_mb(proc.pid)
@@ -67,13 +117,15 @@ def run(broker: str, backend: str, tasks: int = 20000, drain: bool = False) -> D
             time.sleep(0.02)
         if first is None or last is None:
             raise RuntimeError(f"backlog: only {count} of {tasks} parked")
+        unguarded = probe.intervals().get("unguarded")
+        row.update(unguarded_behind=behind, unguarded_started_s=(
+            round((unguarded[0][0] - ready) / 1e9, 2) if unguarded else None))
         row.update(parked_per_s=round((last[1] - first[1]) / max(last[0] - first[0], 1e-3)),
                    rss_idle_mb=round(idle, 1), rss_peak_mb=round(peak, 1),
                    rss_growth_mb=round(peak - idle, 1))
         if drain:
             blocker.release()
             semaphore.resize(4)
-            probe = Probe(env["BENCH_PROBE"])
             started = time.monotonic()
             while len(probe.completed("b")) < tasks or any(
                     n == 0 for n in probe.completed("b").values()):
