@@ -66,6 +66,20 @@ class Probe:
             best = max(best, current)
         return best
 
+    def run_twice_at_once(self, prefix: str = "", killed_at: Optional[int] = None) -> List[str]:
+        """Keys starting with ``prefix`` whose bodies ever overlapped (ends as in
+        :meth:`max_concurrent`)."""
+        twice = []
+        for key, runs in self.intervals().items():
+            if not key.startswith(prefix):
+                continue
+            spans = sorted((start, end if end is not None else
+                            (killed_at if killed_at is not None and start < killed_at else 2**63))
+                           for start, end in runs)
+            if any(later[0] < earlier[1] for earlier, later in zip(spans, spans[1:])):
+                twice.append(key)
+        return twice
+
     def running(self, prefix: str = "") -> List[str]:
         return [k for k, runs in self.intervals().items()
                 if k.startswith(prefix) and any(end is None for _, end in runs)]

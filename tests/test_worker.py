@@ -14,7 +14,7 @@ import pytest
 import redis
 from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
 
-from celery_semaphore import SemaphoreTimeout
+from celery_semaphore import Semaphore, SemaphoreTimeout
 from celery_semaphore.backends import get_backend
 from tests import servers
 from tests.celery_app import create_app
@@ -480,35 +480,65 @@ def test_a_backlog_past_the_worker_bound_is_parked_in_the_broker_and_drained(
         cluster.stop()
 
 
-def test_sigkill_while_parking_and_pulling_loses_no_task(redis_url, amqp_url, tmp_path):
-    """A worker killed with a backlog half parked, half pulled back: the broker returns its
-    unacked messages, the next worker drains the parking queue, every task runs, never more
-    than the limit at once (the dead worker's leases expire after their TTL)."""
+@pytest.mark.parametrize("point", ["parking", "pulling", "granted-not-started"])
+def test_sigkill_at_each_point_of_the_waiting_room_loses_no_task(point, redis_url, amqp_url,
+                                                                 tmp_path):
+    """SIGKILL of the only worker while it parks the backlog, while it pulls it back, or while
+    pulled tasks hold slots their stopped pool processes never started: every task runs (the
+    broker returns the unacked originals and pulls; a duplicate is possible), never two
+    copies of one task at once, never more than the limit while leases are valid."""
+    tasks = 200
     cluster = Cluster(str(tmp_path), redis_url, amqp_url, redis_url, workers=1, concurrency=2,
-                      names="killed", CS_LEASE_TTL="3",
+                      names=f"kill-{point}", CS_LEASE_TTL="3",
                       CS_SETTINGS=json.dumps({"semaphore_worker_max_waiting": 3}))
+    blockers = [Semaphore("images", 2, redis_url, key_prefix=cluster.env["CS_KEY_PREFIX"],
+                          ttl=60) for _ in range(2)]
+    leases = [b.acquire(timeout=10) for b in blockers]  # the worker can only park
+    keys = {f"guarded:k{i}" for i in range(tasks)}
     try:
         guarded = cluster.task("guarded")
-        results = [guarded.delay(f"k{i}", 0.02) for i in range(80)]
-        assert wait_until(lambda: _parked(cluster, "images") >= 10, timeout=20)
-        assert wait_until(lambda: len(cluster.probe.completed("guarded:k")) >= 5, timeout=20)
-        cluster.workers[0].kill()
+        results = [guarded.delay(f"k{i}", 0.01) for i in range(tasks)]
+        worker = cluster.workers[0]
+        if point == "parking":
+            assert wait_until(lambda: _parked(cluster, "images") >= 10, timeout=20)
+        else:
+            assert wait_until(lambda: _parked(cluster, "images") == tasks - 3, timeout=30)
+        if point == "granted-not-started":
+            children = worker.pool_pids()
+            for pid in children:
+                os.kill(pid, signal.SIGSTOP)
+
+            def granted_to_parked():
+                status = cluster.backend.status("images")
+                return status is not None and status.held == 2 and all(
+                    h.meta.get("task_id") for h in status.holders)
+        for lease in leases:
+            lease.release()
+        if point == "pulling":
+            assert wait_until(lambda: len(cluster.probe.completed("guarded:k")) >= 5)
+        elif point == "granted-not-started":
+            assert wait_until(granted_to_parked, timeout=10)
+            assert not cluster.probe.intervals()  # granted, never started
+        worker.kill()
         killed_at = time.monotonic_ns()
-        # Running bodies die with the worker; Celery acked them when they started (acks_late
-        # off): those are Celery's own at-most-once, not the waiting room's.
-        died = {key for key, runs in cluster.probe.intervals().items()
-                if key.startswith("guarded:k") and runs[-1][1] is None}
-        spare = Worker(cluster.env, "park-spare", 4)
+        if point == "parking":  # it was: the rest are still in the task queue
+            assert _parked(cluster, "images") < tasks - 3
+        elif point == "pulling":
+            assert _parked(cluster, "images") > 0
+        died = {key for key, runs in cluster.probe.intervals().items() if runs[-1][1] is None}
+        spare = Worker(cluster.env, f"kill-{point}-spare", 4)
         spare.wait_ready()
         cluster.workers.append(spare)
         for i, result in enumerate(results):
             if f"guarded:k{i}" not in died:
                 result.get(timeout=90)
-        completed = cluster.probe.completed("guarded:k")
-        assert set(completed) | died == {f"guarded:k{i}" for i in range(80)}
+        assert set(cluster.probe.completed("guarded:k")) | died == keys
         assert cluster.probe.max_concurrent("guarded:k", killed_at) <= 2
+        assert cluster.probe.run_twice_at_once("guarded:k", killed_at) == []
         assert wait_until(lambda: _parked(cluster, "images") == 0)
     finally:
+        for lease in leases:
+            lease.release()
         cluster.stop()
 
 
