@@ -58,10 +58,12 @@ def markdown(data) -> str:
         "before it started while their semaphore is full (parked/s from the broker's parking "
         "queue length, beside the same worker's rate of receiving and discarding expired "
         "unguarded tasks, Celery's own floor for a message it does not run; the start of an "
-        "unguarded task queued behind the first 5,000, from the worker's ready; RSS of the "
+        "unguarded task queued behind the first 5,000, from the worker's ready, and with two "
+        "workers, from the first one's ready; RSS of the "
         "worker's main process), then drains them at limit 4:",
         table(data["backlog"], ["tasks", "parked_per_s", "discard_floor_per_s",
-                                "parked_vs_floor", "unguarded_started_s", "rss_idle_mb",
+                                "parked_vs_floor", "unguarded_started_s",
+                                "unguarded_started_2_workers_s", "rss_idle_mb",
                                 "rss_peak_mb", "rss_growth_mb", "drained_s",
                                 "rss_after_drain_mb", "ran_once", "max_concurrent",
                                 "received_per_task"]),
@@ -125,6 +127,8 @@ def main(argv=None) -> int:
         row = backlog.run(workload.broker_url(url), url, args.backlog, drain=True)
         row["discard_floor_per_s"] = backlog.discard_floor(workload.broker_url(url), url)
         row["parked_vs_floor"] = round(row["parked_per_s"] / row["discard_floor_per_s"], 2)
+        row["unguarded_started_2_workers_s"] = backlog.unguarded_behind(
+            workload.broker_url(url), url)
         data["backlog"] = [row]
     finally:  # the benchmarks' own queues and keys (their names carry this run's tags)
         sweep_amqp(rabbit)

@@ -81,6 +81,40 @@ def discard_floor(broker: str, backend: str, tasks: int = 8000) -> float:
         client.close()
 
 
+def unguarded_behind(broker: str, backend: str, guarded: int = UNGUARDED_BEHIND,
+                     workers: int = 2) -> float:
+    """Seconds from the first worker's ready to the start of an unguarded task queued behind
+    ``guarded`` guarded ones whose semaphore is full, with ``workers`` workers (-c 4; the
+    workloads' two by default), started one after the other."""
+    tmp, tag, env, bench_app = _setup(broker, backend)
+    with bench_app.app.producer_or_acquire() as producer:
+        for i in range(guarded):
+            bench_app.gated.apply_async((f"b{i}", 0.005), producer=producer)
+        bench_app.plain.apply_async(("unguarded", 0.0), producer=producer)
+    from celery_semaphore import Semaphore
+
+    blocker = Semaphore("bench", 1, backend, key_prefix=f"{tag}:", ttl=3600).acquire()
+    probe, procs = Probe(env["BENCH_PROBE"]), []
+    try:
+        for n in range(workers):
+            procs.append(_start_worker(env, f"behind{n}", 4, os.path.join(tmp, f"w{n}.log")))
+            if n == 0:
+                ready = time.monotonic_ns()
+        deadline = time.monotonic() + 300
+        while "unguarded" not in probe.intervals():
+            if time.monotonic() > deadline:
+                raise RuntimeError("the unguarded task did not start in 300 s")
+            time.sleep(0.02)
+        return round((probe.intervals()["unguarded"][0][0] - ready) / 1e9, 2)
+    finally:
+        blocker.release()
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(120)
+        bench_app.app.close()
+
+
 def run(broker: str, backend: str, tasks: int = 20000, drain: bool = False) -> Dict[str, Any]:
     tmp, tag, env, bench_app = _setup(broker, backend)
     client = redis.Redis.from_url(broker)
