@@ -528,14 +528,17 @@ def test_sigkill_at_each_point_of_the_waiting_room_loses_no_task(point, redis_ur
             assert _parked(cluster, "images") < tasks - 3
         elif point == "pulling":
             assert _parked(cluster, "images") > 0
-        died = {key for key, runs in cluster.probe.intervals().items() if runs[-1][1] is None}
+        # Tasks that started before the kill were acked by Celery when they started (acks_late
+        # off): one killed mid-body, or after its body but before its result was stored, is
+        # Celery's own at-most-once, not the waiting room's. Every other task must run.
+        started = set(cluster.probe.intervals())
         spare = Worker(cluster.env, f"kill-{point}-spare", 4)
         spare.wait_ready()
         cluster.workers.append(spare)
         for i, result in enumerate(results):
-            if f"guarded:k{i}" not in died:
+            if f"guarded:k{i}" not in started:
                 result.get(timeout=90)
-        assert set(cluster.probe.completed("guarded:k")) | died == keys
+        assert set(cluster.probe.completed("guarded:k")) | started == keys
         assert cluster.probe.max_concurrent("guarded:k", killed_at) <= 2
         assert cluster.probe.run_twice_at_once("guarded:k", killed_at) == []
         assert wait_until(lambda: _parked(cluster, "images") == 0)
