@@ -16,19 +16,16 @@ ack, as a park has, without the parked copy's publish).
 
 from __future__ import annotations
 
-import importlib
 import os
-import tempfile
 import time
 from datetime import datetime, timedelta, timezone
 from typing import Any, Dict
 
 import redis
 
-from benchmarks.workload import ROOT, _start_worker
+from benchmarks.workload import _start_worker, new_run
 from celery_semaphore.waiting_room import parking_queue_name
 from tests.probe import Probe
-from tests.servers import unique_tag
 
 
 def rss_mb(pid: int) -> float:
@@ -41,22 +38,9 @@ def rss_mb(pid: int) -> float:
 UNGUARDED_BEHIND = 5000
 
 
-def _setup(broker: str, backend: str) -> Any:
-    """A fresh tag, environment and bench app for one run: (tmp dir, tag, env, bench_app)."""
-    tmp = tempfile.mkdtemp(prefix="bench-backlog-")
-    tag = unique_tag()
-    env = dict(os.environ, BENCH_BROKER=broker, BENCH_SEMAPHORE_BACKEND=backend,
-               BENCH_PREFIX=f"{tag}:", BENCH_QUEUE=f"{tag}.q", BENCH_LIMIT="1",
-               BENCH_PROBE=os.path.join(tmp, "probe.log"), PYTHONPATH=ROOT)
-    os.environ.update({k: env[k] for k in env if k.startswith("BENCH_")})
-    import benchmarks.bench_app as bench_app
-
-    return tmp, tag, env, importlib.reload(bench_app)
-
-
 def discard_floor(broker: str, backend: str, tasks: int = 8000) -> float:
     """Messages per second the worker receives and discards (expired unguarded tasks)."""
-    tmp, tag, env, bench_app = _setup(broker, backend)
+    tmp, tag, env, bench_app = new_run("backlog", broker, backend, 1)
     expired = datetime.now(timezone.utc) - timedelta(hours=1)
     with bench_app.app.producer_or_acquire() as producer:
         for i in range(tasks):
@@ -86,7 +70,7 @@ def unguarded_behind(broker: str, backend: str, guarded: int = UNGUARDED_BEHIND,
     """Seconds from the first worker's ready to the start of an unguarded task queued behind
     ``guarded`` guarded ones whose semaphore is full, with ``workers`` workers (-c 4; the
     workloads' two by default), started one after the other."""
-    tmp, tag, env, bench_app = _setup(broker, backend)
+    tmp, tag, env, bench_app = new_run("backlog", broker, backend, 1)
     with bench_app.app.producer_or_acquire() as producer:
         for i in range(guarded):
             bench_app.gated.apply_async((f"b{i}", 0.005), producer=producer)
@@ -116,7 +100,7 @@ def unguarded_behind(broker: str, backend: str, guarded: int = UNGUARDED_BEHIND,
 
 
 def run(broker: str, backend: str, tasks: int = 20000, drain: bool = False) -> Dict[str, Any]:
-    tmp, tag, env, bench_app = _setup(broker, backend)
+    tmp, tag, env, bench_app = new_run("backlog", broker, backend, 1)
     client = redis.Redis.from_url(broker)
     parked_key = parking_queue_name(f"{tag}:", "bench")
     behind = min(UNGUARDED_BEHIND, tasks)

@@ -53,16 +53,27 @@ def _start_worker(env: Dict[str, str], name: str, concurrency: int, log: str,
     return proc
 
 
-def run_setup(kind: str, broker: str, backend: str, limit: int, batches: List[List[Send]],
-              timeout: float = 600) -> Tuple[Probe, int, List[int]]:
-    """Start the workers of ``kind`` (gate: 2 x 4; dedicated: 1 x limit, prefetch 1), send
-    each batch in turn, wait until every body has ended. Returns the probe, the deliveries
-    counted in the workers' logs, and the monotonic_ns time each batch began to be sent."""
+def new_run(kind: str, broker: str, backend: str, limit: int) -> Tuple[str, str, Dict[str, str],
+                                                                        Any]:
+    """A fresh temporary directory, tag (queue and key prefix), worker environment and bench
+    app (reloaded with that environment) for one run: ``(tmp, tag, env, bench_app)``."""
     tmp = tempfile.mkdtemp(prefix=f"bench-{kind}-")
     tag = unique_tag()
     env = dict(os.environ, BENCH_BROKER=broker, BENCH_SEMAPHORE_BACKEND=backend,
                BENCH_PREFIX=f"{tag}:", BENCH_QUEUE=f"{tag}.q", BENCH_LIMIT=str(limit),
                BENCH_PROBE=os.path.join(tmp, "probe.log"), PYTHONPATH=ROOT)
+    os.environ.update({k: env[k] for k in env if k.startswith("BENCH_")})
+    import benchmarks.bench_app as bench_app
+
+    return tmp, tag, env, importlib.reload(bench_app)
+
+
+def run_setup(kind: str, broker: str, backend: str, limit: int, batches: List[List[Send]],
+              timeout: float = 600) -> Tuple[Probe, int, List[int]]:
+    """Start the workers of ``kind`` (gate: 2 x 4; dedicated: 1 x limit, prefetch 1), send
+    each batch in turn, wait until every body has ended. Returns the probe, the deliveries
+    counted in the workers' logs, and the monotonic_ns time each batch began to be sent."""
+    tmp, _, env, bench_app = new_run(kind, broker, backend, limit)
     if kind == "dedicated":
         workers = [(f"{kind}1", limit, ["--prefetch-multiplier", "1"])]
     else:
@@ -70,10 +81,6 @@ def run_setup(kind: str, broker: str, backend: str, limit: int, batches: List[Li
     logs = [os.path.join(tmp, f"{name}.log") for name, _, _ in workers]
     procs = [_start_worker(env, name, c, log, extra)
              for (name, c, extra), log in zip(workers, logs)]
-    os.environ.update({k: env[k] for k in env if k.startswith("BENCH_")})
-    import benchmarks.bench_app as bench_app
-
-    bench_app = importlib.reload(bench_app)
     probe = Probe(env["BENCH_PROBE"])
     total = sum(len(batch) for batch in batches)
     sent_at = []

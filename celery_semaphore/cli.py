@@ -287,8 +287,10 @@ class Context:
     def parked(self, names: List[str]) -> Optional[Dict[str, int]]:
         """Tasks parked per name on the app's broker; None without an app or a broker that
         answers (the column shows ``-``)."""
-        if self.app is None or not names:
-            return None if self.app is None else {}
+        if self.app is None:
+            return None
+        if not names:
+            return {}
         from .waiting_room import parked_counts
 
         try:

@@ -47,38 +47,36 @@ class Probe:
                 runs[key].append((start, ns))
         return runs
 
-    def max_concurrent(self, prefix: str = "", killed_at: Optional[int] = None) -> int:
-        """Most bodies whose keys start with ``prefix`` that ran at once. A body that never
-        ended ran until ``killed_at`` (monotonic ns: its process was killed) if it started
-        before that, else until now."""
-        points = []
+    def spans(self, prefix: str = "", killed_at: Optional[int] = None
+              ) -> Dict[str, List[Tuple[int, int]]]:
+        """key -> [(start_ns, end_ns)] of the keys starting with ``prefix``, sorted. A body that
+        never ended ran until ``killed_at`` (monotonic ns: its process was killed) if it
+        started before that, else until now (forever, here)."""
+        out: Dict[str, List[Tuple[int, int]]] = {}
         for key, runs in self.intervals().items():
-            if not key.startswith(prefix):
-                continue
-            for start, end in runs:
-                points.append((start, 1))
-                if end is None:
-                    end = killed_at if killed_at is not None and start < killed_at else 2**63
-                points.append((end, -1))
+            if key.startswith(prefix):
+                out[key] = sorted(
+                    (start, end if end is not None else
+                     killed_at if killed_at is not None and start < killed_at else 2**63)
+                    for start, end in runs)
+        return out
+
+    def max_concurrent(self, prefix: str = "", killed_at: Optional[int] = None) -> int:
+        """Most bodies whose keys start with ``prefix`` that ran at once (ends as in
+        :meth:`spans`)."""
+        points = sorted(point for spans in self.spans(prefix, killed_at).values()
+                        for start, end in spans for point in ((start, 1), (end, -1)))
         current = best = 0
-        for _, delta in sorted(points):
+        for _, delta in points:
             current += delta
             best = max(best, current)
         return best
 
     def run_twice_at_once(self, prefix: str = "", killed_at: Optional[int] = None) -> List[str]:
         """Keys starting with ``prefix`` whose bodies ever overlapped (ends as in
-        :meth:`max_concurrent`)."""
-        twice = []
-        for key, runs in self.intervals().items():
-            if not key.startswith(prefix):
-                continue
-            spans = sorted((start, end if end is not None else
-                            (killed_at if killed_at is not None and start < killed_at else 2**63))
-                           for start, end in runs)
-            if any(later[0] < earlier[1] for earlier, later in zip(spans, spans[1:])):
-                twice.append(key)
-        return twice
+        :meth:`spans`)."""
+        return [key for key, spans in self.spans(prefix, killed_at).items()
+                if any(later[0] < earlier[1] for earlier, later in zip(spans, spans[1:]))]
 
     def running(self, prefix: str = "") -> List[str]:
         return [k for k, runs in self.intervals().items()

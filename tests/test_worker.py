@@ -16,6 +16,7 @@ from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
 
 from celery_semaphore import Semaphore, SemaphoreTimeout
 from celery_semaphore.backends import get_backend
+from celery_semaphore.waiting_room import parking_queue_name
 from tests import servers
 from tests.celery_app import create_app
 from tests.probe import Probe
@@ -430,7 +431,7 @@ def _kill_clients(client):
 
 def _parked(cluster, name):
     """Messages in the parking queue of semaphore ``name``, asked of the broker itself."""
-    queue = f"{cluster.env['CS_KEY_PREFIX']}park.{name}"
+    queue = parking_queue_name(cluster.env["CS_KEY_PREFIX"], name)
     with cluster.app.connection_for_write() as connection:
         try:
             return connection.default_channel.queue_declare(queue=queue, passive=True)[1]

@@ -27,7 +27,7 @@ from __future__ import annotations
 import heapq
 import logging
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
@@ -82,8 +82,8 @@ class ParkingLot:
         self.tracked: "OrderedDict[str, ParkedTask]" = OrderedDict()  # task id -> parked task
         self._deadlines: List[Tuple[float, str]] = []  # heap of (deadline, task id)
         self._revocations: Tuple[int, int] = (0, 0)
-        self.parked_total: Dict[str, int] = {}  # name -> requests this worker parked
-        self.pulled_total: Dict[str, int] = {}  # name -> requests this worker pulled back
+        self.parked_total: Counter = Counter()  # name -> requests this worker parked
+        self.pulled_total: Counter = Counter()  # name -> requests this worker pulled back
         # I/O thread
         self._connection: Any = None
         self._declared: Set[str] = set()
@@ -143,7 +143,7 @@ class ParkingLot:
             return
         request.acknowledge()
         celery_internals.task_ready(request)
-        self.parked_total[name] = self.parked_total.get(name, 0) + 1
+        self.parked_total[name] += 1
         self._track(waiter)
         self.gate.admission.pump()
         self.known.add(name)
@@ -197,7 +197,7 @@ class ParkingLot:
                 self.gate.io.call(message.reject_log_error, logger, (), True)
             return
         if messages:
-            self.pulled_total[name] = self.pulled_total.get(name, 0) + len(messages)
+            self.pulled_total[name] += len(messages)
         for message in messages:
             self._deliver(message)
         if messages and not empty:

@@ -114,8 +114,7 @@ class Releases:
                     self.gate.io.call(self._release_after_exit, entry.lease, pid,
                                       time.monotonic() + CHILD_EXIT_WAIT)
                 else:
-                    default_keeper.discard(entry.lease)
-                    self.gate.io.call(self.release, entry.lease)
+                    self._release_soon(entry.lease)
             self.gate.admission.pump()
 
     def _release_after_exit(self, lease: Lease, pid: int, deadline: float) -> None:  # I/O
@@ -143,8 +142,12 @@ class Releases:
             held = list(self.held.values())
             self.held.clear()
         for entry in held:
-            default_keeper.discard(entry.lease)
-            self.gate.io.call(self.release, entry.lease)
+            self._release_soon(entry.lease)
+
+    def _release_soon(self, lease: Lease) -> None:
+        """Stop renewing ``lease`` and release it on the I/O thread."""
+        default_keeper.discard(lease)
+        self.gate.io.call(self.release, lease)
 
     def _lease_lost(self, entry: Held) -> None:
         if self.held.get(entry.lease.holder) is not entry:
@@ -221,5 +224,4 @@ class Releases:
     def _forget(self, entry: Held) -> None:
         """Release a held slot no pool callback will release."""
         if self.held.pop(entry.lease.holder, None) is entry:
-            default_keeper.discard(entry.lease)
-            self.gate.io.call(self.release, entry.lease)
+            self._release_soon(entry.lease)
