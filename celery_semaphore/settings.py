@@ -47,6 +47,7 @@ class Settings:
     on_lost_lease: str = "log"
     worker_max_waiting: int = 100
     worker_max_hold: float = 300.0
+    park_on_send: bool = True
 
     @classmethod
     def from_app(cls, app: Any) -> "Settings":
@@ -159,7 +160,7 @@ def validate(key: str, field_name: str, value: Any) -> Any:
             return validate_limit(value, key)
         except InvalidLimit as exc:
             raise ConfigurationError(str(exc)) from None
-    if field_name == "retry_jitter":
+    if field_name in ("retry_jitter", "park_on_send"):
         if not isinstance(value, bool):
             raise ConfigurationError(f"{key} must be True or False, not {value!r}")
         return value

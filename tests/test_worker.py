@@ -442,12 +442,14 @@ def _parked(cluster, name):
 @pytest.mark.parametrize("broker_kind", ["redis", "amqp"])
 def test_a_backlog_past_the_worker_bound_is_parked_in_the_broker_and_drained(
         broker_kind, redis_url, amqp_url, tmp_path):
-    """Requests past semaphore_worker_max_waiting wait in a parking queue on the broker, not
-    in ETA requeues: each runs once, never more than the limit at once, with at most one
+    """Sent to the task queue (``semaphore_park_on_send`` off), requests past
+    semaphore_worker_max_waiting wait in a parking queue on the broker, not in ETA requeues:
+    each runs once, never more than the limit at once, with at most one
     extra delivery (the pull from the parking queue) and no requeue."""
     broker = servers.redis_broker(redis_url) if broker_kind == "redis" else amqp_url
     cluster = Cluster(str(tmp_path), redis_url, broker, redis_url, names="park",
-                      CS_SETTINGS=json.dumps({"semaphore_worker_max_waiting": 3}))
+                      CS_SETTINGS=json.dumps({"semaphore_worker_max_waiting": 3,
+                                              "semaphore_park_on_send": False}))
     try:
         guarded = cluster.task("guarded")
         long = [guarded.delay(f"long{i}", 6) for i in range(2)]  # both slots, for a while
@@ -484,17 +486,22 @@ def test_a_backlog_past_the_worker_bound_is_parked_in_the_broker_and_drained(
         cluster.stop()
 
 
-@pytest.mark.parametrize("point", ["parking", "pulling", "granted-not-started"])
-def test_sigkill_at_each_point_of_the_waiting_room_loses_no_task(point, redis_url, amqp_url,
-                                                                 tmp_path):
+@pytest.mark.parametrize("point, park_on_send", [
+    ("parking", False), ("pulling", False), ("granted-not-started", False),
+    ("pulling", True), ("granted-not-started", True)])
+def test_sigkill_at_each_point_of_the_waiting_room_loses_no_task(point, park_on_send, redis_url,
+                                                                 amqp_url, tmp_path):
     """SIGKILL of the only worker while it parks the backlog, while it pulls it back, or while
-    pulled tasks hold slots their stopped pool processes never started: every task runs (the
-    broker returns the unacked originals and pulls; a duplicate is possible), never two
-    copies of one task at once, never more than the limit while leases are valid."""
+    pulled tasks hold slots their stopped pool processes never started (the backlog parked by
+    the worker, or on send): every task runs (the broker returns the unacked originals and
+    pulls; a duplicate is possible), never two copies of one task at once, never more than
+    the limit while leases are valid."""
     tasks = 200
+    name = f"kill-{point}-{'send' if park_on_send else 'worker'}"
     cluster = Cluster(str(tmp_path), redis_url, amqp_url, redis_url, workers=1, concurrency=2,
-                      names=f"kill-{point}", CS_LEASE_TTL="3",
-                      CS_SETTINGS=json.dumps({"semaphore_worker_max_waiting": 3}))
+                      names=name, CS_LEASE_TTL="3",
+                      CS_SETTINGS=json.dumps({"semaphore_worker_max_waiting": 3,
+                                              "semaphore_park_on_send": park_on_send}))
     blockers = [Semaphore("images", 2, redis_url, key_prefix=cluster.env["CS_KEY_PREFIX"],
                           ttl=60) for _ in range(2)]
     leases = [b.acquire(timeout=10) for b in blockers]  # the worker can only park
@@ -533,7 +540,7 @@ def test_sigkill_at_each_point_of_the_waiting_room_loses_no_task(point, redis_ur
         # off): one killed mid-body, or after its body but before its result was stored, is
         # Celery's own at-most-once, not the waiting room's. Every other task must run.
         started = set(cluster.probe.intervals())
-        spare = Worker(cluster.env, f"kill-{point}-spare", 4)
+        spare = Worker(cluster.env, f"{name}-spare", 4)
         spare.wait_ready()
         cluster.workers.append(spare)
         for i, result in enumerate(results):
@@ -550,12 +557,13 @@ def test_sigkill_at_each_point_of_the_waiting_room_loses_no_task(point, redis_ur
 
 
 def test_a_worker_started_after_the_backlog_was_parked_drains_it(redis_url, tmp_path):
-    """The only worker stops with a backlog parked; a new worker, which never received one of
-    those tasks and hears no broadcast, finds the parking queue from the backend's semaphore
-    names at start and drains it."""
+    """The only worker stops with a backlog it parked; a new worker, which never received one
+    of those tasks and hears no broadcast, finds the parking queue from the backend's
+    semaphore names at start and drains it."""
     cluster = Cluster(str(tmp_path), redis_url, servers.redis_broker(redis_url), redis_url,
                       workers=1, names="before",
-                      CS_SETTINGS=json.dumps({"semaphore_worker_max_waiting": 2}))
+                      CS_SETTINGS=json.dumps({"semaphore_worker_max_waiting": 2,
+                                              "semaphore_park_on_send": False}))
     try:
         guarded = cluster.task("guarded")
         long = [guarded.delay(f"long{i}", 2) for i in range(2)]
@@ -580,11 +588,12 @@ def test_a_worker_started_after_the_backlog_was_parked_drains_it(redis_url, tmp_
 
 
 def test_a_parked_task_is_revoked_while_parked(redis_url, tmp_path):
-    """Revoked by id or by stamped header while it waits in the parking queue: REVOKED at
-    once (not when a worker pulls it), and it never runs."""
+    """Parked by the worker, revoked by id or by stamped header while it waits in the parking
+    queue: REVOKED at once (not when a worker pulls it), and it never runs."""
     cluster = Cluster(str(tmp_path), redis_url, servers.redis_broker(redis_url), redis_url,
                       workers=1, names="revoke",
-                      CS_SETTINGS=json.dumps({"semaphore_worker_max_waiting": 2}))
+                      CS_SETTINGS=json.dumps({"semaphore_worker_max_waiting": 2,
+                                              "semaphore_park_on_send": False}))
     try:
         slow = cluster.task("slow")
         first = slow.delay("r0", 30)
@@ -625,5 +634,69 @@ def test_semaphore_max_wait_fails_a_parked_task(redis_url, tmp_path):
                 result.get(timeout=10)
             assert "semaphore_max_wait" in str(err.value)
         assert not any(cluster.started(f"slow:m{i}") for i in range(1, 4))
+    finally:
+        cluster.stop()
+
+
+# -- parking on send ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("broker_kind", ["redis", "amqp"])
+def test_guarded_sends_go_straight_to_the_waiting_room(broker_kind, redis_url, amqp_url,
+                                                       tmp_path):
+    """With both slots held elsewhere, guarded tasks wait in their parking queue, never in the
+    task queue: unguarded tasks sent after them run at once; each worker pulls only what it
+    can start soon; every guarded task is delivered once (no park, no requeue), runs once,
+    never more than the limit at once."""
+    broker = servers.redis_broker(redis_url) if broker_kind == "redis" else amqp_url
+    cluster = Cluster(str(tmp_path), redis_url, broker, redis_url, names="onsend")
+    blockers = [Semaphore("images", 2, redis_url, key_prefix=cluster.env["CS_KEY_PREFIX"],
+                          ttl=60) for _ in range(2)]
+    leases = [b.acquire(timeout=10) for b in blockers]
+    try:
+        guarded, unguarded = cluster.task("guarded"), cluster.task("unguarded")
+        results = [guarded.delay(f"s{i}", 0.02) for i in range(60)]
+        free = [unguarded.delay(f"s{i}") for i in range(5)]
+        assert [r.get(timeout=20) for r in free] == [f"s{i}" for i in range(5)]
+        # two workers x 4 processes hold at most 2 x 8 waiting; the rest stays parked
+        assert wait_until(lambda: 60 - 16 <= _parked(cluster, "images") < 60, timeout=10)
+        assert not any(cluster.started(f"guarded:s{i}") for i in range(60))
+        assert run_cli(cluster.env, "status", "images", "--json").returncode == 0
+        for lease in leases:
+            lease.release()
+        assert sorted(r.get(timeout=60) for r in results) == sorted(f"s{i}" for i in range(60))
+        assert cluster.probe.max_concurrent("guarded:s") == 2
+        assert all(n == 1 for n in cluster.probe.completed("guarded:s").values())
+        logs = "".join(worker.output() for worker in cluster.workers)
+        assert "requeueing" not in logs
+        # one delivery each, so nothing was parked by a worker; doorbells log nothing
+        assert logs.count(" received") == 60 + 5
+        assert wait_until(lambda: _parked(cluster, "images") == 0)
+        assert cluster.held("images") == 0
+    finally:
+        for lease in leases:
+            lease.release()
+        cluster.stop()
+
+
+def test_tasks_parked_on_send_while_no_worker_runs_are_found_by_their_doorbell(redis_url,
+                                                                               tmp_path):
+    """Sent while no worker runs, for a semaphore the backend has never seen (so a starting
+    worker cannot find its parking queue from the backend's names): the doorbells wait in
+    the task queue, and the first worker to start pulls and runs every task."""
+    cluster = Cluster(str(tmp_path), redis_url, servers.redis_broker(redis_url), redis_url,
+                      workers=0)
+    try:
+        per_customer = cluster.task("per_customer")
+        results = [per_customer.delay(77, f"n{i}", 0.01) for i in range(12)]
+        assert _parked(cluster, "api:77") == 12
+        assert cluster.backend.status("api:77") is None
+        assert "api:77" not in cluster.backend.names()
+        worker = Worker(cluster.env, "late", 2)
+        worker.wait_ready()
+        cluster.workers.append(worker)
+        assert sorted(r.get(timeout=30) for r in results) == sorted(f"n{i}" for i in range(12))
+        assert cluster.probe.max_concurrent("customer-77:") == 1
+        assert wait_until(lambda: _parked(cluster, "api:77") == 0)
     finally:
         cluster.stop()

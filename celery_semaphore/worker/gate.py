@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Deque, List
+from typing import Any, Callable, Deque, List, Set
 
 from ..backends import close_all
 from ..backends.base import Backend
@@ -27,6 +27,7 @@ from ..exceptions import ConfigurationError, SemaphoreError, SemaphoreTimeout
 from ..guards import Guards
 from ..scheduler import Scheduler
 from ..settings import Settings
+from ..waiting_room import PARKED_HEADER
 from . import celery_internals
 from .admission import Admission
 from .parking import ParkingLot
@@ -34,7 +35,6 @@ from .release import Releases
 from .reporting import Reporting
 from .requeue import Requeue
 from .threads import RETRY_FIRST, RETRY_MAX, LoopCaller
-from .waiter import PARKED_HEADER
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +93,7 @@ class Gate:
             self.io.call(self._discover_parked)
             self.releases.connect()
         self.state = GateState.OPEN
+        self.loop.post(self.parking.refill_all)  # what a reconnect gave back
 
     def stop(self) -> None:
         """The consumer stops (shutdown or reconnect): give waiting requests back.
@@ -101,7 +102,9 @@ class Gate:
         closed or lost, the broker has them back already (AMQP requeues a closed channel's
         unacked messages, kombu's virtual transports restore them when the channel closes,
         and :meth:`on_connection_lost` restores those of a Redis broker), and a reject on the
-        dead channel would only log a CRITICAL traceback per request."""
+        dead channel would only log a CRITICAL traceback per request. Requests pulled from
+        the waiting room are settled on the parking channel instead (:meth:`.ParkingLot.
+        give_back`), and their semaphores are pulled again once the consumer runs."""
         with self.lock:
             if self.state is GateState.OPEN:
                 self.state = GateState.PAUSED  # pulls still on their way go back
@@ -114,7 +117,9 @@ class Gate:
                 self.admission.drop(waiter)
                 self.admission.leave_backend(waiter)
                 request = waiter.request
-                if connected or waiter.pulled:  # a pulled one is unacked on the parking channel
+                if waiter.pulled:
+                    self.parking.give_back(waiter)
+                elif connected and not waiter.detached:
                     try:
                         request.reject(requeue=True)
                     except Exception as exc:  # the broker redelivers it all the same
@@ -130,25 +135,32 @@ class Gate:
 
         Closing the lost connection makes kombu's Redis transport restore every unacked
         message through a transport it has already detached (kombu 5.7 raises AttributeError
-        there, and the worker exits). Waiting requests are such messages: take them out of
-        the channel's unacked set first (they stay in the broker's unacked hash) and put them
-        back in their queue, with the transport's own restore, once the broker answers."""
+        there, and the worker exits). Waiting requests are such messages, on the consumer's
+        channel or (pulled from the waiting room) on the parking channel: take them out of
+        their channel's unacked set first (they stay in the broker's unacked hash) and put
+        them back in their queue, with the transport's own restore, once the broker answers."""
         with self.lock:
-            tags = [w.request.message.delivery_tag for w in self.admission.waiters.values()
-                    if not w.pulled and celery_internals.detach_unacked(w.request.message)]
-        if tags:
-            self.io.call(self._restore_detached, tags)
+            detached = [w for w in self.admission.waiters.values()
+                        if celery_internals.detach_unacked(w.request.message)]
+            for waiter in detached:
+                waiter.detached = True
+        if detached:
+            self.io.call(self._restore_detached,
+                         [w.request.message.delivery_tag for w in detached],
+                         {w.guard.name for w in detached if w.pulled})
         return self._on_connection_lost(exc)
 
-    def _restore_detached(self, tags: List[str], retry: float = RETRY_FIRST) -> None:  # I/O
-        """Put messages detached by :meth:`on_connection_lost` back in their queue, retrying
+    def _restore_detached(self, tags: List[str], parked: Set[str],
+                          retry: float = RETRY_FIRST) -> None:  # I/O
+        """Put messages detached by :meth:`on_connection_lost` back in their queue (the
+        parking queues of the semaphores ``parked``, which are then pulled again), retrying
         until the broker answers (or the worker stops: then the transport's visibility
         timeout restores them)."""
         try:
             celery_internals.restore_unacked(self.app, tags)
         except Exception as exc:
             if self.running:
-                self.io.call(self._restore_detached, tags, min(retry * 2, RETRY_MAX),
+                self.io.call(self._restore_detached, tags, parked, min(retry * 2, RETRY_MAX),
                              delay=retry)
             else:
                 logger.warning("celery-semaphore: %d waiting tasks stay unacked in the broker "
@@ -156,6 +168,8 @@ class Gate:
             return
         logger.info("celery-semaphore: %d tasks that were waiting when the broker connection "
                     "was lost are back in their queue", len(tags))
+        for name in parked:
+            self.loop.post(self.parking.learn, name)
 
     def shutdown(self) -> None:
         """The worker exits: release every lease still held, then stop the I/O thread."""

@@ -20,6 +20,14 @@ from ..eager import (
 )
 from ..guards import check_definitions_and_sends
 from ..task_lease import lease_record
+from ..waiting_room import (
+    DOORBELL_TASK,
+    FIRST_WAIT_HEADER,
+    PARKED_HEADER,
+    ROUTE_HEADER,
+    park_on_send,
+    parking_now,
+)
 from . import reporting  # noqa: F401 -- registers the semaphore_requests inspect command
 from .step import SemaphoreStep
 from .waiter import GATE_HEADERS
@@ -31,7 +39,8 @@ def install(app: Any) -> Any:
     """Install celery-semaphore into ``app`` (idempotent); returns ``app``.
 
     Adds the consumer step (the gate) and makes ``WAITING`` rank between ``RECEIVED`` and
-    ``STARTED`` for Celery's event state (Flower).
+    ``STARTED`` for Celery's event state (Flower); guarded sends go straight to the waiting
+    room (:mod:`celery_semaphore.waiting_room`), whose doorbell task it registers.
     """
     if getattr(app, INSTALLED, False):
         return app
@@ -39,6 +48,9 @@ def install(app: Any) -> Any:
     app.steps["consumer"].add(SemaphoreStep)
     guard_eager_calls(app)
     check_definitions_and_sends(app)
+    app.task(name=DOORBELL_TASK, shared=False, ignore_result=True,
+             Strategy="celery_semaphore.worker.parking:doorbell_strategy")(_doorbell)
+    park_on_send(app)
     signals.task_prerun.connect(_eager_acquire, weak=False, dispatch_uid="celery_semaphore_pre")
     signals.task_postrun.connect(_eager_release, weak=False, dispatch_uid="celery_semaphore_post")
     signals.task_prerun.connect(_store_started, weak=False,
@@ -47,6 +59,12 @@ def install(app: Any) -> Any:
                                         dispatch_uid="celery_semaphore_publish")
     setattr(app, INSTALLED, True)
     return app
+
+
+def _doorbell(name: str) -> None:
+    """A semaphore has parked tasks. Workers with the gate handle this message in their main
+    process (:func:`.parking.doorbell_strategy`) and never run it; this body runs only on a
+    worker without the gate, where it has nothing to do."""
 
 
 def _eager_acquire(sender: Any = None, task: Any = None, **kwargs: Any) -> None:
@@ -76,10 +94,13 @@ def _strip_gate_headers(headers: Optional[dict] = None, **kwargs: Any) -> None:
     """Keep what the gate adds to a running request out of messages it publishes: a retry
     copies the request's custom headers, and would carry the lease (the backend URL with its
     password) and the requeue count and first-wait time (so ``semaphore_max_wait`` would count
-    from the first run's wait)."""
+    from the first run's wait). A send parked on send keeps the marks it was just given."""
     if headers:
+        parking = parking_now.get()
         for key in GATE_HEADERS:
-            headers.pop(key, None)
+            if parking is None or parking != headers.get(PARKED_HEADER) or key not in (
+                    PARKED_HEADER, FIRST_WAIT_HEADER, ROUTE_HEADER):
+                headers.pop(key, None)
 
 
 def _eager_release(sender: Any = None, task: Any = None, **kwargs: Any) -> None:

@@ -15,9 +15,13 @@ request of that semaphore leaves this worker's waiting line (it got its slot, fa
 revoked), the worker pulls parked ones (``basic_get``, unacked) and feeds them through Celery's
 own task strategy (received event, revoke and expiry checks, the gate), acking each on the
 parking channel when Celery acks the request. A pulled request is never parked again for being
-one too many. Other workers learn that a semaphore has parked requests from a broadcast
-(``semaphore_parked``, at most once a second per name) and from the parking queues of the
-backend's semaphores, probed at worker start.
+one too many. Tasks parked on send (:mod:`celery_semaphore.waiting_room`) come the same way,
+announced by a doorbell message in their task queue: the worker that takes it pulls, looks
+again :data:`RECHECK_AFTER` later (for tasks sent after the doorbell that its first pull
+missed) and tells the others. Workers learn that a semaphore has parked requests from a
+doorbell, from a broadcast (``semaphore_parked``, at most once a second per name from a
+worker that parked requests or took a doorbell) and from the parking queues of the backend's
+semaphores, probed at worker start.
 
 Threads: the parking connection belongs to the I/O thread; the loop thread decides.
 """
@@ -32,22 +36,32 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 from celery.worker.control import control_command
-from kombu import Exchange, Producer, Queue
+from kombu import Producer, Queue
 from vine import promise
 
 from ..exceptions import SemaphoreTimeout
-from ..waiting_room import parked_counts, parking_queue_name
+from ..waiting_room import (
+    ANNOUNCE_EVERY,
+    DOORBELL_EVERY,
+    DOORBELL_HEADER,
+    FIRST_WAIT_HEADER,
+    PARKED_HEADER,
+    ROUTE_HEADER,
+    parked_counts,
+    parking_queue,
+)
 from . import celery_internals
 from .requeue import publish_copy
-from .waiter import FIRST_WAIT_HEADER, PARKED_HEADER, Waiter
+from .waiter import Waiter
 
 if TYPE_CHECKING:
     from .gate import Gate
 
 logger = logging.getLogger(__name__)
 
-#: Seconds between two broadcasts that a semaphore has parked requests.
-ANNOUNCE_EVERY = 1.0
+#: After a doorbell, pull once more this much later: a sender rings at most once every
+#: :data:`DOORBELL_EVERY`, so what it parked after ringing is there by then.
+RECHECK_AFTER = 2.5 * DOORBELL_EVERY
 #: Requests of one semaphore a worker holds waiting, per pool process.
 SHARE_PER_PROCESS = 2
 #: Parked tasks a worker remembers, to announce their revocation or max-wait failure while
@@ -115,6 +129,16 @@ class ParkingLot:
         self.gate.reporting.waiting(waiter, None, waiter.guard.limit, parked=True)
         self.gate.io.call(self._park, waiter, name)
 
+    def give_back(self, waiter: Waiter) -> None:
+        """The consumer stops with ``waiter``, pulled from the waiting room, still waiting:
+        its message goes back to the parking queue (a reject on the parking channel; one that
+        :meth:`.Gate.on_connection_lost` detached is restored there instead), and the
+        semaphore is pulled again once the consumer runs (loop thread)."""
+        waiter.request.acknowledged = True  # settled here, not on the consumer's channel
+        if not waiter.detached:
+            self.gate.io.call(self._reject, waiter.request.message)
+        self.known.add(waiter.guard.name)
+
     def refill(self, name: str) -> None:
         """Pull parked requests of ``name`` while this worker has room for them."""
         if name not in self.known or not self.gate.open:
@@ -133,6 +157,13 @@ class ParkingLot:
         self.known.add(name)
         self.refill(name)
 
+    def doorbell(self, name: str) -> None:
+        """A sender parked tasks of ``name`` (its doorbell reached this worker): pull them,
+        look again :data:`RECHECK_AFTER` later, and tell the other workers."""
+        self.learn(name)
+        self.gate.io.call(self.gate.loop.post, self.learn, name, delay=RECHECK_AFTER)
+        self._announce_soon(name)
+
     def parked(self, waiter: Waiter, name: str, published: bool) -> None:
         self.parking[name] -= 1
         if not self.parking[name]:
@@ -147,6 +178,10 @@ class ParkingLot:
         self._track(waiter)
         self.gate.admission.pump()
         self.known.add(name)
+        self._announce_soon(name)
+
+    def _announce_soon(self, name: str) -> None:
+        """Broadcast that ``name`` has parked requests, at most once a second."""
         now = time.monotonic()
         if now - self._announced.get(name, 0.0) >= ANNOUNCE_EVERY:
             self._announced[name] = now
@@ -207,6 +242,9 @@ class ParkingLot:
         """Hand a pulled message to Celery's strategy for its task, as the consumer does for a
         delivery, with acks and rejects going to the parking channel on the I/O thread."""
         self.tracked.pop(message.headers.get("id"), None)
+        route = message.headers.get(ROUTE_HEADER)
+        if isinstance(route, (list, tuple)) and len(route) == 2:  # retries go where it was sent
+            message.delivery_info.update(exchange=route[0], routing_key=route[1])
         consumer = self.gate.consumer
         strategy = consumer.strategies.get(message.headers.get("task"))
         if strategy is None:  # not a task this worker knows: leave it for one that does
@@ -219,12 +257,8 @@ class ParkingLot:
     # -- broker calls (I/O thread) -----------------------------------------------------------
 
     def _queue(self, name: str) -> Queue:
-        arguments = None
-        if self._connection.transport.driver_type == "amqp":
-            arguments = {"x-expires": int(self.gate.backend.idle_ttl * 1000)}
-        queue_name = parking_queue_name(self.gate.settings.key_prefix, name)
-        return Queue(queue_name, Exchange(""), routing_key=queue_name, durable=True,
-                     auto_delete=False, queue_arguments=arguments)
+        return parking_queue(self.gate.settings.key_prefix, name,
+                             self._connection.transport.driver_type)
 
     def _channel(self) -> Any:
         if self._connection is None:
@@ -248,9 +282,12 @@ class ParkingLot:
     def _park(self, waiter: Waiter, name: str) -> None:
         try:
             queue = self._declared_queue(name)
+            delivery = waiter.request.delivery_info or {}
+            route = [delivery.get("exchange") or "", delivery.get("routing_key")]
             publish_copy(Producer(queue.channel, auto_declare=False), waiter.request, "",
                          queue.name, {PARKED_HEADER: name,
                                       FIRST_WAIT_HEADER: waiter.first_wait,
+                                      ROUTE_HEADER: route,
                                       "eta": None},  # it was due already
                          delivery_mode=2)
         except Exception as exc:
@@ -273,6 +310,14 @@ class ParkingLot:
         except Exception as exc:
             self._lost(exc, f"pulling parked requests of {name!r}")
         self.gate.loop.post(self._pulled, name, want, messages, empty)
+
+    @staticmethod
+    def _reject(message: Any) -> None:
+        try:
+            message.reject(requeue=True)
+        except Exception as exc:  # a closed channel's messages go back all the same
+            logger.debug("celery-semaphore: giving back pulled %s failed: %s",
+                         message.delivery_tag, exc)
 
     def _announce(self, name: str) -> None:
         try:
@@ -300,6 +345,22 @@ class ParkingLot:
                 connection.close()
             except Exception:
                 pass
+
+
+def doorbell_strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Any:
+    """Celery's task strategy for the doorbell task (``Task.Strategy``): the worker's main
+    process acks the message and learns that its semaphore has parked tasks; no request is
+    built, nothing runs in the pool, no task event is sent."""
+
+    def on_doorbell(message: Any, body: Any, ack: Any, reject: Any, callbacks: Any,
+                    **options: Any) -> None:
+        ack(logger, consumer.connection_errors)  # as Request.acknowledge calls it
+        gate: Optional["Gate"] = getattr(consumer, "semaphore_gate", None)
+        name = (message.headers or {}).get(DOORBELL_HEADER)
+        if gate is not None and isinstance(name, str):
+            gate.loop.post(gate.parking.doorbell, name)
+
+    return on_doorbell
 
 
 @control_command(args=[("name", str)], signature="<semaphore name>")

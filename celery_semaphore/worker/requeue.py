@@ -10,8 +10,9 @@ import random
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any, Dict, Optional
 
+from ..waiting_room import FIRST_WAIT_HEADER
 from . import celery_internals
-from .waiter import FIRST_WAIT_HEADER, REQUEUES_HEADER, Waiter
+from .waiter import REQUEUES_HEADER, Waiter
 
 if TYPE_CHECKING:
     from .gate import Gate

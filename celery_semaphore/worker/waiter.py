@@ -21,14 +21,13 @@ from typing import Any, Dict, Optional, Set
 from ..guards import Guard
 from ..scheduler import Timer
 from ..task_lease import LEASE_KEY
+from ..waiting_room import FIRST_WAIT_HEADER, PARKED_HEADER, ROUTE_HEADER
 
-#: Message headers the gate writes when it requeues a request.
+#: Message header the gate writes when it requeues a request (see :mod:`..waiting_room` for
+#: the first-wait time and the parked mark).
 REQUEUES_HEADER = "semaphore_requeues"
-FIRST_WAIT_HEADER = "semaphore_first_wait"
-#: On a parked copy: the semaphore it waits for (see :mod:`.parking`).
-PARKED_HEADER = "semaphore_parked"
 #: What the gate adds to a request; kept out of messages the task publishes (``self.retry``).
-GATE_HEADERS = (REQUEUES_HEADER, FIRST_WAIT_HEADER, PARKED_HEADER, LEASE_KEY)
+GATE_HEADERS = (REQUEUES_HEADER, FIRST_WAIT_HEADER, PARKED_HEADER, ROUTE_HEADER, LEASE_KEY)
 
 
 class WaitState(enum.Enum):
@@ -70,6 +69,9 @@ class Waiter:
     #: Pulled from the parking queue: its message is acked on the parking channel, and it
     #: did not raise the consumer's prefetch.
     pulled: bool = False
+    #: Taken out of its channel's unacked set when the broker connection was lost: the gate
+    #: puts its message back in its queue (see ``Gate.on_connection_lost``).
+    detached: bool = False
 
     def move(self, to: WaitState) -> None:
         if to not in ALLOWED[self.state]:

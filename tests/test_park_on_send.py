@@ -1,0 +1,174 @@
+"""Parking on send (``celery_semaphore.waiting_room.ParkOnSend``): where a send lands, read
+back from a real Redis broker (no worker runs here; `tests/test_worker.py` runs them)."""
+
+import json
+import time
+from datetime import datetime, timedelta, timezone
+
+import pytest
+import redis
+from celery import Celery
+
+import celery_semaphore
+from celery_semaphore.waiting_room import (
+    DOORBELL_EVERY,
+    DOORBELL_HEADER,
+    DOORBELL_TASK,
+    FIRST_WAIT_HEADER,
+    PARKED_HEADER,
+    ROUTE_HEADER,
+    parking_queue_name,
+)
+from tests import servers
+
+
+@pytest.fixture
+def broker(redis_url):
+    url = servers.redis_broker(redis_url)
+    client = redis.Redis.from_url(url)
+    tag = servers.unique_tag()
+    yield url, client, tag
+    for key in client.scan_iter(f"{tag}*"):
+        client.delete(key)
+    client.close()
+
+
+def make_app(broker_url, tag, **conf):
+    app = Celery(f"park-on-send-{tag}", set_as_current=False)
+    app.conf.update(broker_url=broker_url, semaphore_backend="memory://",
+                    task_default_queue=f"{tag}.q", semaphore_key_prefix=f"{tag}:", **conf)
+    celery_semaphore.install(app)
+
+    @app.task(name="t.guarded", semaphore="images", limit=2, shared=False)
+    def guarded(key):
+        return key
+
+    @app.task(name="t.per_customer", semaphore="api:{customer}", limit=1, shared=False)
+    def per_customer(customer, key):
+        return key
+
+    @app.task(name="t.subscript", semaphore="sub:{p[c]}", limit=1, shared=False)
+    def subscript(p):
+        return p
+
+    @app.task(name="t.unguarded", shared=False)
+    def unguarded(key):
+        return key
+
+    @app.task(name="t.not_on_send", semaphore="images", limit=2, shared=False,
+              semaphore_park_on_send=False)
+    def not_on_send(key):
+        return key
+
+    @app.task(name="t.bounded", semaphore="images", limit=2, shared=False,
+              semaphore_max_wait=30)
+    def bounded(key):
+        return key
+
+    return app
+
+
+def messages(client, queue):
+    """The messages in a kombu Redis queue, oldest first: (task name, headers, properties)."""
+    found = []
+    for raw in reversed(client.lrange(queue, 0, -1)):
+        payload = json.loads(raw)
+        found.append((payload["headers"]["task"], payload["headers"], payload["properties"]))
+    return found
+
+
+def test_a_guarded_send_is_parked_and_rings_the_doorbell_in_its_queue(broker):
+    url, client, tag = broker
+    app = make_app(url, tag)
+    before = time.time()
+    result = app.tasks["t.guarded"].delay("a")
+    ((name, headers, _),) = messages(client, parking_queue_name(f"{tag}:", "images"))
+    assert name == "t.guarded" and headers["id"] == result.id
+    assert headers[PARKED_HEADER] == "images"
+    assert before <= headers[FIRST_WAIT_HEADER] <= time.time()
+    assert headers[ROUTE_HEADER] == ["", f"{tag}.q"]  # where a pulled copy's retries go
+    ((name, headers, properties),) = messages(client, f"{tag}.q")
+    assert name == DOORBELL_TASK and headers[DOORBELL_HEADER] == "images"
+    assert properties["delivery_mode"] == 2  # persistent: found by a worker started later
+
+
+def test_template_names_park_per_concrete_name_and_routes_follow_the_send(broker):
+    url, client, tag = broker
+    app = make_app(url, tag)
+    app.tasks["t.per_customer"].apply_async((7, "a"), queue=f"{tag}.other")
+    ((_, headers, _),) = messages(client, parking_queue_name(f"{tag}:", "api:7"))
+    assert headers[ROUTE_HEADER] == ["", f"{tag}.other"]
+    ((name, headers, _),) = messages(client, f"{tag}.other")  # the doorbell goes there too
+    assert name == DOORBELL_TASK and headers[DOORBELL_HEADER] == "api:7"
+    assert client.llen(f"{tag}.q") == 0
+
+
+@pytest.mark.parametrize("send", [
+    lambda app: app.tasks["t.unguarded"].delay("u"),
+    lambda app: app.tasks["t.guarded"].apply_async(("c",), countdown=5),
+    lambda app: app.tasks["t.guarded"].apply_async(
+        ("e",), eta=datetime.now(timezone.utc) + timedelta(seconds=5)),
+    lambda app: app.tasks["t.not_on_send"].delay("o"),  # the task option
+    lambda app: app.tasks["t.bounded"].delay("b"),  # semaphore_max_wait: a worker tracks it
+    lambda app: app.tasks["t.subscript"].delay(None),  # the worker fails it, naming why
+    lambda app: app.send_task("t.elsewhere", ("x",)),  # a task this process does not know
+], ids=["unguarded", "countdown", "eta", "task-option-off", "max-wait", "unfillable",
+        "unknown-task"])
+def test_what_is_not_parked_on_send_goes_to_its_task_queue(broker, send):
+    url, client, tag = broker
+    app = make_app(url, tag)
+    send(app)
+    queued = messages(client, f"{tag}.q")
+    assert len(queued) == 1 and queued[0][0] != DOORBELL_TASK
+    assert PARKED_HEADER not in queued[0][1]
+    assert not list(client.scan_iter(f"{tag}:park.*"))
+
+
+def test_the_setting_turns_it_off(broker):
+    url, client, tag = broker
+    app = make_app(url, tag, semaphore_park_on_send=False)
+    app.tasks["t.guarded"].delay("a")
+    assert [m[0] for m in messages(client, f"{tag}.q")] == ["t.guarded"]
+    assert not list(client.scan_iter(f"{tag}:park.*"))
+
+
+def test_the_setting_is_checked_when_the_worker_starts():
+    from celery_semaphore import ConfigurationError
+    from celery_semaphore.settings import Settings
+
+    app = Celery("bad", set_as_current=False)
+    app.conf.semaphore_park_on_send = "yes"
+    with pytest.raises(ConfigurationError, match="semaphore_park_on_send must be True or False"):
+        Settings.from_app(app)
+
+
+def test_a_burst_rings_once_per_doorbell_interval(broker):
+    url, client, tag = broker
+    app = make_app(url, tag)
+    began = time.monotonic()
+    for i in range(200):
+        app.tasks["t.guarded"].delay(f"b{i}")
+    elapsed = time.monotonic() - began
+    assert client.llen(parking_queue_name(f"{tag}:", "images")) == 200
+    doorbells = [m for m in messages(client, f"{tag}.q") if m[0] == DOORBELL_TASK]
+    assert 1 <= len(doorbells) <= 1 + elapsed / DOORBELL_EVERY
+
+
+def test_eager_calls_are_not_sent_at_all(broker):
+    url, client, tag = broker
+    app = make_app(url, tag, task_always_eager=True)
+    assert app.tasks["t.guarded"].delay("e").get() == "e"
+    assert not list(client.scan_iter(f"{tag}*"))
+
+
+def test_a_retry_of_a_parked_task_keeps_none_of_its_marks(broker):
+    """The worker hands a pulled task its original route back, so ``self.retry(countdown=)``
+    goes to its task queue with an ETA, carrying no mark of the waiting room."""
+    url, client, tag = broker
+    app = make_app(url, tag)
+    app.tasks["t.guarded"].apply_async(
+        ("r",), countdown=1, headers={PARKED_HEADER: "images", FIRST_WAIT_HEADER: 1.0,
+                                      ROUTE_HEADER: ["", f"{tag}.q"]})
+    ((name, headers, _),) = messages(client, f"{tag}.q")
+    assert name == "t.guarded" and headers["eta"]
+    assert not {PARKED_HEADER, FIRST_WAIT_HEADER, ROUTE_HEADER} & set(headers)
