@@ -54,14 +54,16 @@ def markdown(data) -> str:
         "and sent behind the hot tenant's 400:",
         table(hot, ["setup", "tasks", "limit", "small_makespan_s", "vs_alone",
                     "deliveries_per_task", "max_concurrent"]),
-        "The waiting room under a deep backlog: one worker (-c 4) parks guarded tasks queued "
-        "before it started while their semaphore is full (parked/s from the broker's parking "
-        "queue length, beside the same worker's rate of receiving and discarding expired "
-        "unguarded tasks, Celery's own floor for a message it does not run; the start of an "
-        "unguarded task queued behind the first 5,000, from the worker's ready, and with two "
-        "workers, from the first one's ready; RSS of the "
-        "worker's main process), then drains them at limit 4:",
-        table(data["backlog"], ["tasks", "parked_per_s", "discard_floor_per_s",
+        "The waiting room under a deep backlog: guarded tasks sent while their semaphore is "
+        "full reach one worker (-c 4), parked on send (the default) or parked by the worker "
+        "(`semaphore_park_on_send = False`). `parked_per_s`: on send, the sender's rate into "
+        "the parking queue, beside the same sender's rate for plain tasks (`floor_per_s`); by "
+        "the worker, its parking rate read from the broker, beside the same worker's rate of "
+        "receiving and discarding expired unguarded tasks (Celery's own floor for a message it "
+        "does not run). Then the start of an unguarded task sent behind the first 5,000 (from "
+        "the worker's ready; and with two workers, from the first one's ready), the RSS of the "
+        "worker's main process, and the drain at limit 4:",
+        table(data["backlog"], ["tasks", "parked", "parked_per_s", "floor_per_s",
                                 "parked_vs_floor", "unguarded_started_s",
                                 "unguarded_started_2_workers_s", "rss_idle_mb",
                                 "rss_peak_mb", "rss_growth_mb", "drained_s",
@@ -124,12 +126,16 @@ def main(argv=None) -> int:
         print("celery workloads:", flush=True)
         data["workload"] = workload.run(url, rabbit)
         print("backlog:", flush=True)
-        row = backlog.run(workload.broker_url(url), url, args.backlog, drain=True)
-        row["discard_floor_per_s"] = backlog.discard_floor(workload.broker_url(url), url)
-        row["parked_vs_floor"] = round(row["parked_per_s"] / row["discard_floor_per_s"], 2)
-        row["unguarded_started_2_workers_s"] = backlog.unguarded_behind(
-            workload.broker_url(url), url)
-        data["backlog"] = [row]
+        broker = workload.broker_url(url)
+        data["backlog"] = []
+        for park_on_send in (True, False):
+            row = backlog.run(broker, url, args.backlog, drain=True, park_on_send=park_on_send)
+            if not park_on_send:
+                row["floor_per_s"] = backlog.discard_floor(broker, url)
+            row["parked_vs_floor"] = round(row["parked_per_s"] / row["floor_per_s"], 2)
+            row["unguarded_started_2_workers_s"] = backlog.unguarded_behind(
+                broker, url, park_on_send=park_on_send)
+            data["backlog"].append(row)
     finally:  # the benchmarks' own queues and keys (their names carry this run's tags)
         sweep_amqp(rabbit)
         sweep_redis(url)

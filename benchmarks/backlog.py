@@ -1,17 +1,24 @@
 """The waiting room under a deep backlog: one worker (prefork, 4 processes), a Redis broker and
-backend, ``tasks`` guarded tasks of 5 ms queued before the worker starts, on a semaphore of
-limit 1 whose one slot the benchmark holds, so that the worker can only park.
+backend, ``tasks`` guarded tasks of 5 ms sent before the worker starts, on a semaphore of
+limit 1 whose one slot the benchmark holds, so that nothing guarded can start.
 
-Measured: how fast the worker parks the backlog (parked messages per second, read from the
-broker: the parking queue's length), its main process's RSS idle and at its peak while it
-parks, and how soon an unguarded task queued behind the first :data:`UNGUARDED_BEHIND`
-guarded ones starts after the worker is ready; then, with ``drain``, the slot is released and
-the semaphore resized to 4: every task must run exactly once, never more than 4 at once (from
-the probe).
+Two ways the backlog reaches the waiting room, a row each:
 
-The floor beside it (:func:`discard_floor`): the same worker receiving and discarding
-expired unguarded tasks, Celery's own cost of a message it does not run (a receipt and an
-ack, as a park has, without the parked copy's publish).
+* parked on send (the default, ``semaphore_park_on_send``): the sender publishes each guarded
+  task straight to its semaphore's parking queue. Measured: the sender's rate, beside the
+  same sender's rate for plain tasks to a queue (Celery's own cost of a send); the worker then
+  only pulls what it can start soon.
+* parked by the worker (``semaphore_park_on_send = False``): the tasks are in the task queue
+  and the worker parks them. Measured: parked messages per second, read from the broker (the
+  parking queue's length), beside the same worker's rate of receiving and discarding expired
+  unguarded tasks (:func:`discard_floor`, Celery's own cost of a message it does not run: a
+  receipt and an ack, as a park has, without the parked copy's publish).
+
+Both: the worker's main-process RSS idle and at its peak while the backlog is parked, how soon
+an unguarded task sent behind the first :data:`UNGUARDED_BEHIND` guarded ones starts after the
+worker is ready; then, with ``drain``, the slot is released and the semaphore resized to 4:
+every task must run exactly once, never more than 4 at once (from the probe), and the
+deliveries per task are counted from the worker's log.
 """
 
 from __future__ import annotations
@@ -34,8 +41,10 @@ def rss_mb(pid: int) -> float:
     return kb / 1024
 
 
-#: Guarded tasks queued ahead of the one unguarded task.
+#: Guarded tasks sent ahead of the one unguarded task.
 UNGUARDED_BEHIND = 5000
+#: Guarded requests the worker holds waiting (two per pool process): the rest stays parked.
+HELD = 8
 
 
 def discard_floor(broker: str, backend: str, tasks: int = 8000) -> float:
@@ -66,11 +75,11 @@ def discard_floor(broker: str, backend: str, tasks: int = 8000) -> float:
 
 
 def unguarded_behind(broker: str, backend: str, guarded: int = UNGUARDED_BEHIND,
-                     workers: int = 2) -> float:
-    """Seconds from the first worker's ready to the start of an unguarded task queued behind
+                     workers: int = 2, park_on_send: bool = True) -> float:
+    """Seconds from the first worker's ready to the start of an unguarded task sent behind
     ``guarded`` guarded ones whose semaphore is full, with ``workers`` workers (-c 4; the
     workloads' two by default), started one after the other."""
-    tmp, tag, env, bench_app = new_run("backlog", broker, backend, 1)
+    tmp, tag, env, bench_app = new_run("backlog", broker, backend, 1, park_on_send)
     with bench_app.app.producer_or_acquire() as producer:
         for i in range(guarded):
             bench_app.gated.apply_async((f"b{i}", 0.005), producer=producer)
@@ -99,18 +108,31 @@ def unguarded_behind(broker: str, backend: str, guarded: int = UNGUARDED_BEHIND,
         bench_app.app.close()
 
 
-def run(broker: str, backend: str, tasks: int = 20000, drain: bool = False) -> Dict[str, Any]:
-    tmp, tag, env, bench_app = new_run("backlog", broker, backend, 1)
+def run(broker: str, backend: str, tasks: int = 20000, drain: bool = False,
+        park_on_send: bool = True) -> Dict[str, Any]:
+    tmp, tag, env, bench_app = new_run("backlog", broker, backend, 1, park_on_send)
     client = redis.Redis.from_url(broker)
     parked_key = parking_queue_name(f"{tag}:", "bench")
     behind = min(UNGUARDED_BEHIND, tasks)
+    row: Dict[str, Any] = {"tasks": tasks,
+                           "parked": "on send" if park_on_send else "by the worker"}
     with bench_app.app.producer_or_acquire() as producer:
+        if park_on_send:  # the floor: the same sender, plain tasks to a queue nobody reads
+            began = time.monotonic()
+            for i in range(tasks):
+                bench_app.plain.apply_async((f"x{i}", 0.0), producer=producer,
+                                            queue=f"{tag}.floor")
+            row["floor_per_s"] = round(tasks / (time.monotonic() - began))
+            client.delete(f"{tag}.floor")
+        began = time.monotonic()
         for i in range(tasks):
             if i == behind:
                 bench_app.plain.apply_async(("unguarded", 0.0), producer=producer)
             bench_app.gated.apply_async((f"b{i}", 0.005), producer=producer)
         if behind == tasks:
             bench_app.plain.apply_async(("unguarded", 0.0), producer=producer)
+        if park_on_send:
+            row["parked_per_s"] = round(tasks / (time.monotonic() - began))
     from celery_semaphore import Semaphore
 
     semaphore = Semaphore("bench", 1, backend, key_prefix=f"{tag}:", ttl=3600)
@@ -119,7 +141,6 @@ def run(broker: str, backend: str, tasks: int = 20000, drain: bool = False) -> D
     proc = _start_worker(env, "backlog", 4, log)
     ready = time.monotonic_ns()
     probe = Probe(env["BENCH_PROBE"])
-    row: Dict[str, Any] = {"tasks": tasks}
     try:
         idle = rss_mb(proc.pid)
         peak, first, last, count = idle, None, None, 0
@@ -129,17 +150,20 @@ def run(broker: str, backend: str, tasks: int = 20000, drain: bool = False) -> D
             peak = max(peak, rss_mb(proc.pid))
             if count and first is None:
                 first = (now, count)
-            if count >= tasks - 16:  # all but the few the worker holds waiting
+            # all but the few the worker holds waiting, and the unguarded task has run
+            if count <= tasks - HELD and count >= tasks - 2 * HELD and (
+                    "unguarded" in probe.intervals()):
                 last = (now, count)
                 break
             time.sleep(0.02)
         if first is None or last is None:
-            raise RuntimeError(f"backlog: only {count} of {tasks} parked")
-        unguarded = probe.intervals().get("unguarded")
-        row.update(unguarded_behind=behind, unguarded_started_s=(
-            round((unguarded[0][0] - ready) / 1e9, 2) if unguarded else None))
-        row.update(parked_per_s=round((last[1] - first[1]) / max(last[0] - first[0], 1e-3)),
-                   rss_idle_mb=round(idle, 1), rss_peak_mb=round(peak, 1),
+            raise RuntimeError(f"backlog: {count} of {tasks} parked")
+        unguarded = probe.intervals()["unguarded"]
+        row.update(unguarded_behind=behind,
+                   unguarded_started_s=round((unguarded[0][0] - ready) / 1e9, 2))
+        if not park_on_send:
+            row["parked_per_s"] = round((last[1] - first[1]) / max(last[0] - first[0], 1e-3))
+        row.update(rss_idle_mb=round(idle, 1), rss_peak_mb=round(peak, 1),
                    rss_growth_mb=round(peak - idle, 1))
         if drain:
             blocker.release()

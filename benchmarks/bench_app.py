@@ -20,6 +20,8 @@ app.conf.update(
     semaphore_backend=os.environ.get("BENCH_SEMAPHORE_BACKEND") or None,
     semaphore_key_prefix=os.environ.get("BENCH_PREFIX", "bench:"),
     semaphore_limits={"tenant:hot": 1},
+    # "0": guarded tasks go to the task queue and the worker parks what it cannot start soon
+    semaphore_park_on_send=os.environ.get("BENCH_PARK_ON_SEND", "1") == "1",
     task_default_queue=os.environ.get("BENCH_QUEUE", "bench"),
     worker_hijack_root_logger=False,
     broker_connection_retry_on_startup=True,

@@ -12,7 +12,7 @@ The gate runs on 2 workers x 4 processes; the dedicated-queue baseline is one wo
 concurrency = limit on its own queue, prefetch 1, acks late (Celery's advice for a limit).
 
 Measured from the probe file the bodies write (CLOCK_MONOTONIC, system-wide) and the workers'
-logs: utilization = sum of body time / (limit x makespan, first start to last end);
+logs: utilization = sum of body time / (limit x makespan, first send to last end);
 deliveries per task = "received" log lines / tasks; handoff = a body's end to the start of the
 body that took its slot (the k-th start minus the (k - limit)-th end).
 """
@@ -53,15 +53,17 @@ def _start_worker(env: Dict[str, str], name: str, concurrency: int, log: str,
     return proc
 
 
-def new_run(kind: str, broker: str, backend: str, limit: int) -> Tuple[str, str, Dict[str, str],
-                                                                        Any]:
+def new_run(kind: str, broker: str, backend: str, limit: int, park_on_send: bool = True
+            ) -> Tuple[str, str, Dict[str, str], Any]:
     """A fresh temporary directory, tag (queue and key prefix), worker environment and bench
-    app (reloaded with that environment) for one run: ``(tmp, tag, env, bench_app)``."""
+    app (reloaded with that environment) for one run: ``(tmp, tag, env, bench_app)``.
+    ``park_on_send`` False: guarded tasks go to the task queue (``semaphore_park_on_send``)."""
     tmp = tempfile.mkdtemp(prefix=f"bench-{kind}-")
     tag = unique_tag()
     env = dict(os.environ, BENCH_BROKER=broker, BENCH_SEMAPHORE_BACKEND=backend,
                BENCH_PREFIX=f"{tag}:", BENCH_QUEUE=f"{tag}.q", BENCH_LIMIT=str(limit),
-               BENCH_PROBE=os.path.join(tmp, "probe.log"), PYTHONPATH=ROOT)
+               BENCH_PROBE=os.path.join(tmp, "probe.log"), PYTHONPATH=ROOT,
+               BENCH_PARK_ON_SEND="1" if park_on_send else "0")
     os.environ.update({k: env[k] for k in env if k.startswith("BENCH_")})
     import benchmarks.bench_app as bench_app
 
@@ -106,12 +108,13 @@ def run_setup(kind: str, broker: str, backend: str, limit: int, batches: List[Li
     return probe, received, sent_at
 
 
-def analyse(probe: Probe, limit: int, prefix: str = "") -> Dict[str, Any]:
+def analyse(probe: Probe, limit: int, sent_at: int, prefix: str = "") -> Dict[str, Any]:
+    """The figures of one run whose first send was at ``sent_at`` (monotonic ns)."""
     spans = [run for key, runs in probe.intervals().items() if key.startswith(prefix)
              for run in runs]
     starts = sorted(s for s, _ in spans)
     ends = sorted(e for _, e in spans)
-    makespan = (ends[-1] - starts[0]) / 1e9
+    makespan = (ends[-1] - sent_at) / 1e9
     busy = sum(e - s for s, e in spans) / 1e9
     handoffs = [(starts[limit + i] - ends[i]) / 1e6 for i in range(len(starts) - limit)]
     handoffs = sorted(h for h in handoffs if h >= 0)
@@ -131,10 +134,10 @@ def uniform(workload: str, tasks: int, hold: float, limit: int, broker: str,
     rows = []
     for label, kind, backend in setups:
         task = {"gate": "gated", "dedicated": "plain", "diy": "diy"}[kind]
-        probe, received, _ = run_setup(kind, broker, backend, limit,
-                                       [[(task, (f"t{i}", hold)) for i in range(tasks)]])
+        probe, received, sent_at = run_setup(kind, broker, backend, limit,
+                                             [[(task, (f"t{i}", hold)) for i in range(tasks)]])
         row = {"workload": workload, "setup": label, "tasks": f"{tasks} x {int(hold * 1000)} ms",
-               "limit": limit, **analyse(probe, limit),
+               "limit": limit, **analyse(probe, limit, sent_at[0]),
                "deliveries_per_task": round(received / tasks, 3)}
         print(f"  {row}", flush=True)
         rows.append(row)
