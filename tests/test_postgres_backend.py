@@ -5,6 +5,7 @@ gives. The backend contract itself runs in test_contract.py."""
 
 import logging
 import multiprocessing
+import sys
 import time
 
 import psycopg
@@ -12,8 +13,9 @@ import pytest
 from psycopg import sql
 
 from celery_semaphore import BackendUnavailable, ConfigurationError, Semaphore
-from celery_semaphore.backends import get_backend
+from celery_semaphore.backends import backend_class, get_backend
 from celery_semaphore.backends.postgres import DEFAULT_SCHEMA, PostgresBackend, parse_url
+from celery_semaphore.exceptions import UnknownBackend
 from tests import servers
 from tests.util import forked_child_waits, hand_over, wait_until
 
@@ -63,6 +65,14 @@ def test_url_options_go_to_the_backend_the_rest_to_libpq():
     assert "schema" not in info and "timeout" not in info
     backend = PostgresBackend("postgresql://u@h/db")
     assert (backend.schema, backend.timeout) == (DEFAULT_SCHEMA, 10.0)
+
+
+def test_without_psycopg_the_error_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "psycopg", None)  # import psycopg now fails
+    monkeypatch.delitem(sys.modules, "celery_semaphore.backends.postgres")
+    with pytest.raises(UnknownBackend) as err:
+        backend_class("postgres://u@h/db")
+    assert "pip install 'celery-semaphore[postgres]'" in str(err.value)
 
 
 @pytest.mark.parametrize("url, problem", [
