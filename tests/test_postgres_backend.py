@@ -152,8 +152,8 @@ def test_idle_semaphores_leave_no_row_behind(postgres_url, schema, admin):
 def test_notify_wakes_a_waiter_in_another_process(postgres_url):
     """A semaphore made and listened to before a fork, waited on in the child: the child
     listens on a connection of its own, and NOTIFY wakes it long before its poll."""
-    sem = Semaphore(f"{servers.unique_tag()}-notify", 1, postgres_url, poll_interval=30,
-                    waiter_ttl=90)
+    sem = Semaphore("notify", 1, postgres_url, key_prefix=f"{servers.unique_tag()}:",
+                    poll_interval=30, waiter_ttl=90)
     held = sem.acquire()
     got = []
     hand_over(sem, held, got, join_timeout=10)  # the parent listens before forking

@@ -499,6 +499,8 @@ class PostgresBackend(DocumentBackend):
                     self._wake_everyone()
                     backoff, lost = 0.1, False
                 for notify in self._listen_conn.notifies(timeout=1.0):
+                    if self._closed.is_set():  # close() notified us to stop waiting
+                        break
                     self._deliver(notify.payload)
             except Exception as exc:
                 if self._closed.is_set():
