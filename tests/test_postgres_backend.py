@@ -227,6 +227,18 @@ def test_a_read_only_server_is_backend_unavailable(postgres_url):
     assert "read-only" in str(err.value)
 
 
+def test_a_session_left_on_a_read_only_server_is_replaced(postgres_url):
+    """After a failover the old primary's sessions are read-only: the next operation drops its
+    connection and reconnects (to the new primary, with a multi-host URL)."""
+    sem = Semaphore("ro", 1, postgres_url, key_prefix=f"{servers.unique_tag()}:")
+    sem.acquire().release()
+    conn = sem.backend._connection()[0]
+    conn.execute("SET default_transaction_read_only = on")
+    lease = sem.try_acquire()
+    assert lease is not None and lease.release()
+    assert conn.closed
+
+
 def test_a_row_locked_too_long_fails_the_operation_after_the_timeout(postgres_url, admin):
     prefix = f"{servers.unique_tag()}:"
     url = with_query(postgres_url, "timeout=0.5")

@@ -28,9 +28,11 @@ Guarantees:
   connect to PostgreSQL directly.
 * Connections: one per thread (and per process: a forked child opens its own and never closes
   its parent's), opened lazily, in autocommit mode with explicit transactions. A connection
-  found broken by an operation is dropped and that operation is tried once more on a new one
-  (a stale pooled connection after a server restart); a repeated operation leaves the same
-  state, though a repeated release answers False. Sessions run with ``statement_timeout``,
+  found broken or read-only by an operation is dropped and that operation is tried once more
+  on a new one (a stale connection after a server restart; a session left on the old primary
+  after a failover, where a multi-host URL with ``target_session_attrs=read-write`` reaches the
+  new one); a repeated operation leaves the same state, though a repeated release answers
+  False. Sessions run with ``statement_timeout``,
   ``lock_timeout`` and ``idle_in_transaction_session_timeout`` of ``timeout`` seconds, so a
   frozen client cannot hold a semaphore's row lock for longer than that.
 
@@ -286,11 +288,15 @@ class PostgresBackend(DocumentBackend):
     def _raise(self, conn: psycopg.Connection, fresh: bool, exc: psycopg.Error) -> NoReturn:
         """Raise what ``exc``, met on ``conn`` (``fresh``: just made), means, after rolling
         back or dropping the connection: _NoTable, _StaleConnection (a connection used before
-        broke: worth one more try), BackendUnavailable, or ``exc`` itself (a bug)."""
+        broke or went read-only: worth one more try on a new one), BackendUnavailable, or
+        ``exc`` itself (a bug)."""
         if isinstance(exc, _NO_TABLE):
             self._rollback(conn)
             raise _NoTable() from exc
-        broken = conn.broken or conn.closed
+        # A read-only server is a standby, or the old primary after a failover: a new
+        # connection may reach the new primary (a multi-host URL with
+        # target_session_attrs=read-write), so this one is dropped like a broken one.
+        broken = conn.broken or conn.closed or isinstance(exc, errors.ReadOnlySqlTransaction)
         if broken:
             self._drop(conn)
         else:
