@@ -65,6 +65,8 @@ def test_url_options_go_to_the_backend_the_rest_to_libpq():
     assert "schema" not in info and "timeout" not in info
     backend = PostgresBackend("postgresql://u@h/db")
     assert (backend.schema, backend.timeout) == (DEFAULT_SCHEMA, 10.0)
+    several = get_backend("postgresql://u:pw@db1:5432,db2:5433/app?target_session_attrs=read-write")
+    assert psycopg.conninfo.conninfo_to_dict(several.conninfo)["port"] == "5432,5433"
 
 
 def test_without_psycopg_the_error_names_the_extra(monkeypatch):
@@ -83,6 +85,7 @@ def test_without_psycopg_the_error_names_the_extra(monkeypatch):
     ("postgresql://u:secret@h/db?timeout=0", "timeout must be"),
     ("postgresql://u:secret@h/db?timeout=soon", "timeout must be"),
     ("postgresql://u:secret@h:99999/db", "Port out of range"),
+    ("postgresql://u:secret@h1:5432,h2:99999/db", "Port out of range"),
     ("postgresql://u:secret@[::1/db", "malformed"),
 ])
 def test_a_bad_url_or_option_is_one_configuration_error(url, problem):
