@@ -418,6 +418,10 @@ class PostgresBackend(DocumentBackend):
         return True
 
     def _after_commit(self, txn: Transaction) -> None:
+        self._sweep_if_due()
+
+    def _sweep_if_due(self) -> None:
+        """:meth:`_sweep`, at most once per ``sweep_interval`` in this process."""
         if time.monotonic() >= self._next_sweep:
             self._next_sweep = time.monotonic() + self.sweep_interval
             self._sweep()
@@ -434,7 +438,7 @@ class PostgresBackend(DocumentBackend):
             return 0
 
     def _stored_names(self) -> List[str]:
-        self._sweep()
+        self._sweep_if_due()
         prefix = self.key_prefix
         try:
             rows = self._run(lambda conn: conn.execute(
