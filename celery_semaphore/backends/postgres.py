@@ -32,15 +32,15 @@ Guarantees:
   on a new one (a stale connection after a server restart; a session left on the old primary
   after a failover, where a multi-host URL with ``target_session_attrs=read-write`` reaches the
   new one); a repeated operation leaves the same state, though a repeated release answers
-  False. Sessions run with ``statement_timeout``,
-  ``lock_timeout`` and ``idle_in_transaction_session_timeout`` of ``timeout`` seconds, so a
-  frozen client cannot hold a semaphore's row lock for longer than that.
+  False. Sessions run with ``statement_timeout``, ``lock_timeout`` and
+  ``idle_in_transaction_session_timeout`` of ``timeout`` seconds, so a frozen client cannot
+  hold a semaphore's row lock for longer than that.
 
-Errors: a server that cannot be reached, a lost connection, a timeout, a read-only server (a
-standby, or a primary demoted by a failover), too many connections, a shutdown, missing
-privileges raise :class:`BackendUnavailable` naming the URL (password masked). A URL libpq
-cannot parse, an unknown query parameter, a bad ``schema`` or ``timeout`` raise
-:class:`ConfigurationError` when the backend is made.
+Errors: a server that cannot be reached, a lost connection (after the one retry), a timeout,
+a read-only server (a standby), too many connections, a shutdown, missing privileges raise
+:class:`BackendUnavailable` naming the URL (password masked). A URL libpq cannot parse, an
+unknown query parameter, a bad ``schema`` or ``timeout`` raise :class:`ConfigurationError`
+when the backend is made.
 
 Not guaranteed: a commit is durable on the server that acknowledged it. Under a failover to an
 asynchronous replica the last commits can be lost: a slot granted just before can be granted
