@@ -35,7 +35,8 @@ def markdown(data) -> str:
     uniform = [r for r in data["workload"] if r["workload"] != "W3"]
     hot = [r for r in data["workload"] if r["workload"] == "W3"]
     return "\n\n".join([
-        f"Measured {data['date']} on {data['machine']}; Redis and RabbitMQ on loopback.",
+        f"Measured {data['date']} on {data['machine']}; Redis, RabbitMQ and PostgreSQL on "
+        "loopback.",
         "Backends: acquire+release pairs/s and acquire latency (limit above the number of "
         "processes, so no waiting):",
         table(data["backends"], ["backend", "processes", "pairs_per_s", "acquire_p50_ms",
@@ -114,17 +115,25 @@ def main(argv=None) -> int:
                         help="guarded tasks in the backlog benchmark (default: 20000)")
     args = parser.parse_args(argv)
     out = args.output
-    from tests.servers import amqp_url, redis_url, sweep_amqp, sweep_redis
+    from tests.servers import (
+        amqp_url,
+        postgres_url,
+        redis_url,
+        sweep_amqp,
+        sweep_postgres,
+        sweep_redis,
+    )
 
     os.makedirs(out, exist_ok=True)
     url = os.environ.get("REDIS_URL") or redis_url()
     rabbit = amqp_url()
+    postgres = postgres_url()
     try:
         print("backends:", flush=True)
         data = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "machine": machine(),
-                "backends": backends.run(url, rabbit)}
+                "backends": backends.run(url, rabbit, postgres)}
         print("celery workloads:", flush=True)
-        data["workload"] = workload.run(url, rabbit)
+        data["workload"] = workload.run(url, rabbit, postgres)
         print("backlog:", flush=True)
         broker = workload.broker_url(url)
         data["backlog"] = []
@@ -138,6 +147,7 @@ def main(argv=None) -> int:
             data["backlog"].append(row)
     finally:  # the benchmarks' own queues and keys (their names carry this run's tags)
         sweep_amqp(rabbit)
+        sweep_postgres(postgres)
         sweep_redis(url)
         sweep_redis(workload.broker_url(url))
     with open(os.path.join(out, "results.json"), "w") as f:

@@ -99,13 +99,14 @@ def consul_rows() -> List[Dict[str, Any]]:
         double.stop()
 
 
-def run(redis_url: str, amqp_url: str) -> List[Dict[str, Any]]:
+def run(redis_url: str, amqp_url: str, postgres_url: str) -> List[Dict[str, Any]]:
     sqlite = f"sqlite:///{tempfile.mkdtemp(prefix='bench-')}/bench.db"
     slots = slots_url(amqp_url)
     rows = []
     for name, url, counts in (("memory", "memory://bench", (1,)),
                               ("sqlite", sqlite, (1, 8)),
                               ("redis", redis_url, (1, 8)),
+                              ("postgres", postgres_url, (1, 8)),
                               ("amqp tokens", amqp_url, (1, 8)),
                               ("amqp slots", slots, (1, 8))):
         for processes in counts:

@@ -98,7 +98,7 @@ class Settings:
         raise ConfigurationError(
             f"semaphore_backend is not set and the broker ({scheme or broker!r}://) is neither "
             "Redis nor RabbitMQ: an SQLite file would give each host its own limit. Set "
-            "semaphore_backend to a shared server (redis://, amqp://, consul://)"
+            "semaphore_backend to a shared server (redis://, amqp://, postgresql://, consul://)"
         )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import List
 from urllib.parse import SplitResult, urlsplit
 
 from .exceptions import ConfigurationError
@@ -18,6 +19,16 @@ def mask_url(url: object) -> str:
     return _TOKEN.sub(r"\1**", _PASSWORD.sub(r"\1**@", text))
 
 
+#: Schemes whose URL may list several hosts (libpq: ``postgresql://h1:5432,h2:5433/db``).
+MULTI_HOST_SCHEMES = ("postgresql", "postgres")
+
+
+def _hosts(parts: SplitResult) -> List[str]:
+    """The ``host:port`` parts of a URL's network location."""
+    hostlist = parts.netloc.rpartition("@")[2]
+    return hostlist.split(",") if parts.scheme.lower() in MULTI_HOST_SCHEMES else [hostlist]
+
+
 def check_url(url: object, what: str = "semaphore backend URL") -> SplitResult:
     """Parse ``url`` or raise ConfigurationError naming what is wrong (password masked):
     empty, not a string, no scheme, a malformed host or a port that is not 0-65535."""
@@ -25,7 +36,8 @@ def check_url(url: object, what: str = "semaphore backend URL") -> SplitResult:
         raise ConfigurationError(f"{what} must be a non-empty string, not {url!r}")
     try:
         parts = urlsplit(url)
-        parts.port  # noqa: B018 -- raises ValueError for a port out of range or not a number
+        for host in _hosts(parts):
+            urlsplit(f"//{host}").port  # noqa: B018 -- ValueError: port out of range or not a number
     except ValueError as exc:
         raise ConfigurationError(f"{what} {mask_url(url)!r} is malformed: {exc}") from None
     if not parts.scheme or "://" not in url:

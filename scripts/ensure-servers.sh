@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Make sure the Redis and RabbitMQ servers the tests use answer on loopback; install (Debian
-# packages) and start them when they are missing. REDIS_URL / AMQP_URL point elsewhere: then
-# nothing is started here.
+# Make sure the Redis, RabbitMQ and PostgreSQL servers the tests use answer on loopback; install
+# (Debian packages) and start them when they are missing. REDIS_URL / AMQP_URL / POSTGRES_URL
+# point elsewhere: then nothing is started here.
 set -euo pipefail
 
 port_open() { (exec 3<>"/dev/tcp/$1/$2") 2>/dev/null; }
@@ -51,4 +51,35 @@ if [ -z "${AMQP_URL:-}" ] && ! port_open 127.0.0.1 5672; then
     as_root rabbitmq-server -detached
   fi
   wait_port 127.0.0.1 5672 180 || { echo "rabbitmq-server did not start" >&2; exit 1; }
+fi
+
+# PostgreSQL: the machine's Debian cluster when there is one (started as its images do), else
+# a cluster of our own under /var/tmp with trust auth on loopback; either way a database
+# "test". POSTGRES_URL set: nothing is started here.
+if [ -z "${POSTGRES_URL:-}" ] && ! port_open 127.0.0.1 5432; then
+  if ls /etc/postgresql/*/main >/dev/null 2>&1 && command -v pg_ctlcluster >/dev/null; then
+    version=$(ls /etc/postgresql | sort -V | tail -1)
+    echo "starting the PostgreSQL $version cluster"
+    as_root pg_ctlcluster --skip-systemctl-redirect "$version" main start
+  else
+    ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || apt_install postgresql
+    bindir=$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -1)
+    data=/var/tmp/celery-semaphore-postgres
+    as_postgres() { if [ "$(id -u)" = 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi; }
+    if [ ! -f "$data/PG_VERSION" ]; then
+      mkdir -p "$data"
+      [ "$(id -u)" = 0 ] && chown postgres: "$data"
+      as_postgres "$bindir/initdb" -D "$data" -A trust -U postgres -E UTF8 >/dev/null
+    fi
+    echo "starting a PostgreSQL cluster in $data on 127.0.0.1:5432"
+    as_postgres "$bindir/pg_ctl" -D "$data" -l "$data/server.log" -w -o \
+      "-p 5432 -c listen_addresses=127.0.0.1 -k $data" start
+  fi
+  wait_port 127.0.0.1 5432 60 || { echo "PostgreSQL did not start" >&2; exit 1; }
+fi
+if [ -z "${POSTGRES_URL:-}" ] && command -v psql >/dev/null \
+    && ! psql -h 127.0.0.1 -U postgres -d test -c "" >/dev/null 2>&1; then
+  echo "creating the PostgreSQL database test"
+  psql -h 127.0.0.1 -U postgres -d postgres -qc "CREATE DATABASE test" \
+    || echo "could not create database test: set POSTGRES_URL" >&2
 fi

@@ -5,7 +5,8 @@ import pytest
 from celery_semaphore.backends import close_all
 from tests import servers
 
-BACKENDS = ["memory", "sqlite", "redis", "redis+socket", "amqp", "amqp+slots", "consul"]
+BACKENDS = ["memory", "sqlite", "redis", "redis+socket", "amqp", "amqp+slots", "consul",
+            "postgres"]
 #: Sweep every test name at the session's start and end, or (``CS_SWEEP=own``, for test runs
 #: made side by side against the same servers) only the names this run created.
 SWEEP_ALL = os.environ.get("CS_SWEEP", "all") != "own"
@@ -41,6 +42,15 @@ def amqp_url():
     servers.sweep_amqp(url, everything=SWEEP_ALL)
     yield url
     servers.sweep_amqp(url, everything=SWEEP_ALL)
+
+
+@pytest.fixture(scope="session")
+def postgres_url():
+    url = servers.postgres_url()
+    servers.sweep_postgres(url, everything=SWEEP_ALL)  # what an interrupted run left
+    yield url
+    close_all()  # no connection of this process may hold a row the sweep deletes
+    servers.sweep_postgres(url, everything=SWEEP_ALL)
 
 
 @pytest.fixture(scope="session")
@@ -99,6 +109,8 @@ def spec(request, tmp_path):
         url = request.getfixturevalue("redis_socket_url")
     elif kind == "amqp":
         url = request.getfixturevalue("amqp_url")
+    elif kind == "postgres":
+        url = request.getfixturevalue("postgres_url")
     else:
         url = servers.slots_url(request.getfixturevalue("amqp_url"))
     yield BackendSpec(kind, url, options)

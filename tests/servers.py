@@ -1,11 +1,13 @@
-"""Find the Redis and RabbitMQ servers the tests need, or start private ones.
+"""Find the Redis, RabbitMQ and PostgreSQL servers the tests need, or start private ones.
 
-Order: the URL in ``REDIS_URL`` / ``AMQP_URL``; else the machine's default port; else a server
-started here (``redis-server`` on a free port, ``rabbitmq-server -detached``). When none can be
-had, the test run fails saying how to get one: tests that need a server are never skipped.
+Order: the URL in ``REDIS_URL`` / ``AMQP_URL`` / ``POSTGRES_URL``; else the machine's default
+port; else a server started here (``redis-server`` on a free port, ``rabbitmq-server
+-detached``, a throwaway PostgreSQL cluster made by ``initdb`` on a free port). When none can
+be had, the test run fails saying how to get one: tests that need a server are never skipped.
 
 Every name a test puts on a server starts with :func:`unique_tag` (``cst`` + hex), so that
-:func:`sweep_amqp` and :func:`sweep_redis` can remove what the tests and benchmarks left behind.
+:func:`sweep_amqp`, :func:`sweep_redis` and :func:`sweep_postgres` can remove what the tests
+and benchmarks left behind.
 Durable queues left on RabbitMQ pile up run after run, and a broker recovering thousands of
 them at boot takes minutes to start.
 """
@@ -13,6 +15,7 @@ them at boot takes minutes to start.
 from __future__ import annotations
 
 import atexit
+import glob
 import os
 import re
 import shutil
@@ -21,13 +24,16 @@ import subprocess
 import tempfile
 import time
 import uuid
-from typing import List, Set
+from typing import List, Optional, Set
 from urllib.parse import urlsplit
 
 import pytest
 
 DEFAULT_REDIS = "redis://127.0.0.1:6379/15"
 DEFAULT_AMQP = "amqp://guest:guest@127.0.0.1:5672//"
+DEFAULT_POSTGRES = "postgresql://postgres@127.0.0.1:5432/test"
+#: The schema the postgres backend uses unless told otherwise (the contract suite's).
+POSTGRES_SCHEMA = "celery_semaphore"
 TEST_NAME = re.compile(r"^(?:_kombu\.binding(?:_permanent)?\.)?(cst[0-9a-f]{8})")
 BROKER_DB = 14  # the Redis database the worker tests use as their broker
 _issued: Set[str] = set()  # the tags this process handed out
@@ -209,3 +215,92 @@ def answers(client) -> bool:
     except redis.ResponseError:  # up, but refusing (MASTERDOWN)
         return True
 
+
+
+def postgres_url() -> str:
+    """``POSTGRES_URL``, else the machine's server on 5432, else a throwaway cluster started
+    here (``initdb`` + ``pg_ctl``, trust auth, on a free loopback port, removed at exit)."""
+    url = os.environ.get("POSTGRES_URL", DEFAULT_POSTGRES)
+    if reachable(url, 5432):
+        return url
+    url = start_postgres(urlsplit(url).path.lstrip("/") or "test")
+    os.environ["POSTGRES_URL"] = url  # worker subprocesses use the same server
+    return url
+
+
+def _postgres_bin(program: str) -> Optional[str]:
+    """A PostgreSQL server program: on PATH, else the newest Debian one."""
+    found = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{program}"),
+                   key=lambda p: int(p.split("/")[4]) if p.split("/")[4].isdigit() else 0)
+    return shutil.which(program) or (found[-1] if found else None)
+
+
+def start_postgres(database: str) -> str:
+    """A private PostgreSQL cluster on a free port with ``database`` in it; returns its URL.
+    As root, the server runs as the ``postgres`` user (initdb refuses root)."""
+    initdb, pg_ctl = _postgres_bin("initdb"), _postgres_bin("pg_ctl")
+    if initdb is None or pg_ctl is None:
+        pytest.fail("no PostgreSQL at $POSTGRES_URL or 127.0.0.1:5432 and no initdb to start "
+                    "one: install the Debian package postgresql (make test does) or set "
+                    "POSTGRES_URL", pytrace=False)
+    as_user: List[str] = []
+    workdir = tempfile.mkdtemp(prefix="celery-semaphore-postgres-")
+    if os.geteuid() == 0:
+        import pwd
+
+        try:
+            owner = pwd.getpwnam("postgres")
+        except KeyError:
+            pytest.fail("running as root and there is no postgres user to run a private "
+                        "PostgreSQL server as; set POSTGRES_URL", pytrace=False)
+        os.chown(workdir, owner.pw_uid, owner.pw_gid)
+        as_user = ["runuser", "-u", "postgres", "--"]
+    data, port = os.path.join(workdir, "data"), free_port()
+
+    def run(*cmd: str) -> None:
+        done = subprocess.run([*as_user, *cmd], capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            pytest.fail(f"{' '.join(cmd)} failed: {done.stderr[-2000:]}", pytrace=False)
+
+    run(initdb, "-D", data, "-A", "trust", "-U", "postgres", "-E", "UTF8", "--no-sync")
+    run(pg_ctl, "-D", data, "-l", os.path.join(workdir, "server.log"), "-w", "-t", "60", "-o",
+        f"-p {port} -c listen_addresses=127.0.0.1 -k {workdir} -c fsync=off", "start")
+
+    def stop() -> None:
+        subprocess.run([*as_user, pg_ctl, "-D", data, "-m", "immediate", "stop"],
+                       capture_output=True, timeout=60)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    atexit.register(stop)
+    import psycopg
+
+    with psycopg.connect(f"postgresql://postgres@127.0.0.1:{port}/postgres",
+                         autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{database}"')
+    return f"postgresql://postgres@127.0.0.1:{port}/{database}"
+
+
+def sweep_postgres(url: str, everything: bool = False) -> int:
+    """Delete the semaphore rows named with this process's tags (``everything``: any test tag)
+    from the default schema, and drop the schemas so named; return how many."""
+    import psycopg
+    from psycopg import sql
+
+    swept = 0
+    with psycopg.connect(url, autocommit=True, connect_timeout=10) as conn:
+        schemas = [row[0] for row in conn.execute(
+            "SELECT nspname FROM pg_namespace WHERE nspname ~ '^cst[0-9a-f]{8}'")]
+        for schema in schemas:
+            if _ours(schema, everything):
+                conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(schema)))
+                swept += 1
+        table = sql.Identifier(POSTGRES_SCHEMA, "semaphores")
+        if conn.execute("SELECT to_regclass(%s)", (table.as_string(conn),)).fetchone()[0]:
+            names = [row[0] for row in conn.execute(
+                sql.SQL("SELECT name FROM {} WHERE name ~ '^cst[0-9a-f]{{8}}'").format(table))]
+            ours = [name for name in names if _ours(name, everything)]
+            if ours:
+                conn.execute(sql.SQL("DELETE FROM {} WHERE name = ANY(%s)").format(table),
+                             (ours,))
+            swept += len(ours)
+    return swept

@@ -337,7 +337,7 @@ def test_every_install_hint_names_an_extra_that_exists():
     config.read(os.path.join(os.path.dirname(os.path.dirname(__file__)), "setup.cfg"))
     extras = set(config["options.extras_require"])
     named = {scheme.extra for scheme in SCHEMES.values() if scheme.extra}
-    assert named == {"redis", "amqp", "consul"} and named <= extras, extras
+    assert named == {"redis", "amqp", "consul", "postgres"} and named <= extras, extras
 
 
 def test_the_client_api_loads_no_worker_machinery():

@@ -10,7 +10,7 @@ import pytest
 from celery_semaphore import ConfigurationError, Semaphore
 from celery_semaphore.backends import get_backend
 from celery_semaphore.backends.sqlite import database_path
-from tests.util import hand_over, wait_until
+from tests.util import forked_child_waits, hand_over
 
 FORK = multiprocessing.get_context("fork")
 
@@ -57,12 +57,6 @@ def test_fork_while_another_thread_is_in_a_transaction(tmp_path):
     assert failures == 0
 
 
-def _wait_in_child(sem, result):
-    started = time.monotonic()
-    sem.acquire(timeout=20).release()
-    result.value = time.monotonic() - started
-
-
 def test_forked_child_gets_its_own_wake_ups(tmp_path):
     """A semaphore made before fork (a module-level one in a prefork pool) and used in the
     child: the child must listen for its own wake-ups, not rely on the poll."""
@@ -73,14 +67,8 @@ def test_forked_child_gets_its_own_wake_ups(tmp_path):
     waiter.start()  # the parent listens for wake-ups before forking
     held.release()
     waiter.join(10)
-    held = sem.acquire()
-    result = FORK.Value("d", -1.0)
-    child = FORK.Process(target=_wait_in_child, args=(sem, result))
-    child.start()
-    assert wait_until(lambda: sem.status().waiting == 1)
-    held.release()
-    child.join(25)
-    assert 0 <= result.value < 5  # polls are 20 s apart: only a wake-up is this fast
+    # polls are 20 s apart: only a wake-up is this fast
+    assert 0 <= forked_child_waits(sem) < 5
 
 
 def test_reads_do_not_create_the_database_file(tmp_path):

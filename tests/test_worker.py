@@ -305,6 +305,30 @@ def test_sigkilled_worker_frees_its_slot_within_the_lease_ttl(redis_url, tmp_pat
         cluster.stop()
 
 
+def test_postgres_backend_holds_the_limit_across_prefork_workers(redis_url, postgres_url,
+                                                                  tmp_path):
+    """The PostgreSQL backend under real workers (not a combination of the shared clusters:
+    one scenario is enough to see the pool children fork a backend that listens, and each
+    combination costs the suite about a minute)."""
+    cluster = Cluster(str(tmp_path), redis_url, servers.redis_broker(redis_url), postgres_url)
+    try:
+        assert all("PostgresBackend postgresql://" in w.output() for w in cluster.workers)
+        guarded, per_customer = cluster.task("guarded"), cluster.task("per_customer")
+        results = [guarded.delay(f"p{i}", 0.05) for i in range(30)]
+        results += [per_customer.delay(c, f"p{i}", 0.05) for i in range(6) for c in (1, 2)]
+        for result in results:
+            result.get(timeout=60)
+        assert cluster.probe.max_concurrent("guarded:p") == 2
+        assert cluster.probe.max_concurrent("customer-1:p") == 1
+        assert cluster.probe.max_concurrent("customer-2:p") == 1
+        completed = cluster.probe.completed()
+        assert len([k for k in completed if k.split(":")[1].startswith("p")]) == 30 + 12
+        assert all(n == 1 for n in completed.values())
+        assert wait_until(lambda: cluster.held("images") == 0)
+    finally:
+        cluster.stop()
+
+
 @pytest.mark.parametrize("lease_ttl, problem", [
     (-5, "positive"),
     (30 * 24 * 3600, "idle_ttl"),  # the backend (idle_ttl 7 days) would forget the semaphore

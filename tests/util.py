@@ -1,5 +1,6 @@
 """Small helpers shared by the tests."""
 
+import multiprocessing
 import threading
 import time
 
@@ -25,3 +26,23 @@ def hand_over(sem, holder, got, join_timeout, acquire_timeout=30.0):
     holder.release()
     waiter.join(join_timeout)
     return released_at
+
+
+def _wait_in_child(sem, result):
+    started = time.monotonic()
+    sem.acquire(timeout=20).release()
+    result.value = time.monotonic() - started
+
+
+def forked_child_waits(sem, join_timeout=25.0):
+    """Hold ``sem`` (limit 1), fork a child that waits for it, release once the child is in
+    line, and return the seconds the child waited (-1.0: it never got the slot)."""
+    fork = multiprocessing.get_context("fork")
+    held = sem.acquire()
+    result = fork.Value("d", -1.0)
+    child = fork.Process(target=_wait_in_child, args=(sem, result))
+    child.start()
+    assert wait_until(lambda: sem.status().waiting == 1)
+    held.release()
+    child.join(join_timeout)
+    return result.value

@@ -41,6 +41,7 @@ _REDIS = Scheme("celery_semaphore.backends.redis:RedisBackend", "redis", broker=
 _TOKENS = Scheme("celery_semaphore.backends.rabbitmq:TokenBackend", "amqp", broker=True)
 _SLOTS = Scheme("celery_semaphore.backends.rabbitmq:SlotQueueBackend", "amqp")
 _CONSUL = Scheme("celery_semaphore.backends.consul:ConsulBackend", "consul")
+_POSTGRES = Scheme("celery_semaphore.backends.postgres:PostgresBackend", "postgres")
 
 #: Every built-in scheme.
 SCHEMES: Dict[str, Scheme] = {
@@ -48,6 +49,7 @@ SCHEMES: Dict[str, Scheme] = {
     "amqp": _TOKENS, "amqps": _TOKENS, "pyamqp": _TOKENS,
     "amqp+slots": _SLOTS, "amqps+slots": _SLOTS,
     "consul": _CONSUL, "consuls": _CONSUL,
+    "postgresql": _POSTGRES, "postgres": _POSTGRES,
     "sqlite": Scheme("celery_semaphore.backends.sqlite:SQLiteBackend"),
     "memory": Scheme("celery_semaphore.backends.memory:MemoryBackend"),
 }
