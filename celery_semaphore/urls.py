@@ -8,7 +8,9 @@ from urllib.parse import SplitResult, urlsplit
 from .exceptions import ConfigurationError
 
 _PASSWORD = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://[^:@/]*:)[^/]*@")
-_TOKEN = re.compile(r"([?&](?:token|password)=)[^&#]*", re.IGNORECASE)
+_TOKEN = re.compile(r"([?&](?:token|\w*password)=)[^&#]*", re.IGNORECASE)
+#: Schemes with these endings name several hosts: ``redis+sentinel://h1:26379,h2:26379/...``.
+MULTI_HOST_SUFFIXES = ("+sentinel", "+cluster")
 
 
 def mask_url(url: object) -> str:
@@ -20,12 +22,18 @@ def mask_url(url: object) -> str:
 
 def check_url(url: object, what: str = "semaphore backend URL") -> SplitResult:
     """Parse ``url`` or raise ConfigurationError naming what is wrong (password masked):
-    empty, not a string, no scheme, a malformed host or a port that is not 0-65535."""
+    empty, not a string, no scheme, a malformed host or a port that is not 0-65535. Schemes
+    ending in ``+sentinel`` or ``+cluster`` take a comma-separated list of hosts, each checked
+    (the result's ``port`` is then meaningless)."""
     if not isinstance(url, str) or not url.strip():
         raise ConfigurationError(f"{what} must be a non-empty string, not {url!r}")
     try:
         parts = urlsplit(url)
-        parts.port  # noqa: B018 -- raises ValueError for a port out of range or not a number
+        if parts.scheme.lower().endswith(MULTI_HOST_SUFFIXES):
+            for host in parts.netloc.rpartition("@")[2].split(","):
+                urlsplit(f"//{host.strip()}").port  # noqa: B018 -- as below
+        else:
+            parts.port  # noqa: B018 -- raises ValueError for a port out of range or not a number
     except ValueError as exc:
         raise ConfigurationError(f"{what} {mask_url(url)!r} is malformed: {exc}") from None
     if not parts.scheme or "://" not in url:
