@@ -118,11 +118,12 @@ def main(argv=None) -> int:
     url = os.environ.get("REDIS_URL") or redis_url()
     rabbit = amqp_url()
     try:
-        print("backends:", flush=True)
-        data = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "machine": machine(),
-                "backends": backends.run(url, rabbit)}
-        print("celery workloads:", flush=True)
-        data["workload"] = workload.run(url, rabbit)
+        with backends.ha_redis() as ha:
+            print("backends:", flush=True)
+            data = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+                    "machine": machine(), "backends": backends.run(url, rabbit, ha)}
+            print("celery workloads:", flush=True)
+            data["workload"] = workload.run(url, rabbit, ha)
         print("backlog:", flush=True)
         row = backlog.run(workload.broker_url(url), url, args.backlog, drain=True)
         row["discard_floor_per_s"] = backlog.discard_floor(workload.broker_url(url), url)
