@@ -54,8 +54,9 @@ def in_thread(call):
 
 def test_sentinel_failover_the_backend_follows_and_a_blocked_waiter_resumes(sentinel_group,
                                                                            prefix):
+    """Polls are 30 s apart: the waiter resumes on a wake-up from the new master."""
     group = sentinel_group
-    sem = Semaphore("ha", 1, group.url, key_prefix=prefix, poll_interval=0.5)
+    sem = Semaphore("ha", 1, group.url, key_prefix=prefix, poll_interval=30, waiter_ttl=90)
     holder = sem.acquire()
     waiter = in_thread(lambda: sem.acquire(timeout=60))
     assert wait_until(lambda: sem.status().waiting == 1)
@@ -68,8 +69,12 @@ def test_sentinel_failover_the_backend_follows_and_a_blocked_waiter_resumes(sent
     assert wait_until(lambda: during, timeout=15)
     assert during == [("ok", None)]  # the slot is still held: the state survived
     assert sem.backend.client.connection_pool.get_master_address()[1] == new
-    assert holder.verify() and holder.release() is True
+    assert wait_until(lambda: group.clients[new].client_list(_type="pubsub"), timeout=15)
+    assert holder.verify()
+    released_at = time.monotonic()
+    assert holder.release() is True
     assert wait_until(lambda: waiter, timeout=10), "the waiter did not resume"
+    assert time.monotonic() - released_at < 5  # woken, not polled
     kind, lease = waiter[0]
     assert kind == "ok" and lease.verify()
     assert lease.token.epoch > holder.token.epoch
