@@ -50,6 +50,7 @@ import hashlib
 import json
 import logging
 import os
+import socket
 import threading
 import time
 from typing import Any, Callable, Dict, List, NoReturn, Optional, Tuple
@@ -348,9 +349,22 @@ class RedisBackend(Backend):
         self._closed.set()
         listener = self._listener
         if listener is not None and listener is not threading.current_thread():
+            self._interrupt_listener()
             listener.join(3)
         self._drop_pubsub()
         self._connector.close()
+
+    def _interrupt_listener(self) -> None:
+        """Shut down (not close: the listener owns it) the socket the listener reads, so that
+        it ends now rather than when its read times out (1 s): closing a process's backends
+        no longer takes a second each. redis-py has no public handle on the socket; without
+        one the listener simply ends at its timeout."""
+        sock = getattr(getattr(self._pubsub, "connection", None), "_sock", None)
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     # -- wake-ups ----------------------------------------------------------------------------
 
