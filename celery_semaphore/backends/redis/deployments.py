@@ -186,15 +186,15 @@ class Connector:
 
     def pubsub(self) -> Any:
         """A :class:`redis.client.PubSub` for the wake-up channel. On a cluster, a plain one
-        on one node, a different node at each call (in turn): ``PUBLISH`` reaches every node
+        on one master, a different one at each call (in turn): ``PUBLISH`` reaches every node
         of a Redis Cluster, so any node will do, and the next try after a node failed goes to
-        another one."""
+        another one. Masters, because they are the nodes the client's slot map always knows."""
         client = self.client
         if self.kind != CLUSTER:
             return client.pubsub()
-        nodes: List[ClusterNode] = client.get_nodes()
+        nodes: List[ClusterNode] = client.get_primaries()
         if not nodes:
-            raise redis.ConnectionError("no known Redis Cluster node")
+            raise redis.ConnectionError("no known Redis Cluster master")
         node = nodes[next(self._rotation) % len(nodes)]
         if node.redis_connection is None:
             raise redis.ConnectionError(f"Redis Cluster node {node.name} not connected")
