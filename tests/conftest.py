@@ -38,7 +38,7 @@ def redis_socket_url(tmp_path_factory):
 @pytest.fixture(scope="session")
 def sentinel_group(tmp_path_factory):
     """A private Redis Sentinel group (master, replica, three sentinels) for the session. Tests
-    that fail it over leave it whole again (:meth:`servers.SentinelGroup.restart_as_replica`)."""
+    that fail it over leave it whole again (:meth:`servers.ServerGroup.restore`)."""
     group = servers.SentinelGroup(str(tmp_path_factory.mktemp("redis-sentinel")))
     yield group
     group.stop()

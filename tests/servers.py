@@ -256,6 +256,17 @@ class ServerGroup:
                 pytest.fail(f"{self.what} not healthy in time", pytrace=False)
             time.sleep(0.1)
 
+    def restore(self) -> None:
+        """Restart every server of the group that is not running, and wait until the group
+        is whole: what a test that killed one leaves behind, passed or failed."""
+        for port, proc in list(self.procs.items()):
+            if proc.poll() is not None:
+                self.restart(port)
+        self.wait_healthy()
+
+    def restart(self, port: int) -> None:
+        raise NotImplementedError
+
     def stop(self) -> None:
         for proc in self.procs.values():
             if proc.poll() is None:
@@ -370,11 +381,15 @@ class SentinelGroup(ServerGroup):
             time.sleep(0.05)
         pytest.fail("the sentinels promoted no replica in time", pytrace=False)
 
-    def restart_as_replica(self, port: int, master: int) -> None:
-        """Bring a killed server back as a replica of ``master`` (as an operator would; the
-        sentinels would demote it anyway), and wait for the group to be whole again."""
+    def restart(self, port: int) -> None:
+        """Bring a killed data server back as a replica of the current master (as an operator
+        would; the sentinels would demote it anyway)."""
+        deadline = time.monotonic() + 30
+        while (master := self.master_port()) in (None, port):
+            if time.monotonic() > deadline:
+                pytest.fail("no master to restart a server under", pytrace=False)
+            time.sleep(0.05)
         self._start_data(port, "--replicaof", "127.0.0.1", str(master))
-        self.wait_healthy()
 
 
 
@@ -471,4 +486,9 @@ class RedisClusterGroup(ServerGroup):
     def kill(self, port: int) -> None:
         self.procs[port].kill()
         self.procs[port].wait(10)
+
+    def restart(self, port: int) -> None:
+        """Start a killed node again with its nodes config: it rejoins the cluster (as a
+        replica, when its replica took over meanwhile)."""
+        self.start_node(port)
 
