@@ -129,11 +129,13 @@ def main(argv=None) -> int:
     rabbit = amqp_url()
     postgres = postgres_url()
     try:
-        print("backends:", flush=True)
-        data = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "machine": machine(),
-                "backends": backends.run(url, rabbit, postgres)}
-        print("celery workloads:", flush=True)
-        data["workload"] = workload.run(url, rabbit, postgres)
+        with backends.ha_redis() as ha:
+            more = {"postgres": postgres, **ha}
+            print("backends:", flush=True)
+            data = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+                    "machine": machine(), "backends": backends.run(url, rabbit, more)}
+            print("celery workloads:", flush=True)
+            data["workload"] = workload.run(url, rabbit, more)
         print("backlog:", flush=True)
         broker = workload.broker_url(url)
         data["backlog"] = []

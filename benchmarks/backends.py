@@ -6,13 +6,15 @@ above the number of processes, so the figures measure the backend's round trips,
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
+import os
 import statistics
 import tempfile
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, Iterator, List
 
-from tests.servers import slots_url, unique_tag
+from tests.servers import RedisClusterGroup, SentinelGroup, slots_url, unique_tag
 
 FORK = multiprocessing.get_context("fork")
 
@@ -99,14 +101,35 @@ def consul_rows() -> List[Dict[str, Any]]:
         double.stop()
 
 
-def run(redis_url: str, amqp_url: str, postgres_url: str) -> List[Dict[str, Any]]:
+@contextlib.contextmanager
+def ha_redis() -> Iterator[Dict[str, str]]:
+    """A private Redis Sentinel group (master, replica, 3 sentinels) and Redis Cluster (3
+    masters, 3 replicas) on loopback for the run (tests/servers.py): their backend URLs by
+    name, ``"redis sentinel"`` and ``"redis cluster"``."""
+    workdir = tempfile.mkdtemp(prefix="bench-ha-")
+    os.makedirs(os.path.join(workdir, "sentinel"))
+    os.makedirs(os.path.join(workdir, "cluster"))
+    sentinel = SentinelGroup(os.path.join(workdir, "sentinel"))
+    try:
+        cluster = RedisClusterGroup(os.path.join(workdir, "cluster"))
+        try:
+            yield {"redis sentinel": sentinel.url, "redis cluster": cluster.url}
+        finally:
+            cluster.stop()
+    finally:
+        sentinel.stop()
+
+
+def run(redis_url: str, amqp_url: str, more: Dict[str, str]) -> List[Dict[str, Any]]:
+    """Every backend's row; ``more``: backends beyond Redis, RabbitMQ, SQLite, memory and
+    Consul, by name (PostgreSQL, Redis Sentinel, Redis Cluster)."""
     sqlite = f"sqlite:///{tempfile.mkdtemp(prefix='bench-')}/bench.db"
     slots = slots_url(amqp_url)
     rows = []
     for name, url, counts in (("memory", "memory://bench", (1,)),
                               ("sqlite", sqlite, (1, 8)),
                               ("redis", redis_url, (1, 8)),
-                              ("postgres", postgres_url, (1, 8)),
+                              *((name, url, (1, 8)) for name, url in more.items()),
                               ("amqp tokens", amqp_url, (1, 8)),
                               ("amqp slots", slots, (1, 8))):
         for processes in counts:

@@ -1,8 +1,9 @@
 """The Celery workloads of ``../shared/workloads.md`` (W1 - W4), each beside its baseline in
 the same run, on one Redis broker, with real ``celery worker`` processes (prefork):
 
-* W1 burst: 120 x 50 ms, limit 4; also with the RabbitMQ and PostgreSQL backends, and "diy"
-  (a Redis semaphore taken in the task body, ``self.retry(countdown=1)`` when full);
+* W1 burst: 120 x 50 ms, limit 4; also with the RabbitMQ backends, PostgreSQL, Redis Sentinel
+  and Redis Cluster (private servers, :func:`benchmarks.backends.ha_redis`), and "diy" (a
+  Redis semaphore taken in the task body, ``self.retry(countdown=1)`` when full);
 * W2 backlog: 2,000 x 10 ms, and 1,000 x 50 ms, sent at once, limit 4;
 * W4 wider than one worker: 400 x 50 ms, limit 8;
 * W3 hot tenant: 400 x 20 ms of tenant "hot" (limit 1), then 60 x 20 ms over 6 other tenants
@@ -182,13 +183,15 @@ def broker_url(redis_url: str) -> str:
     return redis_db(redis_url, 12)
 
 
-def run(redis_url: str, amqp_url: str, postgres_url: str) -> List[Dict[str, Any]]:
+def run(redis_url: str, amqp_url: str, more: Dict[str, str]) -> List[Dict[str, Any]]:
+    """Every workload; ``more``: more backends for W1 by name (PostgreSQL, Sentinel,
+    Cluster)."""
     broker = broker_url(redis_url)
     gate_vs_dedicated = [("dedicated", "dedicated", redis_url), ("gate", "gate", redis_url)]
     rows = uniform("W1", 120, 0.05, 4, broker, gate_vs_dedicated + [
         ("gate amqp tokens", "gate", amqp_url),
         ("gate amqp slots", "gate", slots_url(amqp_url)),
-        ("gate postgres", "gate", postgres_url),
+        *((f"gate {name}", "gate", url) for name, url in more.items()),
         ("diy", "diy", redis_url)])
     rows += uniform("W2", 2000, 0.01, 4, broker, gate_vs_dedicated)
     rows += uniform("W2", 1000, 0.05, 4, broker, gate_vs_dedicated)

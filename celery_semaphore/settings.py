@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Dict, Optional
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlencode, urlsplit
 
 from .exceptions import ConfigurationError, InvalidLimit, InvalidName
 from .names import validate_limit, validate_template, validate_ttl
@@ -77,11 +77,14 @@ class Settings:
 
     def backend_url(self, app: Any) -> str:
         """``semaphore_backend``; else the broker itself when it is Redis (the Redis backend)
-        or RabbitMQ (the token backend, on the first URL of a failover list); else the result
-        backend when it is a Redis URL; else, for a broker that lives on one host (kombu's
-        filesystem or memory transport, SQLAlchemy on SQLite), an SQLite file in the working
-        directory. Any other broker is shared between hosts, where a file would give each
-        host its own limit: ConfigurationError naming ``semaphore_backend``."""
+        or RabbitMQ (the token backend, on the first URL of a failover list); else, for a
+        Redis Sentinel broker (``sentinel://``) with ``broker_transport_options["master_name"]``,
+        the Redis backend on the master its sentinels name (:func:`sentinel_backend_url`);
+        else the result backend when it is a Redis URL (or a ``sentinel://`` one with
+        ``result_backend_transport_options["master_name"]``); else, for a broker that lives on one
+        host (kombu's filesystem or memory transport, SQLAlchemy on SQLite), an SQLite file in
+        the working directory. Any other broker is shared between hosts, where a file would
+        give each host its own limit: ConfigurationError naming ``semaphore_backend``."""
         if self.backend:
             return self.backend
         from .backends import SCHEMES
@@ -90,20 +93,68 @@ class Settings:
         scheme = _scheme(broker)
         if scheme in SCHEMES and SCHEMES[scheme].broker:
             return broker
+        transport_options = app.conf.broker_transport_options or {}
+        if scheme == "sentinel" and transport_options.get("master_name"):
+            return sentinel_backend_url(app.conf.broker_url, transport_options,
+                                        app.conf.broker_use_ssl)
         result = _first_url(app.conf.result_backend)
         if _scheme(result) in SCHEMES and SCHEMES[_scheme(result)].result:
             return result
+        result_options = app.conf.result_backend_transport_options or {}
+        if _scheme(result) == "sentinel" and result_options.get("master_name"):
+            return sentinel_backend_url(app.conf.result_backend, result_options,
+                                        app.conf.redis_backend_use_ssl)
         if scheme in ONE_HOST_BROKERS or broker.startswith(("sqla+sqlite:", "sqlalchemy+sqlite:")):
             return "sqlite:///celery-semaphore.db"
+        if scheme == "sentinel":
+            raise ConfigurationError(
+                "semaphore_backend is not set and the sentinel:// broker has no "
+                'broker_transport_options["master_name"]: set it (kombu needs it too), or set '
+                "semaphore_backend to redis+sentinel://host:26379/<master name>/<db>")
         raise ConfigurationError(
             f"semaphore_backend is not set and the broker ({scheme or broker!r}://) is neither "
             "Redis nor RabbitMQ: an SQLite file would give each host its own limit. Set "
-            "semaphore_backend to a shared server (redis://, amqp://, postgresql://, consul://)"
+            "semaphore_backend to a shared server (redis://, redis+sentinel://, "
+            "redis+cluster://, amqp://, postgresql://, consul://)"
         )
 
 
 #: Brokers that live on one host, where an SQLite file is the natural backend.
 ONE_HOST_BROKERS = ("filesystem", "memory", "")
+#: kombu's TLS options (``broker_use_ssl``) that a ``rediss+sentinel://`` URL carries.
+_SSL_OPTIONS = ("ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
+
+
+def sentinel_backend_url(broker_url: Any, transport_options: Dict[str, Any],
+                         use_ssl: Any = None) -> str:
+    """The ``redis+sentinel://`` URL of the master a Celery ``sentinel://`` broker uses, as
+    kombu finds it: every sentinel of the ``;``-separated list (or list of URLs), the user and
+    password of the first URL (the data servers'), its virtual host as the database, and
+    ``master_name``, ``sentinel_kwargs`` (user and password) and ``min_other_sentinels`` from
+    the transport options. ``broker_use_ssl`` makes it ``rediss+sentinel://`` with its
+    certificate options. (Celery's ``sentinel://`` result backend has the same form.)"""
+    urls = broker_url if isinstance(broker_url, (list, tuple)) else str(broker_url).split(";")
+    parts = [urlsplit(url.strip()) for url in urls if url.strip()]
+    master = transport_options["master_name"]
+    hosts = ",".join(p.netloc.rpartition("@")[2] for p in parts)
+    userinfo = parts[0].netloc.rpartition("@")[0]
+    database = parts[0].path.strip("/") or "0"
+    query: Dict[str, Any] = {}
+    sentinel_kwargs = transport_options.get("sentinel_kwargs") or {}
+    for key in ("password", "username"):
+        if sentinel_kwargs.get(key):
+            query[f"sentinel_{key}"] = sentinel_kwargs[key]
+    if transport_options.get("min_other_sentinels"):
+        query["min_other_sentinels"] = transport_options["min_other_sentinels"]
+    if use_ssl:
+        options = use_ssl if isinstance(use_ssl, dict) else {}
+        for key in _SSL_OPTIONS:
+            value = options.get(key)
+            if value is not None:  # kombu takes ssl.CERT_* constants too
+                query[key] = {0: "none", 1: "optional", 2: "required"}.get(value, value)
+    return (f"{'rediss' if use_ssl else 'redis'}+sentinel://"
+            f"{userinfo + '@' if userinfo else ''}{hosts}/{quote(str(master), safe='')}/"
+            f"{database}" + (f"?{urlencode(query)}" if query else ""))
 
 
 def _first_url(url: Any) -> str:

@@ -5,8 +5,8 @@ import pytest
 from celery_semaphore.backends import close_all
 from tests import servers
 
-BACKENDS = ["memory", "sqlite", "redis", "redis+socket", "amqp", "amqp+slots", "consul",
-            "postgres"]
+BACKENDS = ["memory", "sqlite", "redis", "redis+socket", "redis+sentinel", "redis+cluster", "amqp",
+            "amqp+slots", "consul", "postgres"]
 #: Sweep every test name at the session's start and end, or (``CS_SWEEP=own``, for test runs
 #: made side by side against the same servers) only the names this run created.
 SWEEP_ALL = os.environ.get("CS_SWEEP", "all") != "own"
@@ -33,6 +33,24 @@ def redis_socket_url(tmp_path_factory):
     yield f"redis+socket://{socket_path}"
     proc.terminate()
     proc.wait(10)
+
+
+@pytest.fixture(scope="session")
+def sentinel_group(tmp_path_factory):
+    """A private Redis Sentinel group (master, replica, three sentinels) for the session. Tests
+    that fail it over leave it whole again (:meth:`servers.ServerGroup.restore`)."""
+    group = servers.SentinelGroup(str(tmp_path_factory.mktemp("redis-sentinel")))
+    yield group
+    group.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory):
+    """A private Redis Cluster (three masters, one replica each) for the session. Tests that
+    kill a node bring it back and wait for the cluster to be whole."""
+    cluster = servers.RedisClusterGroup(str(tmp_path_factory.mktemp("redis-cluster")))
+    yield cluster
+    cluster.stop()
 
 
 @pytest.fixture(scope="session")
@@ -107,6 +125,10 @@ def spec(request, tmp_path):
         url = request.getfixturevalue("redis_url")
     elif kind == "redis+socket":
         url = request.getfixturevalue("redis_socket_url")
+    elif kind == "redis+sentinel":
+        url = request.getfixturevalue("sentinel_group").url
+    elif kind == "redis+cluster":
+        url = request.getfixturevalue("redis_cluster").url
     elif kind == "amqp":
         url = request.getfixturevalue("amqp_url")
     elif kind == "postgres":

@@ -304,3 +304,286 @@ def sweep_postgres(url: str, everything: bool = False) -> int:
                              (ours,))
             swept += len(ours)
     return swept
+
+
+def free_cluster_port() -> int:
+    """A free port whose cluster bus port (+10000) is free too."""
+    while True:
+        port = free_port()
+        if port + 10000 <= 65535 and _port_free(port + 10000):
+            return port
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _info(client, section: str) -> dict:
+    import redis
+
+    try:
+        return client.info(section)
+    except redis.RedisError:
+        return {}
+
+
+class ServerGroup:
+    """Private server processes (``procs``) and a client of each (``clients``), by port."""
+
+    what = "private servers"
+
+    def __init__(self) -> None:
+        self.procs: dict = {}
+        self.clients: dict = {}
+
+    def healthy(self) -> bool:
+        raise NotImplementedError
+
+    def wait_healthy(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.healthy():
+            if time.monotonic() > deadline:
+                pytest.fail(f"{self.what} not healthy in time", pytrace=False)
+            time.sleep(0.1)
+
+    def restore(self) -> None:
+        """Restart every server of the group that is not running, and wait until the group
+        is whole: what a test that killed one leaves behind, passed or failed."""
+        for port, proc in list(self.procs.items()):
+            if proc.poll() is not None:
+                self.restart(port)
+        self.wait_healthy()
+
+    def restart(self, port: int) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        for client in self.clients.values():
+            client.close()
+
+
+class SentinelGroup(ServerGroup):
+    """A private Sentinel deployment on loopback ports: one master, one replica and three
+    sentinels (quorum 2) watching ``master_name``, quick to fail over
+    (``down-after-milliseconds`` 500). Servers keep their files in ``workdir``.
+    :meth:`fail_over` kills the master's process and brings it back as a replica."""
+
+    what = "private Redis Sentinel group"
+
+    def __init__(self, workdir: str, master_name: str = "csmaster") -> None:
+        self.workdir = workdir
+        self.master_name = master_name
+        super().__init__()
+        self.data_ports = [free_port(), free_port()]
+        master = self.data_ports[0]
+        self._start_data(master)
+        self._start_data(self.data_ports[1], "--replicaof", "127.0.0.1", str(master))
+        self.sentinel_ports = [free_port() for _ in range(3)]
+        for port in self.sentinel_ports:
+            self._start_sentinel(port, master)
+        self.wait_healthy()
+
+    def _start_data(self, port: int, *options: str) -> None:
+        self.procs[port], self.clients[port] = start_redis(port, self.workdir, *options)
+
+    def _start_sentinel(self, port: int, master: int) -> None:
+        import redis
+
+        conf = os.path.join(self.workdir, f"sentinel-{port}.conf")
+        with open(conf, "w") as f:
+            f.write(f"port {port}\nbind 127.0.0.1\ndir {self.workdir}\n"
+                    f"sentinel monitor {self.master_name} 127.0.0.1 {master} 2\n"
+                    f"sentinel down-after-milliseconds {self.master_name} 500\n"
+                    f"sentinel failover-timeout {self.master_name} 2000\n")
+        self.procs[port] = subprocess.Popen(
+            [shutil.which("redis-server") or "redis-server", conf, "--sentinel"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.clients[port] = redis.Redis(port=port, decode_responses=True)
+
+    @property
+    def url(self) -> str:
+        hosts = ",".join(f"127.0.0.1:{port}" for port in self.sentinel_ports)
+        return f"redis+sentinel://{hosts}/{self.master_name}/0"
+
+    @property
+    def broker_url(self) -> str:
+        """The same sentinels as Celery's ``sentinel://`` broker URL (kombu's form)."""
+        return ";".join(f"sentinel://127.0.0.1:{port}/0" for port in self.sentinel_ports)
+
+    def master_port(self) -> Optional[int]:
+        """The master's port as every sentinel reports it, or None while they disagree."""
+        import redis
+
+        seen = set()
+        for port in self.sentinel_ports:
+            try:
+                _, master = self.clients[port].sentinel_get_master_addr_by_name(self.master_name)
+            except (redis.RedisError, TypeError):
+                return None
+            seen.add(int(master))
+        return seen.pop() if len(seen) == 1 else None
+
+    def healthy(self) -> bool:
+        """Every sentinel agrees on the master, knows the other two and a live replica, and
+        that replica's link to the master is up (as the replica says: sentinels refresh a
+        replica's INFO only every 10 s)."""
+        import redis
+
+        master = self.master_port()
+        if master is None or self.procs[master].poll() is not None:
+            return False
+        for port in self.sentinel_ports:
+            try:
+                state = self.clients[port].sentinel_master(self.master_name)
+            except redis.RedisError:
+                return False
+            if state.get("num-other-sentinels") != 2 or state.get("num-slaves") < 1:
+                return False
+            replicas = self.clients[port].sentinel_slaves(self.master_name)
+            if not any(not r["is_sdown"] for r in replicas):
+                return False
+        replica = next(p for p in self.data_ports if p != master)
+        return _info(self.clients[replica], "replication").get("master_link_status") == "up"
+
+    def kill_master(self) -> int:
+        """SIGKILL the master's process; return its port."""
+        master = self.master_port()
+        assert master is not None
+        self.procs[master].kill()
+        self.procs[master].wait(10)
+        return master
+
+    def wait_promoted(self, old_master: int, timeout: float = 30.0) -> int:
+        """Wait until the sentinels agree on a master other than ``old_master``; its port."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            master = self.master_port()
+            if master is not None and master != old_master:
+                return master
+            time.sleep(0.05)
+        pytest.fail("the sentinels promoted no replica in time", pytrace=False)
+
+    def restart(self, port: int) -> None:
+        """Bring a killed data server back as a replica of the current master (as an operator
+        would; the sentinels would demote it anyway)."""
+        deadline = time.monotonic() + 30
+        while (master := self.master_port()) in (None, port):
+            if time.monotonic() > deadline:
+                pytest.fail("no master to restart a server under", pytrace=False)
+            time.sleep(0.05)
+        self._start_data(port, "--replicaof", "127.0.0.1", str(master))
+
+
+
+class RedisClusterGroup(ServerGroup):
+    """A private Redis Cluster on loopback ports: three masters with one replica each
+    (``cluster-node-timeout`` 1000 ms, so a dead master's replica takes over within about two
+    seconds), created with ``redis-cli --cluster create``. Servers keep their files (nodes
+    config) in ``workdir``, so a restarted node rejoins as it left."""
+
+    what = "private Redis Cluster"
+
+    def __init__(self, workdir: str, masters: int = 3) -> None:
+        self.workdir = workdir
+        super().__init__()
+        self.ports = [free_cluster_port() for _ in range(masters * 2)]
+        for port in self.ports:
+            self.start_node(port, wait=False)
+        for port in self.ports:
+            self._wait_answers(port)
+        done = subprocess.run(
+            [shutil.which("redis-cli") or "redis-cli", "--cluster", "create",
+             *[f"127.0.0.1:{port}" for port in self.ports], "--cluster-replicas", "1",
+             "--cluster-yes"], capture_output=True, text=True, timeout=60)
+        if done.returncode != 0:
+            self.stop()
+            pytest.fail(f"redis-cli --cluster create failed: {done.stdout} {done.stderr}",
+                        pytrace=False)
+        self.wait_healthy()
+
+    def start_node(self, port: int, wait: bool = True) -> None:
+        import redis
+
+        self.procs[port] = subprocess.Popen(
+            [shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind",
+             "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", self.workdir,
+             "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
+             "--cluster-node-timeout", "1000"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.clients[port] = redis.Redis(port=port, decode_responses=True)
+        if wait:
+            self._wait_answers(port)
+
+    def _wait_answers(self, port: int) -> None:
+        deadline = time.monotonic() + 10
+        while not answers(self.clients[port]):
+            if time.monotonic() > deadline:
+                pytest.fail(f"cluster node on port {port} did not start", pytrace=False)
+            time.sleep(0.02)
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{port}" for port in self.ports[:3])
+
+    def live(self) -> List[int]:
+        return [port for port in self.ports if self.procs[port].poll() is None]
+
+    def masters(self) -> List[int]:
+        return [port for port in self.live()
+                if _info(self.clients[port], "replication").get("role") == "master"]
+
+    def master_of(self, key: str) -> int:
+        """The port of the master serving ``key``'s slot, as the live nodes see it."""
+        client = self.clients[self.live()[0]]
+        slot = client.execute_command("CLUSTER", "KEYSLOT", key)
+        for start, end, master, *_ in client.execute_command("CLUSTER", "SLOTS"):
+            if start <= slot <= end:
+                return int(master[1])
+        raise AssertionError(f"slot {slot} not served")
+
+    def healthy(self) -> bool:
+        """Every node is up and sees the cluster ``ok``; three masters each with an up
+        replica."""
+        if len(self.live()) != len(self.ports):
+            return False
+        for port in self.ports:
+            if _info(self.clients[port], "cluster").get("cluster_enabled") != 1:
+                return False
+            if "cluster_state:ok" not in self._cluster_info(port):
+                return False
+            replication = _info(self.clients[port], "replication")
+            if replication.get("role") == "slave" and replication.get(
+                    "master_link_status") != "up":
+                return False
+        return len(self.masters()) == len(self.ports) // 2
+
+    def _cluster_info(self, port: int) -> str:
+        import redis
+
+        try:
+            return self.clients[port].execute_command("CLUSTER", "INFO")
+        except redis.RedisError:
+            return ""
+
+    def kill(self, port: int) -> None:
+        self.procs[port].kill()
+        self.procs[port].wait(10)
+
+    def restart(self, port: int) -> None:
+        """Start a killed node again with its nodes config: it rejoins the cluster (as a
+        replica, when its replica took over meanwhile)."""
+        self.start_node(port)
+

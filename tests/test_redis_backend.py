@@ -338,17 +338,6 @@ def test_a_replica_cut_off_from_its_master_is_unavailable_not_a_cluster(tmp_path
         proc.wait(10)
 
 
-def _free(port):
-    import socket
-
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def _run_forever_script(port):
     try:
         redis.Redis(port=port).eval("while true do end", 0)
@@ -366,18 +355,15 @@ def _busy_reply(backend):
 
 def test_a_redis_cluster_node_is_refused_with_a_clear_error(tmp_path):
     from celery_semaphore import ConfigurationError
-    from tests.servers import free_port
 
-    port = free_port()
-    while port + 10000 > 65535 or not _free(port + 10000):  # the cluster bus port
-        port = free_port()
+    port = servers.free_cluster_port()
     proc, _ = servers.start_redis(port, tmp_path, "--cluster-enabled", "yes",
                            "--cluster-config-file", str(tmp_path / "nodes.conf"))
     backend = RedisBackend(f"redis://127.0.0.1:{port}/0")
     try:
         for call in (lambda: backend.acquire("x", "h", limit=1, ttl=30, meta={}, wait=False),
                      lambda: backend.verify("x", "h")):
-            with pytest.raises(ConfigurationError, match="Redis Cluster is not supported"):
+            with pytest.raises(ConfigurationError, match=r"use a redis\+cluster:// URL"):
                 call()
     finally:
         backend.close()

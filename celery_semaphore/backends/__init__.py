@@ -38,6 +38,9 @@ class Scheme:
 
 _REDIS = Scheme("celery_semaphore.backends.redis:RedisBackend", "redis", broker=True,
                 result=True)
+#: Sentinel and Cluster: no Celery broker or result URL has these schemes (a ``sentinel://``
+#: broker becomes a ``redis+sentinel://`` URL in :meth:`Settings.backend_url`).
+_REDIS_HA = Scheme("celery_semaphore.backends.redis:RedisBackend", "redis")
 _TOKENS = Scheme("celery_semaphore.backends.rabbitmq:TokenBackend", "amqp", broker=True)
 _SLOTS = Scheme("celery_semaphore.backends.rabbitmq:SlotQueueBackend", "amqp")
 _CONSUL = Scheme("celery_semaphore.backends.consul:ConsulBackend", "consul")
@@ -46,6 +49,8 @@ _POSTGRES = Scheme("celery_semaphore.backends.postgres:PostgresBackend", "postgr
 #: Every built-in scheme.
 SCHEMES: Dict[str, Scheme] = {
     "redis": _REDIS, "rediss": _REDIS, "redis+socket": _REDIS,
+    "redis+sentinel": _REDIS_HA, "rediss+sentinel": _REDIS_HA,
+    "redis+cluster": _REDIS_HA, "rediss+cluster": _REDIS_HA,
     "amqp": _TOKENS, "amqps": _TOKENS, "pyamqp": _TOKENS,
     "amqp+slots": _SLOTS, "amqps+slots": _SLOTS,
     "consul": _CONSUL, "consuls": _CONSUL,

@@ -1,5 +1,7 @@
-"""``redis://``, ``rediss://``, ``redis+socket://``: the fair semaphore of "Redis in Action",
-done atomically.
+"""``redis://``, ``rediss://``, ``redis+socket://``, ``redis+sentinel://``,
+``rediss+sentinel://``, ``redis+cluster://``, ``rediss+cluster://``: the fair semaphore of
+"Redis in Action", done atomically, on one server, a Sentinel-managed master or a Redis Cluster
+(:mod:`.deployments`).
 
 Guarantees:
 
@@ -7,32 +9,51 @@ Guarantees:
   ``scripts/prelude.lua``) run with one EVALSHA: no client can steal a slot between two steps.
 * Time comes from the server's ``TIME``, never a client clock; leases and waiter entries are
   stored as absolute expiries (microseconds), so client clock skew changes nothing.
-* The six keys of a semaphore share the hash tag ``{name}`` (``<prefix>{name}:holders`` ...):
-  one script touches one Redis Cluster slot (the client is a plain ``redis.Redis``: Redis
-  Cluster itself is not supported yet). Every key has a TTL: none expires while the
+* The six keys of a semaphore share the hash tag ``{name}`` (``<prefix>{name}:holders`` ...),
+  and no script touches any other key: on a Redis Cluster every script runs on the one node
+  serving that slot. There is no index of names: :meth:`RedisBackend.names` scans for the
+  ``config`` keys (on a cluster, on every master). Every key has a TTL: none expires while the
   semaphore is used, and an idle semaphore leaves nothing behind after ``idle_ttl``.
 * Wake-ups: a script that makes waiters admissible publishes ``name\\nholder`` on the channel
   ``<prefix>wake:<client id>`` of each waiter's process; one daemon thread per backend instance
-  listens, resubscribing after connection loss. A wake-up is a hint: waiters also poll.
+  listens, resubscribing after connection loss (with Sentinel, to the current master). On a
+  Redis Cluster a classic ``PUBLISH`` reaches the subscribers of every node (the cluster bus
+  broadcasts it), so the listener subscribes on any one node and moves to another when that
+  node fails; sharded pub/sub would need one subscription per waiter's slot, kept on the
+  slot's current master. A wake-up is a hint: waiters also poll.
+* Failover (Sentinel and Cluster): an operation that meets a lost connection, a read-only
+  replica, ``MASTERDOWN``, ``CLUSTERDOWN`` or ``TRYAGAIN`` tries again, with backoff (50 ms
+  doubling to 1 s), for up to ``failover_timeout`` seconds (10 by default) before it raises
+  :class:`BackendUnavailable`: long enough for a promotion, so callers ride through it.
 
 Errors: a lost or refused connection, a timeout, a read-only replica, ``MASTERDOWN`` (a replica
 cut off from its master), ``OOM``, ``BUSY`` (another client's script overran) and ``NOPERM``
-raise :class:`BackendUnavailable`; a Redis Cluster node raises :class:`ConfigurationError`;
-anything else is redis-py's own exception.
+raise :class:`BackendUnavailable`, and so do a cluster that is down or cannot be reached; a
+Redis Cluster node behind a ``redis://`` URL, or a server that is not a cluster node behind a
+``redis+cluster://`` one, raises :class:`ConfigurationError`; anything else is redis-py's own
+exception.
 
-Not guaranteed: replication is asynchronous, so after a failover the new primary may not have
-seen the latest grants and a slot can be granted twice. Fencing tokens are the defence.
+Not guaranteed: replication is asynchronous, with Sentinel as in a Redis Cluster. A grant
+acknowledged by a master that dies before its replica received it is lost with it, and the
+promoted replica can grant that slot again: two holders at once. A release or a queue entry
+can be lost the same way (a slot stays taken until the lease expires; a waiter re-queues at
+its next try). ``WAIT`` would only narrow the window: a replica that acknowledged can still
+lose the race for promotion. Fencing tokens are the defence: an epoch the lost grant used is
+never reused by the new master's grants, since epochs never fall below the server's clock in
+microseconds (and the clocks of the nodes are assumed to agree within the failover time).
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import logging
 import os
+import socket
 import threading
 import time
-from typing import Any, Dict, List, NoReturn, Optional
+from typing import Any, Callable, Dict, List, NoReturn, Optional, Tuple
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import redis
@@ -52,13 +73,14 @@ from ..base import (
     SemaphoreStatus,
     WaiterInfo,
 )
+from . import deployments
 
 logger = logging.getLogger(__name__)
 
 _SCRIPTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
 #: The keys of one semaphore, in the order the scripts receive them (see scripts/prelude.lua).
 KEY_SUFFIXES = ("config", "holders", "hinfo", "queue", "wexp", "winfo")
-_SCRIPTS = ("acquire", "release", "renew", "cancel", "resize", "status", "reset")
+_SCRIPTS = ("acquire", "release", "renew", "cancel", "resize", "status", "reset", "verify")
 #: Errors that mean "Redis cannot serve us now". ReadOnlyError: a failover left us on a replica;
 #: OutOfMemoryError: maxmemory reached with a no-eviction policy; NoPermissionError: an ACL
 #: that does not allow our commands. A ``BUSY`` reply (another client's script overran) too.
@@ -68,6 +90,10 @@ _UNAVAILABLE = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.Read
 #: Replies only a Redis Cluster node gives (MOVED and ASK are AskErrors).
 _CLUSTER = (redis.exceptions.AskError, redis.exceptions.ClusterDownError,
             redis.exceptions.TryAgainError, redis.exceptions.ClusterCrossSlotError)
+#: On Sentinel and Cluster: what a failover or a node restart looks like while it lasts.
+_FAILOVER = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ReadOnlyError,
+             redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError,
+             redis.exceptions.AskError, redis.exceptions.RedisClusterException)
 
 
 def _busy(exc: redis.RedisError) -> bool:
@@ -77,15 +103,17 @@ def _busy(exc: redis.RedisError) -> bool:
 
 
 @functools.cache
-def _sources() -> Dict[str, str]:
-    """Each operation's script, with the shared prelude in front."""
+def _sources() -> Dict[str, Tuple[str, str]]:
+    """Each operation's script, with the shared prelude in front, and its SHA1."""
 
     def read(name: str) -> str:
         with open(os.path.join(_SCRIPTS_DIR, f"{name}.lua")) as f:
             return f.read()
 
     prelude = read("prelude")
-    return {name: prelude + "\n" + read(name) for name in _SCRIPTS}
+    sources = {name: prelude + "\n" + read(name) for name in _SCRIPTS}
+    return {name: (source, hashlib.sha1(source.encode()).hexdigest())
+            for name, source in sources.items()}
 
 
 def _redis_url(url: str) -> str:
@@ -98,14 +126,20 @@ def _redis_url(url: str) -> str:
 
 
 class RedisBackend(Backend):
-    """Semaphores in Redis (>= 6.2). Thread-safe; connects lazily, one pool per instance.
+    """Semaphores in Redis (>= 6.2; Redis Cluster >= 7), on one server, a Sentinel-managed
+    master or a Redis Cluster (the URL scheme says which: :mod:`.deployments`). Thread-safe;
+    connects lazily, one pool per instance (per node on a cluster).
 
     ``socket_timeout``, ``socket_connect_timeout`` and ``health_check_interval`` (seconds) and
-    any other keyword (``ssl_ca_certs``, ``max_connections``, ``retry`` ...) go to
-    :meth:`redis.Redis.from_url`. By default a command is retried once on a connection error,
-    which covers a pooled connection that went stale. Repeating a script whose reply was lost
-    leaves the same state: a holder re-acquiring gets its grant back (a repeated release
-    returns False, though).
+    any other keyword (``ssl_ca_certs``, ``max_connections``, ``retry`` ...) go to redis-py's
+    client (:meth:`redis.Redis.from_url`, :meth:`redis.sentinel.Sentinel.master_for`,
+    :class:`redis.cluster.RedisCluster`). By default a command is retried once on a connection
+    error, which covers a pooled connection that went stale. ``failover_timeout`` (Sentinel and
+    Cluster only; 0 turns it off): how long an operation keeps trying through a failover
+    before it raises :class:`BackendUnavailable`. ``sentinel_kwargs``: redis-py's keywords for
+    the connections to the sentinels (by default the socket and TLS options, and the URL's
+    ``sentinel_password``). Repeating a script whose reply was lost leaves the same state: a
+    holder re-acquiring gets its grant back (a repeated release returns False, though).
     """
 
     def __init__(
@@ -118,29 +152,30 @@ class RedisBackend(Backend):
         socket_timeout: float = 5.0,
         socket_connect_timeout: float = 5.0,
         health_check_interval: float = 30.0,
+        failover_timeout: float = 10.0,
+        sentinel_kwargs: Optional[Dict[str, Any]] = None,
         **redis_options: Any,
     ) -> None:
         super().__init__(url, key_prefix=key_prefix, waiter_ttl=waiter_ttl, idle_ttl=idle_ttl)
         redis_options.setdefault("retry", Retry(NoBackoff(), 1, (redis.ConnectionError,)))
         parts = check_url(url)
+        kind = deployments.kind_of(url)
         database = parts.path.strip("/")
-        if parts.scheme != "redis+socket" and database and not database.isdecimal():
+        if kind == deployments.SERVER and parts.scheme != "redis+socket" and database \
+                and not database.isdecimal():
             raise ConfigurationError(f"redis URL {mask_url(url)!r}: the path must be a database "
                                      f"number, not {database!r}")
         if parts.scheme != "redis+socket":  # a Unix socket has no TCP keepalive
             redis_options.setdefault("socket_keepalive", True)
-        self.client = redis.Redis.from_url(
-            _redis_url(url),
-            socket_timeout=socket_timeout,
-            socket_connect_timeout=socket_connect_timeout,
-            health_check_interval=health_check_interval,
-            decode_responses=True,
-            **redis_options,
+        self.kind = kind
+        self.failover_timeout = 0.0 if kind == deployments.SERVER else float(failover_timeout)
+        self._connector = deployments.Connector(
+            url, _redis_url(url),
+            dict(socket_timeout=socket_timeout, socket_connect_timeout=socket_connect_timeout,
+                 health_check_interval=health_check_interval, decode_responses=True,
+                 **redis_options),
+            sentinel_kwargs=sentinel_kwargs,
         )
-        # register_script only computes the SHA; redis-py loads the script on first use.
-        self._scripts = {
-            name: self.client.register_script(source) for name, source in _sources().items()
-        }
         self._idle_ms = max(1, int(self.idle_ttl * 1000))
         self._channel_prefix = f"{self.key_prefix}wake:"
         self._listen_lock = threading.Lock()
@@ -150,6 +185,12 @@ class RedisBackend(Backend):
 
     # -- plumbing ----------------------------------------------------------------------------
 
+    @property
+    def client(self) -> Any:
+        """redis-py's client: :class:`redis.Redis` (with Sentinel, bound to the current
+        master) or :class:`redis.cluster.RedisCluster` (made on first use)."""
+        return self._connector.client
+
     def key_names(self, name: str) -> Dict[str, str]:
         """The Redis key of each structure of semaphore ``name`` (for operators and tests)."""
         return dict(zip(KEY_SUFFIXES, self._keys(name)))
@@ -157,25 +198,65 @@ class RedisBackend(Backend):
     def _keys(self, name: str) -> List[str]:
         return [f"{self.key_prefix}{{{name}}}:{suffix}" for suffix in KEY_SUFFIXES]
 
-    def _unavailable(self, exc: redis.RedisError) -> NoReturn:
+    def _unavailable(self, exc: Exception) -> NoReturn:
         """Raise BackendUnavailable when ``exc`` means Redis cannot serve us now,
-        ConfigurationError when the server is a Redis Cluster node; re-raise anything else."""
+        ConfigurationError when the URL names the wrong kind of server; re-raise anything
+        else."""
         url = mask_url(self.url)
-        if isinstance(exc, _CLUSTER) and not isinstance(exc, _UNAVAILABLE):
+        if self.kind == deployments.CLUSTER:
+            if "cluster mode is not enabled" in str(exc).lower():
+                raise ConfigurationError(
+                    f"semaphore backend {url}: the server is not a Redis Cluster node ({exc}); "
+                    "use a redis:// URL for a standalone server") from exc
+            if isinstance(exc, _FAILOVER) and not isinstance(
+                    exc, redis.exceptions.ClusterCrossSlotError):
+                raise BackendUnavailable(f"semaphore backend {url} unavailable: {exc}") from exc
+        elif isinstance(exc, _CLUSTER) and not isinstance(exc, _UNAVAILABLE):
             raise ConfigurationError(
-                f"semaphore backend {url} is a Redis Cluster node ({exc}); Redis Cluster is "
-                "not supported, use a standalone Redis server"
+                f"semaphore backend {url} is a Redis Cluster node ({exc}); use a "
+                "redis+cluster:// URL for a Redis Cluster") from exc
+        if self.kind == deployments.SENTINEL and isinstance(exc, redis.ResponseError) \
+                and "unknown command" in str(exc).lower() and "sentinel" in str(exc).lower():
+            raise ConfigurationError(
+                f"semaphore backend {url}: a host of this URL is not a Redis Sentinel ({exc})"
             ) from exc
         if not (isinstance(exc, _UNAVAILABLE) or _busy(exc)):
             raise exc
         raise BackendUnavailable(f"semaphore backend {url} unavailable: {exc}") from exc
 
+    def _riding(self, operation: Callable[[], Any]) -> Any:
+        """Run ``operation``; with Sentinel or Cluster, again with backoff for up to
+        ``failover_timeout`` while it fails as a failover does. Errors go through
+        :meth:`_unavailable`."""
+        deadline = time.monotonic() + self.failover_timeout
+        pause = 0.05
+        while True:
+            try:
+                return operation()
+            except (redis.RedisError, redis.exceptions.RedisClusterException) as exc:
+                if not (self.failover_timeout and isinstance(exc, _FAILOVER)
+                        and not isinstance(exc, redis.exceptions.ClusterCrossSlotError)
+                        and "cluster mode is not enabled" not in str(exc).lower()
+                        and time.monotonic() + pause < deadline and not self._closed.is_set()):
+                    self._unavailable(exc)
+                logger.debug("celery-semaphore: %s: %s; trying again in %.2fs",
+                             mask_url(self.url), exc, pause)
+                time.sleep(pause)
+                pause = min(pause * 2, 1.0)
+
+    def _script(self, script: str, keys: List[str], argv: List[Any]) -> Any:
+        """EVALSHA, or EVAL when the server does not have the script (yet: a new connection,
+        a restarted node, a promoted replica), which also caches it there."""
+        source, sha = _sources()[script]
+        client = self.client
+        try:
+            return client.evalsha(sha, len(keys), *keys, *argv)
+        except redis.exceptions.NoScriptError:
+            return client.eval(source, len(keys), *keys, *argv)
+
     def _call(self, script: str, name: str, *args: Any) -> Any:
         argv = [self._idle_ms, self._channel_prefix, name, *args]
-        try:
-            return self._scripts[script](keys=self._keys(name), args=argv)
-        except redis.RedisError as exc:
-            self._unavailable(exc)
+        return self._riding(lambda: self._script(script, self._keys(name), argv))
 
     # -- operations --------------------------------------------------------------------------
 
@@ -208,15 +289,8 @@ class RedisBackend(Backend):
         return None if expires < 0 else expires / 1e6
 
     def verify(self, name: str, holder: str) -> bool:
-        # Read-only, so no script: the lease's expiry against the server's clock, one round trip.
-        try:
-            pipe = self.client.pipeline(transaction=False)
-            pipe.time()
-            pipe.zscore(self._keys(name)[1], holder)
-            (seconds, micros), expires = pipe.execute()
-        except redis.RedisError as exc:
-            self._unavailable(exc)
-        return expires is not None and expires > seconds * 1_000_000 + micros
+        # A script, though read-only: on a cluster, the clock of the node holding the lease.
+        return self._call("verify", name, holder) == 1
 
     def cancel(self, name: str, holder: str) -> None:
         self._call("cancel", name, holder)
@@ -249,32 +323,48 @@ class RedisBackend(Backend):
         )
 
     def names(self) -> List[str]:
-        # SCAN walks the whole database, but only operators call this. Names cannot hold glob
-        # characters or braces, so only the prefix needs escaping and "}:config" ends a name.
+        # SCAN walks the whole database (on a cluster, every master's), but only operators
+        # call this. Names cannot hold glob characters or braces, so only the prefix needs
+        # escaping and "}:config" ends a name.
         escaped = "".join("\\" + c if c in "*?[]\\" else c for c in self.key_prefix)
         start, end = len(self.key_prefix) + 1, -len("}:config")
-        try:
+
+        def scan() -> List[str]:
             keys = self.client.scan_iter(match=f"{escaped}{{*}}:config", count=1000)
             return sorted({key[start:end] for key in keys})
-        except redis.RedisError as exc:
-            self._unavailable(exc)
+
+        return self._riding(scan)
 
     def reset(self, name: str) -> bool:
         return self._call("reset", name) == 1
 
     def ping(self) -> None:
+        """One try, no riding through a failover: says whether Redis answers now."""
         try:
             self.client.ping()
-        except redis.RedisError as exc:
+        except (redis.RedisError, redis.exceptions.RedisClusterException) as exc:
             self._unavailable(exc)
 
     def close(self) -> None:
         self._closed.set()
         listener = self._listener
         if listener is not None and listener is not threading.current_thread():
+            self._interrupt_listener()
             listener.join(3)
         self._drop_pubsub()
-        self.client.close()
+        self._connector.close()
+
+    def _interrupt_listener(self) -> None:
+        """Shut down (not close: the listener owns it) the socket the listener reads, so that
+        it ends now rather than when its read times out (1 s): closing a process's backends
+        no longer takes a second each. redis-py has no public handle on the socket; without
+        one the listener simply ends at its timeout."""
+        sock = getattr(getattr(self._pubsub, "connection", None), "_sock", None)
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     # -- wake-ups ----------------------------------------------------------------------------
 
@@ -299,7 +389,7 @@ class RedisBackend(Backend):
 
     def _subscribe(self) -> Any:
         """A pubsub on this process's channel, returned once Redis confirmed the subscription."""
-        pubsub = self.client.pubsub()
+        pubsub = self._connector.pubsub()
         try:
             pubsub.subscribe(self._channel_prefix + self.client_id)
             deadline = time.monotonic() + 5
@@ -348,6 +438,7 @@ class RedisBackend(Backend):
         """The parent's thread and pubsub connection are not this process's (redis-py's pool
         resets its own connections)."""
         super()._forked()
+        self._connector.forked()
         self._listen_lock = threading.Lock()
         self._listener = None
         self._pubsub = None  # the parent's connection: redis-py never shuts it down from here
