@@ -36,23 +36,23 @@ def body(key, hold):
     probe.mark("end", key)
 
 
-@app.task(semaphore="bench", limit=LIMIT)
+@app.task(semaphore="bench", limit=LIMIT, shared=False)
 def gated(key, hold):
     body(key, hold)
 
 
-@app.task(semaphore="tenant:{tenant}", limit=2)
+@app.task(semaphore="tenant:{tenant}", limit=2, shared=False)
 def tenant(tenant, key, hold):
     body(key, hold)
 
 
-@app.task(acks_late=True)
+@app.task(acks_late=True, shared=False)
 def plain(key, hold):
     """The dedicated-queue baseline: a worker with concurrency = limit, prefetch 1, acks late."""
     body(key, hold)
 
 
-@app.task(bind=True, max_retries=None)
+@app.task(bind=True, max_retries=None, shared=False)
 def diy(self, key, hold):
     """What users write today: a Redis semaphore taken in the body, retry in 1 s when full."""
     sem = celery_semaphore.Semaphore("diy", LIMIT, os.environ["BENCH_SEMAPHORE_BACKEND"],
