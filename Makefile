@@ -16,9 +16,14 @@ $(STAMP): setup.cfg pyproject.toml
 servers:
 	bash scripts/ensure-servers.sh
 
+# Most tests wait on servers and worker processes, not on the CPU: they run in PYTEST_JOBS
+# processes; the few that stop or disconnect the shared broker (marked serial) run after them.
+PYTEST_JOBS ?= 3
+
 test: $(STAMP) servers
 	$(BIN)/ruff check celery_semaphore tests benchmarks example_project
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(PYTEST_JOBS) -m "not serial"
+	$(BIN)/python -m pytest -m serial
 
 demo: $(STAMP)
 	$(BIN)/python -m example_project.demo

@@ -8,8 +8,24 @@ from tests import servers
 BACKENDS = ["memory", "sqlite", "redis", "redis+socket", "redis+sentinel", "redis+cluster", "amqp",
             "amqp+slots", "consul", "postgres"]
 #: Sweep every test name at the session's start and end, or (``CS_SWEEP=own``, for test runs
-#: made side by side against the same servers) only the names this run created.
-SWEEP_ALL = os.environ.get("CS_SWEEP", "all") != "own"
+#: made side by side against the same servers) only the names this run created. The
+#: processes of a parallel run (pytest-xdist) sweep their own names; the run's controller
+#: sweeps what earlier runs left before they start (:func:`pytest_sessionstart`).
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+SWEEP_ALL = os.environ.get("CS_SWEEP", "all") != "own" and XDIST_WORKER is None
+
+
+def pytest_sessionstart(session):
+    """The controller of a parallel run sweeps every test name once, before any test process
+    starts (what an interrupted run left: durable queues pile up and slow a broker's boot)."""
+    parallel = getattr(session.config.option, "numprocesses", None)
+    if not parallel or XDIST_WORKER is not None or os.environ.get("CS_SWEEP") == "own":
+        return
+    url = servers.redis_url()
+    for database in (url, servers.redis_broker(url)):
+        servers.sweep_redis(database, everything=True)
+    servers.sweep_amqp(servers.amqp_url(), everything=True)
+    servers.sweep_postgres(servers.postgres_url(), everything=True)
 
 
 @pytest.fixture(scope="session")

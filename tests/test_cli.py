@@ -18,7 +18,7 @@ from tests import servers
 from tests.test_settings import MALFORMED_URLS
 from tests.test_worker import Cluster
 from tests.util import wait_until
-from tests.workers import ROOT, run_cli
+from tests.workers import NAME_SUFFIX, ROOT, run_cli
 
 
 def make_cli(url, **env_extra):
@@ -336,15 +336,16 @@ def test_live_resize_under_load(broker, redis_url, amqp_url, tmp_path):
         listing = cli("workers", "--json", "--timeout", "1")
         assert listing.returncode == 0, listing.stderr
         replies = json.loads(listing.stdout)
-        assert sorted(name.split("@")[0] for name in replies) == ["w0", "w1"]
+        assert sorted(name.split("@")[0] for name in replies) == [f"w0{NAME_SUFFIX}",
+                                                                   f"w1{NAME_SUFFIX}"]
         held = [h for w in replies.values() for h in w["held"]]
         waiting = [r for w in replies.values() for r in w["waiting"]]
         assert len(held) <= 2 and waiting, replies
         assert {r["semaphore"] for r in held + waiting} == {"images"}
         human = cli("workers", "--timeout", "1").stdout
         assert "position -" not in human
-        assert re.search(r"w0@\S+: \d+ held, \d+ waiting \(\d+ in the backend's queue, "
-                         r"\d+ in the worker's own line\)", human), human
+        assert re.search(rf"w0{NAME_SUFFIX}@\S+: \d+ held, \d+ waiting \(\d+ in the "
+                         r"backend's queue, \d+ in the worker's own line\)", human), human
 
         grow_start = now()
         assert cli("resize", "images", "4").returncode == 0

@@ -154,6 +154,7 @@ def test_a_redis_broker_outage_loses_no_worker_and_no_task(redis_url, tmp_path):
         broker.kill()
 
 
+@pytest.mark.serial
 def test_a_rabbitmq_reconnect_is_logged_once_and_loses_nothing(redis_url, amqp_url, tmp_path):
     """The broker closes the worker's connections while requests wait in its gate: RabbitMQ
     requeues them itself. The gate says so once, instead of a CRITICAL "Couldn't reject"

@@ -117,6 +117,7 @@ def restart_broker(amqp_url):
     assert servers.wait_for(amqp_url, 5672, 60)
 
 
+@pytest.mark.serial
 def test_broker_restart_while_tokens_are_held(rabbit, amqp_url, tokens):
     url, options = rabbit
     sem = Semaphore("restart", 3, url, ttl=5, **options)

@@ -493,7 +493,10 @@ def test_a_backlog_past_the_worker_bound_is_parked_in_the_broker_and_drained(
         # only this cluster's workers: the module's shared cluster may answer too
         ours = [info for name, info in replies.items() if name.startswith("park")]
         assert len(ours) == 2
-        assert sum(info["parked"].get("images", 0) for info in ours) == 80 - 2 * 3
+        # each parked at least once; one a worker parked, another may have pulled back
+        parked = sum(info["parked"].get("images", 0) for info in ours)
+        pulled = sum(info["pulled"].get("images", 0) for info in ours)
+        assert parked - pulled <= 80 - 2 * 3 <= parked <= 80
         shown = run_cli(cluster.env, "workers")
         assert re.search(r"since it started: \d+ parked, \d+ pulled back", shown.stdout)
         assert re.search(r"^images\s+\d+$", shown.stdout, re.M), shown.stdout + shown.stderr

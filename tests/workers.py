@@ -12,6 +12,10 @@ from typing import Dict, List, Optional
 from tests import servers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: Worker node names are unique per broker (a RabbitMQ worker's pidbox queue is exclusive):
+#: the processes of a parallel test run (pytest-xdist's gw0, gw1, ...) add their own suffix.
+NAME_SUFFIX = f"-{os.environ['PYTEST_XDIST_WORKER']}" if os.environ.get("PYTEST_XDIST_WORKER") \
+    else ""
 
 
 def children(pid: int) -> List[int]:
@@ -36,7 +40,7 @@ class Worker:
         self.name = name
         self.log = os.path.join(env["CS_DIR"], f"{name}.log")
         args = [sys.executable, "-m", "celery", "-A", app, "worker",
-                "-c", str(concurrency), "-P", pool, "-n", f"{name}@%h", "-E",
+                "-c", str(concurrency), "-P", pool, "-n", f"{name}{NAME_SUFFIX}@%h", "-E",
                 "-l", env.get("CS_LOGLEVEL", "info"), "-Q", env["CS_QUEUE"], "--without-gossip",
                 "--without-mingle"]
         self.proc = subprocess.Popen(args + (extra or []), cwd=ROOT, env=env,

@@ -159,10 +159,13 @@ class ParkingLot:
 
     def doorbell(self, name: str) -> None:
         """A sender parked tasks of ``name`` (its doorbell reached this worker): pull them,
-        look again :data:`RECHECK_AFTER` later, and tell the other workers."""
+        look again :data:`RECHECK_AFTER` later, and tell the other workers, every time (a
+        sender rings at most every :data:`DOORBELL_EVERY`; this worker may have no room for
+        them, and another that has may have found the queue empty since it last heard)."""
         self.learn(name)
         self.gate.io.call(self.gate.loop.post, self.learn, name, delay=RECHECK_AFTER)
-        self._announce_soon(name)
+        self._announced[name] = time.monotonic()
+        self.gate.io.call(self._announce, name)
 
     def parked(self, waiter: Waiter, name: str, published: bool) -> None:
         self.parking[name] -= 1
