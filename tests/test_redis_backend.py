@@ -65,6 +65,7 @@ def test_unreachable_server_names_the_url_without_password():
         Semaphore("x", 1, backend).try_acquire()
 
 
+@pytest.mark.serial  # kills every pub/sub connection of the shared server
 def test_wake_ups_survive_a_killed_pubsub_connection(redis_url, prefix):
     # Polls are 20 s apart here, so a prompt admission can only come from a wake-up.
     sem = Semaphore("wake", 1, redis_url, key_prefix=prefix, poll_interval=30, waiter_ttl=60)

@@ -405,6 +405,7 @@ def test_worker_shutdown_releases_and_loses_nothing(how, redis_url, tmp_path):
         cluster.stop()
 
 
+@pytest.mark.serial  # cuts every connection to the shared broker database
 def test_a_job_the_pool_drops_on_a_broker_reconnect_does_not_keep_its_slot(redis_url, tmp_path):
     """On a broker reconnect the consumer drops the jobs no pool child has acknowledged, and
     their pool callbacks never run (before: the lease was renewed, so the slot held, until the

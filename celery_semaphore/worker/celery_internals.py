@@ -126,6 +126,21 @@ def detach_unacked(message: Any) -> bool:
     return delivered.pop(message.delivery_tag, None) is not None
 
 
+def detach_all_unacked(connection: Any) -> List[str]:
+    """Forget every unacked message of ``connection``'s default channel without touching the
+    broker, if it is kombu's Redis transport (see :func:`detach_unacked`); their delivery
+    tags, for :func:`restore_unacked`. kombu 5.x keeps the channel in
+    ``Connection._default_channel`` (None when it was never opened)."""
+    channel = getattr(connection, "_default_channel", None)
+    qos = getattr(channel, "qos", None)
+    delivered = getattr(qos, "_delivered", None)
+    if delivered is None or not hasattr(qos, "restore_by_tag"):
+        return []
+    tags = list(delivered)
+    delivered.clear()
+    return tags
+
+
 def restore_unacked(app: Any, tags: List[str]) -> None:
     """Move the messages with delivery ``tags`` from a Redis broker's unacked hash back to the
     head of their queues, through a connection of its own (kombu 5.x ``QoS.restore_by_tag``,

@@ -135,19 +135,21 @@ class Gate:
 
         Closing the lost connection makes kombu's Redis transport restore every unacked
         message through a transport it has already detached (kombu 5.7 raises AttributeError
-        there, and the worker exits). Waiting requests are such messages, on the consumer's
-        channel or (pulled from the waiting room) on the parking channel: take them out of
-        their channel's unacked set first (they stay in the broker's unacked hash) and put
-        them back in their queue, with the transport's own restore, once the broker answers."""
+        there, and the worker exits). Waiting requests are such messages: take them out of
+        the channel's unacked set first (they stay in the broker's unacked hash) and put them
+        back in their queue, with the transport's own restore, once the broker answers.
+        Messages pulled from the waiting room and not settled yet (waiting, or dropped by the
+        pool's flush with no callback) go back to their parking queues the same way
+        (:meth:`.ParkingLot.reset`)."""
         with self.lock:
             detached = [w for w in self.admission.waiters.values()
-                        if celery_internals.detach_unacked(w.request.message)]
+                        if not w.pulled and celery_internals.detach_unacked(w.request.message)]
             for waiter in detached:
                 waiter.detached = True
         if detached:
             self.io.call(self._restore_detached,
-                         [w.request.message.delivery_tag for w in detached],
-                         {w.guard.name for w in detached if w.pulled})
+                         [w.request.message.delivery_tag for w in detached], set())
+        self.io.call(self.parking.reset)
         return self._on_connection_lost(exc)
 
     def _restore_detached(self, tags: List[str], parked: Set[str],

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import threading
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
@@ -101,6 +102,9 @@ class ParkingLot:
         # I/O thread
         self._connection: Any = None
         self._declared: Set[str] = set()
+        # name -> pulled messages not acked or rejected yet (loop and I/O threads)
+        self._unsettled: Counter = Counter()
+        self._unsettled_lock = threading.Lock()
 
     # -- decisions (loop thread) -------------------------------------------------------------
 
@@ -253,8 +257,11 @@ class ParkingLot:
         if strategy is None:  # not a task this worker knows: leave it for one that does
             self.gate.io.call(message.reject_log_error, logger, (), True)
             return
-        strategy(message, None, promise(self.gate.io.call, (message.ack_log_error,)),
-                 promise(self.gate.io.call, (message.reject_log_error,)),
+        name = message.headers.get(PARKED_HEADER)
+        with self._unsettled_lock:
+            self._unsettled[name] += 1
+        strategy(message, None, promise(self.gate.io.call, (self._settle, message, name, True)),
+                 promise(self.gate.io.call, (self._settle, message, name, False)),
                  consumer.on_task_message)
 
     # -- broker calls (I/O thread) -----------------------------------------------------------
@@ -314,13 +321,51 @@ class ParkingLot:
             self._lost(exc, f"pulling parked requests of {name!r}")
         self.gate.loop.post(self._pulled, name, want, messages, empty)
 
-    @staticmethod
-    def _reject(message: Any) -> None:
+    def _settle(self, message: Any, name: str, ack: bool, log: Any, errors: Any,
+                requeue: bool = False) -> None:
+        """Ack or reject a pulled message as Celery asked (I/O thread)."""
+        if ack:
+            message.ack_log_error(log, errors)
+        else:
+            message.reject_log_error(log, errors, requeue)
+        self._forget(name)
+
+    def _forget(self, name: str) -> None:
+        with self._unsettled_lock:
+            self._unsettled[name] -= 1
+            if self._unsettled[name] <= 0:
+                del self._unsettled[name]
+
+    def _reject(self, message: Any) -> None:
         try:
             message.reject(requeue=True)
         except Exception as exc:  # a closed channel's messages go back all the same
             logger.debug("celery-semaphore: giving back pulled %s failed: %s",
                          message.delivery_tag, exc)
+        self._forget(message.headers.get(PARKED_HEADER))
+
+    def reset(self) -> None:
+        """The consumer lost its broker connection (I/O thread): every message pulled from
+        the waiting room and not settled yet goes back to its parking queue, and those
+        semaphores are pulled again. On a Redis broker the messages are taken out of the
+        parking channel's unacked set and restored once the broker answers (as the gate does
+        for its own channel); AMQP requeues a closed channel's unacked messages itself."""
+        connection, self._connection = self._connection, None
+        with self._unsettled_lock:
+            names = set(self._unsettled)
+            self._unsettled.clear()
+        if connection is None:
+            return
+        tags = celery_internals.detach_all_unacked(connection)
+        try:
+            connection.close()
+        except Exception:
+            pass
+        if tags:
+            self.gate._restore_detached(tags, names)
+        else:
+            for name in names:
+                self.gate.loop.post(self.learn, name)
 
     def _announce(self, name: str) -> None:
         try:
