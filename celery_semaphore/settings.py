@@ -17,6 +17,8 @@ from .exceptions import ConfigurationError, InvalidLimit, InvalidName
 from .names import validate_limit, validate_template, validate_ttl
 
 LOST_LEASE_POLICIES = ("log", "terminate")
+#: ``semaphore_on_full``: what a request does when its semaphore has no free slot for it.
+ON_FULL_POLICIES = ("wait", "skip", "fail")
 
 
 def _seconds(key: str, value: Any, *, allow_none: bool = False, allow_zero: bool = False):
@@ -48,6 +50,7 @@ class Settings:
     worker_max_waiting: int = 100
     worker_max_hold: float = 300.0
     park_on_send: bool = True
+    on_full: str = "wait"
 
     @classmethod
     def from_app(cls, app: Any) -> "Settings":
@@ -219,6 +222,12 @@ def validate(key: str, field_name: str, value: Any) -> Any:
         if value not in LOST_LEASE_POLICIES:
             raise ConfigurationError(
                 f"{key} must be one of {', '.join(LOST_LEASE_POLICIES)}, not {value!r}"
+            )
+        return value
+    if field_name == "on_full":
+        if value not in ON_FULL_POLICIES:
+            raise ConfigurationError(
+                f"{key} must be one of {', '.join(map(repr, ON_FULL_POLICIES))}, not {value!r}"
             )
         return value
     if field_name == "max_wait":

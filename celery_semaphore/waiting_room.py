@@ -115,7 +115,9 @@ class ParkOnSend:
     semaphore (task option or ``semaphore`` header), has neither ETA nor countdown, its
     semaphore name can be filled from the call's arguments, ``semaphore_park_on_send`` is on
     for it and ``semaphore_max_wait`` is not set (a worker that holds or parked a task fails
-    it when its wait runs out; nobody watches a task parked on send until it is pulled).
+    it when its wait runs out; nobody watches a task parked on send until it is pulled) and
+    ``semaphore_on_full`` is ``"wait"`` (a skip or fail is decided by the worker, once a pool
+    process is free for the task).
     Anything else is sent as Celery sends it; the worker's gate handles it then (including a
     template it cannot fill, which fails that task alone).
     """
@@ -180,6 +182,8 @@ class ParkOnSend:
         if guard is None or not guard.settings.park_on_send:
             return None
         if guard.settings.max_wait is not None:  # a worker tracks it and fails it on time
+            return None
+        if guard.settings.on_full != "wait":  # judged full or not by the worker that gets it
             return None
         route_options = {key: options[key] for key in _ROUTING if key in options}
         if "queue" not in route_options and getattr(task, "queue", None):

@@ -149,7 +149,7 @@ class Admission:
         try:
             attempt = self.backend.acquire(
                 guard.name, holder, limit=guard.limit, ttl=guard.settings.lease_ttl,
-                meta=self.meta(waiter.request), wait=True,
+                meta=self.meta(waiter.request), wait=waiter.waits,
             )
         except Exception as exc:
             answer = Answer(holder, None, exc, requested_at)
@@ -174,6 +174,10 @@ class Admission:
         attempt = answer.attempt
         if attempt.grant is not None:
             self._granted(waiter, answer)
+            return
+        if not waiter.waits:  # semaphore_on_full skip or fail: it never queued
+            self.drop(waiter)
+            self.gate.full(waiter.request, waiter.guard, attempt.limit)
             return
         waiter.attempts += 1
         if attempt.position != waiter.position:
