@@ -85,9 +85,9 @@ def acquire_for_eager(task: Any) -> None:
                           key_prefix=settings.key_prefix)
     meta = {"task_id": request.id, "task": task.name}
     if settings.on_full == "wait":
-        lease = semaphore.acquire(timeout=settings.max_wait, meta=meta)
+        lease = semaphore.acquire(timeout=settings.max_wait, meta=meta, fair_key=guard.fair)
     else:
-        lease = semaphore.try_acquire(meta=meta)
+        lease = semaphore.try_acquire(meta=meta, fair_key=guard.fair)
         if lease is None:
             _full(task, request, guard.name, semaphore.status().limit, settings.on_full)
     setattr(request, _LEASE_ATTR, lease)

@@ -123,6 +123,11 @@ def create_app(env):
         body(f"strict:{key}", hold)
         return key
 
+    @task(semaphore="shared", limit=1, semaphore_fair_by="{tenant}")
+    def fair_tenant(tenant, key, hold=0.05):
+        body(f"fair:{tenant}:{key}", hold)
+        return key
+
     app.probe = probe
     return app
 

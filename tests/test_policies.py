@@ -1,5 +1,5 @@
 """Per-task policies on real prefork workers: what a request does when its semaphore is full
-(``semaphore_on_full``).
+(``semaphore_on_full``), fair shares between tenants (``semaphore_fair_by``).
 
 Concurrency and runs are read from the probe file the task bodies write, never from the
 library.
@@ -76,3 +76,21 @@ def test_fail_raises_semaphore_full(cluster):
     finally:
         lease.release()
     assert strict.delay("f1").get(timeout=20) == "f1"
+
+
+def test_fair_shares_serve_tenants_in_turn_behind_a_backlog(cluster):
+    """A backlog of one tenant parked on send, then two small tenants: with
+    ``semaphore_fair_by`` the small ones are served in turn with the big one (FIFO would run
+    them after all of it); never more than the limit at once."""
+    fair = cluster.task("fair_tenant")
+    results = [fair.delay("big", f"b{i}") for i in range(30)]
+    results += [fair.delay(tenant, f"{tenant}{i}") for i in range(5) for tenant in "xy"]
+    for result in results:
+        result.get(timeout=60)
+    starts = sorted((runs[0][0], key) for key, runs in cluster.probe.intervals().items()
+                    if key.startswith("fair:"))
+    assert len(starts) == 40
+    assert cluster.probe.max_concurrent("fair:") == 1
+    last_small = max(i for i, (_, key) in enumerate(starts) if not key.startswith("fair:big"))
+    big_after = sum(1 for _, key in starts[last_small:] if key.startswith("fair:big"))
+    assert big_after >= 8, [key for _, key in starts]

@@ -39,6 +39,7 @@ def make_app(**conf):
     ("semaphore_backend", "nosuch://x"), ("semaphore_key_prefix", ""),
     ("semaphore_worker_max_waiting", -1), ("semaphore_worker_max_hold", 0),
     ("semaphore_on_full", "drop"), ("semaphore_on_full", 3),
+    ("semaphore_fair_by", "tenant"), ("semaphore_fair_by", "{0}"), ("semaphore_fair_by", 7),
 ])
 def test_each_bad_setting_is_named(key, value):
     with pytest.raises(ConfigurationError) as err:
@@ -115,6 +116,23 @@ def test_templates_fill_from_arguments_and_defaults():
     assert guards.resolve(FakeRequest(call, (1,), headers={"semaphore": "other"})).name \
         == "other"
     assert guards.resolve(FakeRequest(call, (7,), headers={"semaphore": "api:7"})).limit == 9
+
+
+def test_the_fair_key_fills_from_the_call_and_a_missing_argument_is_named():
+    app = make_app(semaphore_backend="memory://fair")
+    install(app)
+
+    @app.task(semaphore="api", limit=2, semaphore_fair_by="{customer.id}", shared=False)
+    def call(customer, payload=None):
+        pass
+
+    class Customer:
+        id = "c-42"
+
+    guards = Guards(Settings.from_app(app))
+    assert guards.resolve_call(call, (Customer(),), {}, {}).fair == "c-42"
+    with pytest.raises(ConfigurationError, match="semaphore_fair_by '{customer.id}' needs"):
+        guards.resolve_call(call, (), {"payload": 1}, {})
 
 
 def test_unguarded_task_has_no_guard():

@@ -29,7 +29,7 @@ from ..scheduler import Scheduler
 from ..settings import Settings
 from ..signals import task_skipped
 from ..states import SKIPPED_EVENT, SKIPPED_REASON
-from ..waiting_room import PARKED_HEADER
+from ..waiting_room import PARKED_HEADER, lane_of
 from . import celery_internals
 from .admission import Admission
 from .parking import ParkingLot
@@ -149,7 +149,7 @@ class Gate:
         if detached:
             self.io.call(self._restore_detached,
                          [w.request.message.delivery_tag for w in detached],
-                         {w.guard.name for w in detached if w.pulled})
+                         {lane_of(w.guard.name, w.guard.fair) for w in detached if w.pulled})
         return self._on_connection_lost(exc)
 
     def _restore_detached(self, tags: List[str], parked: Set[str],
