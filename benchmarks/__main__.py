@@ -32,8 +32,9 @@ def table(rows, columns) -> str:
 
 
 def markdown(data) -> str:
-    uniform = [r for r in data["workload"] if r["workload"] != "W3"]
+    uniform = [r for r in data["workload"] if r["workload"] not in ("W3", "W5")]
     hot = [r for r in data["workload"] if r["workload"] == "W3"]
+    fair = [r for r in data["workload"] if r["workload"] == "W5"]
     return "\n\n".join([
         f"Measured {data['date']} on {data['machine']}; Redis, RabbitMQ and PostgreSQL on "
         "loopback.",
@@ -55,6 +56,11 @@ def markdown(data) -> str:
         "and sent behind the hot tenant's 400:",
         table(hot, ["setup", "tasks", "limit", "small_makespan_s", "vs_alone",
                     "deliveries_per_task", "max_concurrent"]),
+        "W5, fair shares (`semaphore_fair_by=\"{tenant}\"`, limit 4): the 60 small-tenant "
+        "tasks' makespan alone and behind tenant big's 200, with fair shares and in FIFO; "
+        "`speed_vs_alone` = makespan alone / makespan:",
+        table(fair, ["setup", "tasks", "limit", "small_makespan_s", "speed_vs_alone",
+                     "deliveries_per_task", "max_concurrent"]),
         "The waiting room under a deep backlog: guarded tasks sent while their semaphore is "
         "full reach one worker (-c 4), parked on send (the default) or parked by the worker "
         "(`semaphore_park_on_send = False`). `parked_per_s`: on send, the sender's rate into "

@@ -1,7 +1,8 @@
 """The Celery app of the workload benchmarks (run by real ``celery worker`` subprocesses).
 
 ``BENCH_LIMIT`` is the limit of ``gated`` (and ``diy``); ``tenant`` is guarded by the template
-``tenant:{tenant}``, limit 2, with ``tenant:hot`` at 1 (workload W3).
+``tenant:{tenant}``, limit 2, with ``tenant:hot`` at 1 (workload W3); ``fair`` by
+``semaphore_fair_by="{tenant}"``, limit 4, and ``unfair``, the same in FIFO (W5).
 """
 
 import os
@@ -43,6 +44,18 @@ def gated(key, hold):
 
 @app.task(semaphore="tenant:{tenant}", limit=2, shared=False)
 def tenant(tenant, key, hold):
+    body(key, hold)
+
+
+@app.task(semaphore="fair", limit=4, semaphore_fair_by="{tenant}", shared=False)
+def fair(tenant, key, hold):
+    """W5: one semaphore whose waiters are served round-robin across tenants."""
+    body(key, hold)
+
+
+@app.task(semaphore="unfair", limit=4, shared=False)
+def unfair(tenant, key, hold):
+    """W5's "today": the same semaphore without ``semaphore_fair_by`` (FIFO)."""
     body(key, hold)
 
 

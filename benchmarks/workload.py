@@ -1,4 +1,4 @@
-"""The Celery workloads of ``../shared/workloads.md`` (W1 - W4), each beside its baseline in
+"""The Celery workloads of ``../shared/workloads.md`` (W1 - W5), each beside its baseline in
 the same run, on one Redis broker, with real ``celery worker`` processes (prefork):
 
 * W1 burst: 120 x 50 ms, limit 4; also with the RabbitMQ backends, PostgreSQL, Redis Sentinel
@@ -7,7 +7,10 @@ the same run, on one Redis broker, with real ``celery worker`` processes (prefor
 * W2 backlog: 2,000 x 10 ms, and 1,000 x 50 ms, sent at once, limit 4;
 * W4 wider than one worker: 400 x 50 ms, limit 8;
 * W3 hot tenant: 400 x 20 ms of tenant "hot" (limit 1), then 60 x 20 ms over 6 other tenants
-  (limit 2 each), one template ``tenant:{tenant}``; baseline: the same 60 with no backlog.
+  (limit 2 each), one template ``tenant:{tenant}``; baseline: the same 60 with no backlog;
+* W5 fair share: 200 x 20 ms of tenant "big", then 20 x 20 ms each of b, c, d, one semaphore
+  (limit 4) with ``semaphore_fair_by="{tenant}"``; baseline: the same 60 alone (and the same
+  run in FIFO, as before fair shares).
 
 The gate runs on 2 workers x 4 processes; the dedicated-queue baseline is one worker with
 concurrency = limit on its own queue, prefetch 1, acks late (Celery's advice for a limit).
@@ -178,6 +181,40 @@ def hot_tenant(broker: str, backend: str, hot: int = 400, per_small: int = 10,
     return rows
 
 
+def fair_share(broker: str, backend: str, big: int = 200, per_small: int = 20,
+               hold: float = 0.02, small_tenants: Sequence[str] = ("b", "c", "d")
+               ) -> List[Dict[str, Any]]:
+    """W5: ``big`` tasks of tenant "big", then ``per_small`` of each small tenant, on one
+    semaphore (limit 4) with ``semaphore_fair_by="{tenant}"``; the small tenants' makespan
+    (their first send to their last body's end) alone, behind the backlog with fair shares,
+    and behind it in FIFO (no ``semaphore_fair_by``, as before). ``speed_vs_alone`` = makespan
+    alone / makespan here (the issue asks >= 0.5 with fair shares)."""
+    rows = []
+    alone: Optional[float] = None
+    for label, task, with_big in (("small tenants alone", "fair", False),
+                                  ("behind the big backlog, fair", "fair", True),
+                                  ("behind the big backlog, FIFO", "unfair", True)):
+        small = [(task, (t, f"s{t}:{i}", hold)) for i in range(per_small) for t in small_tenants]
+        batches = [small]
+        if with_big:
+            batches = [[(task, ("big", f"big:{i}", hold)) for i in range(big)], small]
+        probe, received, sent_at = run_setup("gate", broker, backend, 4, batches)
+        ends = [e for key, runs in probe.intervals().items() if key.startswith("s")
+                for _, e in runs]
+        small_makespan = (max(ends) - sent_at[-1]) / 1e9
+        alone = alone or small_makespan
+        row = {"workload": "W5", "setup": label,
+               "tasks": f"{len(small)} x {int(hold * 1000)} ms"
+               + (f" behind {big}" if with_big else ""),
+               "limit": 4, "small_makespan_s": round(small_makespan, 3),
+               "speed_vs_alone": round(alone / small_makespan, 2),
+               "max_concurrent": probe.max_concurrent(""),
+               "deliveries_per_task": round(received / sum(map(len, batches)), 3)}
+        print(f"  {row}", flush=True)
+        rows.append(row)
+    return rows
+
+
 def broker_url(redis_url: str) -> str:
     """The workloads' broker: database 12 of the benchmarks' Redis server."""
     return redis_db(redis_url, 12)
@@ -197,4 +234,5 @@ def run(redis_url: str, amqp_url: str, more: Dict[str, str]) -> List[Dict[str, A
     rows += uniform("W2", 1000, 0.05, 4, broker, gate_vs_dedicated)
     rows += uniform("W4", 400, 0.05, 8, broker, gate_vs_dedicated)
     rows += hot_tenant(broker, redis_url)
+    rows += fair_share(broker, redis_url)
     return rows

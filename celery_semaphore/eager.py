@@ -12,18 +12,29 @@ A task whose class does not reach that ``before_start`` (a ``base=`` that is not
 ``Task``, or its own ``before_start`` that does not call ``super()``) acquires in
 ``task_prerun`` instead, where Celery only logs an exception: a failed acquire is logged and
 the body runs without a slot. Call ``super().before_start(...)`` from such a method.
+
+``semaphore_on_full`` ``skip`` or ``fail``: one try instead of a wait; a full semaphore raises
+``SemaphoreFull`` (``fail``) or ``celery.exceptions.Ignore`` (``skip``: the call's state is
+``IGNORED``, its body does not run).
 """
 
 from __future__ import annotations
 
+import logging
 import weakref
 from typing import Any, Tuple
 
+from celery.exceptions import Ignore
+
+from .exceptions import SemaphoreFull
 from .guards import Guards
 from .semaphore import Semaphore
 from .settings import Settings
+from .signals import task_skipped
+from .states import SKIPPED_REASON
 from .task_lease import LEASE_KEY, LeaseRecord
 
+logger = logging.getLogger(__name__)
 _guards: "weakref.WeakKeyDictionary[Any, Tuple[Guards, str]]" = weakref.WeakKeyDictionary()
 _LEASE_ATTR = "_celery_semaphore_lease"
 _GUARD_ATTR = "_celery_semaphore_eager_guard"
@@ -72,12 +83,30 @@ def acquire_for_eager(task: Any) -> None:
     semaphore = Semaphore(guard.name, guard.limit, url, ttl=settings.lease_ttl,
                           poll_interval=settings.poll_interval, auto_renew=True,
                           key_prefix=settings.key_prefix)
-    lease = semaphore.acquire(timeout=settings.max_wait, meta={"task_id": request.id,
-                                                              "task": task.name})
+    meta = {"task_id": request.id, "task": task.name}
+    if settings.on_full == "wait":
+        lease = semaphore.acquire(timeout=settings.max_wait, meta=meta, fair_key=guard.fair)
+    else:
+        lease = semaphore.try_acquire(meta=meta, fair_key=guard.fair)
+        if lease is None:
+            _full(task, request, guard.name, semaphore.status().limit, settings.on_full)
     setattr(request, _LEASE_ATTR, lease)
     setattr(request, LEASE_KEY, LeaseRecord(
         lease.name, lease.limit, lease.holder, lease.token.slot, lease.token.epoch, lease.ttl,
         url, settings.key_prefix).to_header())
+
+
+def _full(task: Any, request: Any, name: str, limit: int, policy: str) -> None:
+    """An eager call whose semaphore is full: raise SemaphoreFull (``fail``), or Ignore
+    (``skip``: the call ends IGNORED, its body not run, after a log line and the
+    ``task_skipped`` signal)."""
+    why = f"semaphore {name!r} is full (limit {limit}); semaphore_on_full={policy!r}"
+    if policy == "fail":
+        raise SemaphoreFull(why)
+    logger.info("celery-semaphore: eager call of %s[%s] skipped: %s", task.name, request.id, why)
+    task_skipped.send(sender=task, task_id=request.id, semaphore=name, limit=limit,
+                      request=None)
+    raise Ignore(f"{SKIPPED_REASON}: {why}")
 
 
 def release_for_eager(task: Any) -> None:

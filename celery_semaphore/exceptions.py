@@ -29,6 +29,11 @@ class SemaphoreTimeout(SemaphoreError, TimeoutError):
     """No slot became free before the timeout passed."""
 
 
+class SemaphoreFull(SemaphoreError):
+    """The semaphore had no free slot (or others waited for one) and the task's
+    ``semaphore_on_full`` is ``"fail"``: the task did not run."""
+
+
 class LeaseLost(SemaphoreError):
     """A lease is no longer held: it expired, was force-released, or its connection dropped."""
 

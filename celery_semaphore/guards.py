@@ -37,6 +37,8 @@ class Guard:
     name: str
     limit: int
     settings: Settings
+    #: The fair-share key (``semaphore_fair_by`` filled from the call), or None.
+    fair: Optional[str] = None
 
 
 def task(*args: Any, **options: Any) -> Any:
@@ -145,17 +147,21 @@ class Guards:
         name = validate_name(self.fill(template, task, args, kwargs))
         settings = self.task_settings(task)
         limit = headers.get("semaphore_limit")
+        fair = None
+        if settings.fair_by is not None:
+            fair = self.fill(settings.fair_by, task, args, kwargs, "semaphore_fair_by")
         if limit is not None:
-            return Guard(name, validate_limit(limit, "header 'semaphore_limit'"), settings)
+            return Guard(name, validate_limit(limit, "header 'semaphore_limit'"), settings, fair)
         limit = (
             settings.limits.get(name)
             or settings.limits.get(template)
             or getattr(task, "limit", None)
             or settings.default_limit
         )
-        return Guard(name, validate_limit(limit, f"limit of semaphore {name!r}"), settings)
+        return Guard(name, validate_limit(limit, f"limit of semaphore {name!r}"), settings, fair)
 
-    def fill(self, template: str, task: Any, args: Any, kwargs: Any) -> str:
+    def fill(self, template: str, task: Any, args: Any, kwargs: Any,
+             what: str = "semaphore template") -> str:
         if "{" not in template:
             return template
         signature = self._signatures.get(task.name)
@@ -164,18 +170,18 @@ class Guards:
         try:
             bound = signature.bind_partial(*(args or ()), **(kwargs or {}))
         except TypeError as exc:
-            raise ConfigurationError(f"task {task.name}: cannot fill semaphore template "
+            raise ConfigurationError(f"task {task.name}: cannot fill {what} "
                                      f"{template!r}: {exc}") from None
         bound.apply_defaults()
         try:
             return template.format_map(bound.arguments)
         except KeyError as exc:
             raise ConfigurationError(
-                f"task {task.name}: semaphore template {template!r} needs argument {exc}, "
+                f"task {task.name}: {what} {template!r} needs argument {exc}, "
                 "which the call does not provide"
             ) from None
         except Exception as exc:  # a field that indexes None, a format spec for another type...
             raise ConfigurationError(
-                f"task {task.name}: cannot fill semaphore template {template!r} from the "
+                f"task {task.name}: cannot fill {what} {template!r} from the "
                 f"call's arguments: {type(exc).__name__}: {exc}"
             ) from None

@@ -17,7 +17,15 @@ import time
 from typing import Any, Callable, List, Optional, Union
 
 from .backends import get_backend
-from .backends.base import Backend, FencingToken, Grant, Meta, SemaphoreStatus, new_holder_id
+from .backends.base import (
+    FAIR_KEY,
+    Backend,
+    FencingToken,
+    Grant,
+    Meta,
+    SemaphoreStatus,
+    new_holder_id,
+)
 from .exceptions import ConfigurationError, SemaphoreTimeout
 from .names import validate_limit, validate_name, validate_ttl
 
@@ -240,13 +248,15 @@ class Semaphore:
         return lease
 
     def acquire(self, timeout: Optional[float] = None, *, meta: Optional[Meta] = None,
-                task_id: Optional[str] = None) -> Lease:
+                task_id: Optional[str] = None, fair_key: Optional[str] = None) -> Lease:
         """Block until a slot is free and return its lease.
 
         Raises :class:`SemaphoreTimeout` when ``timeout`` seconds pass first (the caller then
         leaves the queue). ``meta`` (JSON-able) is shown to operators in ``status``. With
         ``task_id``, no lease is granted while another lease of the same task id is held (a
-        duplicate delivery waits for its twin, keeping its place in line).
+        duplicate delivery waits for its twin, keeping its place in line). With ``fair_key``
+        (a tenant, say) the semaphore serves its waiters round-robin across keys, FIFO within
+        one (:mod:`.backends.base`, "Fair shares").
         """
         if timeout is not None and (isinstance(timeout, bool)
                                     or not isinstance(timeout, (int, float))
@@ -255,7 +265,7 @@ class Semaphore:
                                      f"not {timeout!r}")
         if timeout is not None and math.isinf(timeout):
             timeout = None
-        meta = {**self.meta, **(meta or {})}
+        meta = self._meta(meta, fair_key)
         holder = new_holder_id(task_id)
         deadline = None if timeout is None else time.monotonic() + timeout
         wake = threading.Event()
@@ -285,6 +295,14 @@ class Semaphore:
             if not granted:
                 self._abandon(holder)
 
+    def _meta(self, meta: Optional[Meta], fair_key: Optional[str]) -> Meta:
+        meta = {**self.meta, **(meta or {})}
+        if fair_key is not None:
+            if not isinstance(fair_key, str):
+                raise ConfigurationError(f"fair_key must be a string, not {fair_key!r}")
+            meta[FAIR_KEY] = fair_key
+        return meta
+
     def _abandon(self, holder: str) -> None:
         """Leave the queue; also release, in case a grant was lost with its reply."""
         try:
@@ -292,11 +310,11 @@ class Semaphore:
         except Exception:  # the queue entry expires by itself after waiter_ttl
             pass
 
-    def try_acquire(self, *, meta: Optional[Meta] = None,
-                    task_id: Optional[str] = None) -> Optional[Lease]:
-        """Take a slot if one is free and nobody is queued for it; never blocks. ``meta`` and
-        ``task_id`` as for :meth:`acquire`."""
-        meta = {**self.meta, **(meta or {})}
+    def try_acquire(self, *, meta: Optional[Meta] = None, task_id: Optional[str] = None,
+                    fair_key: Optional[str] = None) -> Optional[Lease]:
+        """Take a slot if one is free and nobody is queued ahead of this caller for it; never
+        blocks. ``meta``, ``task_id`` and ``fair_key`` as for :meth:`acquire`."""
+        meta = self._meta(meta, fair_key)
         holder = new_holder_id(task_id)
         requested_at = time.monotonic()
         try:

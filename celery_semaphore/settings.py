@@ -17,6 +17,8 @@ from .exceptions import ConfigurationError, InvalidLimit, InvalidName
 from .names import validate_limit, validate_template, validate_ttl
 
 LOST_LEASE_POLICIES = ("log", "terminate")
+#: ``semaphore_on_full``: what a request does when its semaphore has no free slot for it.
+ON_FULL_POLICIES = ("wait", "skip", "fail")
 
 
 def _seconds(key: str, value: Any, *, allow_none: bool = False, allow_zero: bool = False):
@@ -48,6 +50,8 @@ class Settings:
     worker_max_waiting: int = 100
     worker_max_hold: float = 300.0
     park_on_send: bool = True
+    on_full: str = "wait"
+    fair_by: Optional[str] = None
 
     @classmethod
     def from_app(cls, app: Any) -> "Settings":
@@ -221,8 +225,36 @@ def validate(key: str, field_name: str, value: Any) -> Any:
                 f"{key} must be one of {', '.join(LOST_LEASE_POLICIES)}, not {value!r}"
             )
         return value
+    if field_name == "fair_by":
+        return validate_fair_by(key, value)
+    if field_name == "on_full":
+        if value not in ON_FULL_POLICIES:
+            raise ConfigurationError(
+                f"{key} must be one of {', '.join(map(repr, ON_FULL_POLICIES))}, not {value!r}"
+            )
+        return value
     if field_name == "max_wait":
         return _seconds(key, value, allow_none=True)
     if field_name == "lease_ttl":
         return validate_ttl(value, key)
     return _seconds(key, value)
+
+
+def validate_fair_by(key: str, value: Any) -> Optional[str]:
+    """``semaphore_fair_by``: None, or a template over the task's parameters with at least one
+    field (``"{customer_id}"``): a constant would put every call under one key."""
+    import string
+
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ConfigurationError(f"{key} must be a template string such as "
+                                 f"'{{customer_id}}', not {value!r}")
+    try:
+        fields_ = [f for _, f, _, _ in string.Formatter().parse(value) if f is not None]
+    except ValueError as exc:
+        raise ConfigurationError(f"{key} {value!r} is not a valid template: {exc}") from None
+    if not fields_ or any(not f or f[0].isdigit() for f in fields_):
+        raise ConfigurationError(f"{key} {value!r} must name the task's parameters, "
+                                 "e.g. '{customer_id}'")
+    return value

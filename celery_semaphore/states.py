@@ -5,10 +5,22 @@ sends a ``task-waiting`` event (fields: ``semaphore``, ``limit``, ``position``, 
 that Flower shows as the state ``WAITING``, and stores ``WAITING`` in the result backend (with
 the same fields as the result's meta) unless the task ignores results. Once it runs, the task
 goes through ``STARTED``/``SUCCESS`` as usual.
+
+``SKIPPED``: the task's semaphore was full and its ``semaphore_on_full`` is ``"skip"``, so it
+did not run. The worker logs it (INFO), sends a ``task-skipped`` event (fields: ``semaphore``,
+``limit``, ``reason``) that Flower shows as the state ``SKIPPED``, sends the
+:data:`celery_semaphore.signals.task_skipped` signal in its main process, acks the message,
+and stores ``REVOKED`` in the result backend with a ``TaskRevokedError`` whose message starts
+with ``skipped:`` (a state Celery knows to be final: ``AsyncResult.get()`` raises at once
+instead of waiting forever, and a chord the task belongs to fails as for a revoked task).
 """
 
 WAITING = "WAITING"
 WAITING_EVENT = "task-waiting"
+SKIPPED = "SKIPPED"
+SKIPPED_EVENT = "task-skipped"
+#: How the result backend's reason of a skipped task begins.
+SKIPPED_REASON = "skipped"
 
 #: Where WAITING sits among Celery's states: after RECEIVED, before STARTED, so that a
 #: ``task-started`` or ``task-succeeded`` event replaces it in Flower and ``celery events``.

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextvars
 import hashlib
 import logging
+import re
 import threading
 import time
 from typing import Any, Dict, Iterable, Optional, Tuple
@@ -57,9 +58,32 @@ parking_now: "contextvars.ContextVar[Optional[str]]" = contextvars.ContextVar(
     "celery_semaphore_parking_now", default=None)
 
 
+#: A fair key that can stand in a queue name as it is; any other is hashed.
+_PLAIN_FAIR_KEY = re.compile(r"[A-Za-z0-9_.:@-]{1,64}")
+
+
+def lane_of(name: str, fair: Optional[str]) -> str:
+    """The parking lane of a task: its semaphore's name, or with ``semaphore_fair_by``,
+    ``"<name>\n<fair key>"`` (a semaphore name holds no whitespace), parked apart so that
+    workers can pull round-robin across keys."""
+    return name if fair is None else f"{name}\n{fair}"
+
+
+def semaphore_of(lane: str) -> str:
+    """The semaphore name of a parking lane (:func:`lane_of`)."""
+    return lane.partition("\n")[0]
+
+
 def parking_queue_name(key_prefix: str, name: str) -> str:
-    """``<key_prefix>park.<name>``, shortened with a hash of ``name`` past 200 bytes."""
+    """``<key_prefix>park.<name>`` (a fair lane: ``...park.<name>.fair.<key>``, a key that is
+    not plain ASCII of up to 64 characters as ``~<hash>``), shortened with a hash of ``name``
+    past 200 bytes."""
+    name, fair_lane, fair = name.partition("\n")
     full = f"{key_prefix}park.{name}"
+    if fair_lane:
+        if not _PLAIN_FAIR_KEY.fullmatch(fair):
+            fair = "~" + hashlib.sha1(fair.encode()).hexdigest()[:16]
+        full, name = f"{full}.fair.{fair}", f"{name}\n{fair}"
     if len(full.encode()) <= MAX_QUEUE_NAME:
         return full
     digest = hashlib.sha1(name.encode()).hexdigest()[:16]
@@ -115,7 +139,9 @@ class ParkOnSend:
     semaphore (task option or ``semaphore`` header), has neither ETA nor countdown, its
     semaphore name can be filled from the call's arguments, ``semaphore_park_on_send`` is on
     for it and ``semaphore_max_wait`` is not set (a worker that holds or parked a task fails
-    it when its wait runs out; nobody watches a task parked on send until it is pulled).
+    it when its wait runs out; nobody watches a task parked on send until it is pulled) and
+    ``semaphore_on_full`` is ``"wait"`` (a skip or fail is decided by the worker, once a pool
+    process is free for the task).
     Anything else is sent as Celery sends it; the worker's gate handles it then (including a
     template it cannot fill, which fails that task alone).
     """
@@ -139,21 +165,21 @@ class ParkOnSend:
         if parked is None:
             return self.send_original(name, args, kwargs, countdown=countdown, eta=eta,
                                       **options)
-        semaphore, destination = parked
-        queue = parking_queue(self._guards.settings.key_prefix, semaphore, self.driver_type())
-        headers = {**(options.get("headers") or {}), PARKED_HEADER: semaphore,
+        lane, destination = parked
+        queue = parking_queue(self._guards.settings.key_prefix, lane, self.driver_type())
+        headers = {**(options.get("headers") or {}), PARKED_HEADER: lane,
                    FIRST_WAIT_HEADER: time.time(),
                    ROUTE_HEADER: list(self._exchange_and_routing_key(destination))}
         for key in _ROUTING:
             options.pop(key, None)
-        token = parking_now.set(semaphore)
+        token = parking_now.set(lane)
         try:
             result = self.send_original(name, args, kwargs, queue=queue, exchange="",
                                         routing_key=queue.name, exchange_type="direct",
                                         headers=headers, **options)
         finally:
             parking_now.reset(token)
-        self._ring(semaphore, destination, options)
+        self._ring(lane, destination, options)
         return result
 
     def driver_type(self) -> str:
@@ -163,7 +189,7 @@ class ParkOnSend:
 
     def _plan(self, name: str, args: Any, kwargs: Any,
               options: Dict[str, Any]) -> Optional[Tuple[str, Dict[str, Any]]]:
-        """(semaphore name, destination route) when this send is parked, else None."""
+        """(parking lane, destination route) when this send is parked, else None."""
         task = options.get("task_type") or self.app.tasks.get(name)
         headers = options.get("headers") or {}
         if task is None or not (headers.get("semaphore") or getattr(task, "semaphore", None)):
@@ -181,6 +207,8 @@ class ParkOnSend:
             return None
         if guard.settings.max_wait is not None:  # a worker tracks it and fails it on time
             return None
+        if guard.settings.on_full != "wait":  # judged full or not by the worker that gets it
+            return None
         route_options = {key: options[key] for key in _ROUTING if key in options}
         if "queue" not in route_options and getattr(task, "queue", None):
             route_options["queue"] = task.queue
@@ -190,7 +218,7 @@ class ParkOnSend:
         queue = destination.get("queue")
         if queue is not None and queue.exchange is not None and queue.exchange.type == "fanout":
             return None  # a broadcast: every worker runs it; the gate sees each copy
-        return guard.name, destination
+        return lane_of(guard.name, guard.fair), destination
 
     def _exchange_and_routing_key(self, destination: Dict[str, Any]) -> Tuple[str, str]:
         """Where Celery would publish a send routed to ``destination`` (as celery 5.x

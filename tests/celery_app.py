@@ -113,6 +113,21 @@ def create_app(env):
         return {"name": lease.name, "limit": lease.limit, "slot": lease.token.slot,
                 "epoch": lease.token.epoch, "holder": lease.holder, "verified": lease.verify()}
 
+    @task(semaphore="once:{key}", limit=1, semaphore_on_full="skip")
+    def run_once(key, run, hold=0.05):
+        body(f"once:{key}:{run}", hold)
+        return run
+
+    @task(semaphore="strict", limit=1, semaphore_on_full="fail")
+    def strict(key, hold=0.05):
+        body(f"strict:{key}", hold)
+        return key
+
+    @task(semaphore="shared", limit=1, semaphore_fair_by="{tenant}")
+    def fair_tenant(tenant, key, hold=0.05):
+        body(f"fair:{tenant}:{key}", hold)
+        return key
+
     app.probe = probe
     return app
 

@@ -184,6 +184,31 @@ def test_waiters_are_admitted_in_fifo_order(spec):
     assert order == [0, 1, 2, 3, 4]
 
 
+def test_fair_keys_are_served_round_robin_fifo_within_a_key(spec):
+    """Waiters with a fair key: the first of every key before the second of any, by ticket
+    among equals; FIFO within a key; status lists them in that order."""
+    sem = spec.semaphore("fair", 1, poll_interval=5)
+    holder = sem.acquire()
+    results = []
+    arrivals = [("a1", "A"), ("a2", "A"), ("a3", "A"), ("b1", "B"), ("c1", "C"), ("b2", "B")]
+    for count, (key, tenant) in enumerate(arrivals, 1):
+        start_waiter(sem, results, key, timeout=30, fair_key=tenant)
+        assert wait_until(lambda n=count: sem.status().waiting == n)
+    expected = ["a1", "b1", "c1", "a2", "b2", "a3"]
+    waiters = sem.status().waiters
+    assert [w.meta["fair_key"] for w in waiters] == [k[0].upper() for k in expected]
+    order = []
+    current = holder
+    for _ in arrivals:
+        current.release()
+        assert wait_until(lambda n=len(order): len(results) > n)
+        key, current, _ = results[len(order)]
+        order.append(key)
+    current.release()
+    assert order == expected
+    assert sem.status().waiting == 0
+
+
 def test_blocked_waiter_starts_on_release_not_on_poll(spec):
     """Wake-ups come from the backend's notification: the poll interval here is 10 s."""
     sem = spec.semaphore("handoff", 1, poll_interval=10)

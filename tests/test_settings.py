@@ -38,6 +38,8 @@ def make_app(**conf):
     ("semaphore_on_lost_lease", "explode"), ("semaphore_retry_jitter", "yes"),
     ("semaphore_backend", "nosuch://x"), ("semaphore_key_prefix", ""),
     ("semaphore_worker_max_waiting", -1), ("semaphore_worker_max_hold", 0),
+    ("semaphore_on_full", "drop"), ("semaphore_on_full", 3),
+    ("semaphore_fair_by", "tenant"), ("semaphore_fair_by", "{0}"), ("semaphore_fair_by", 7),
 ])
 def test_each_bad_setting_is_named(key, value):
     with pytest.raises(ConfigurationError) as err:
@@ -116,6 +118,23 @@ def test_templates_fill_from_arguments_and_defaults():
     assert guards.resolve(FakeRequest(call, (7,), headers={"semaphore": "api:7"})).limit == 9
 
 
+def test_the_fair_key_fills_from_the_call_and_a_missing_argument_is_named():
+    app = make_app(semaphore_backend="memory://fair")
+    install(app)
+
+    @app.task(semaphore="api", limit=2, semaphore_fair_by="{customer.id}", shared=False)
+    def call(customer, payload=None):
+        pass
+
+    class Customer:
+        id = "c-42"
+
+    guards = Guards(Settings.from_app(app))
+    assert guards.resolve_call(call, (Customer(),), {}, {}).fair == "c-42"
+    with pytest.raises(ConfigurationError, match="semaphore_fair_by '{customer.id}' needs"):
+        guards.resolve_call(call, (), {"payload": 1}, {})
+
+
 def test_unguarded_task_has_no_guard():
     app = make_app()
 
@@ -141,6 +160,8 @@ BAD_OPTIONS = [
     ({"semaphore": "bad name!"}, "contains ' '"),
     ({"semaphore": "s", "semaphore_lease_tl": 5}, "did you mean semaphore_lease_ttl?"),
     ({"semaphore": "s", "semaphore_max_wait": -1}, "semaphore_max_wait"),
+    ({"semaphore": "s", "semaphore_on_full": "skipp"},
+     "semaphore_on_full must be one of 'wait', 'skip', 'fail', not 'skipp'"),
 ]
 
 
@@ -270,6 +291,39 @@ def test_an_eager_call_that_gets_no_slot_fails_without_running_the_body():
     assert ran == ["plain", "audited"]
     backend = get_backend("memory://eager-full", key_prefix="semaphore:")
     assert backend.status("full").held == 0
+
+
+def test_an_eager_call_on_a_full_semaphore_skips_or_fails_at_once():
+    from celery_semaphore import SemaphoreFull
+    from celery_semaphore.signals import task_skipped
+
+    app = make_app(semaphore_backend="memory://eager-on-full")
+    install(app)
+    ran, skipped = [], []
+
+    @app.task(semaphore="busy", limit=1, semaphore_on_full="skip", shared=False)
+    def skipper():
+        ran.append("skip")
+
+    @app.task(semaphore="busy", limit=1, semaphore_on_full="fail", shared=False)
+    def failer():
+        ran.append("fail")
+
+    def on_skipped(sender, task_id, semaphore, **kwargs):
+        skipped.append((sender.name, semaphore))
+
+    task_skipped.connect(on_skipped, weak=False)
+    try:
+        holder = Semaphore("busy", 1, "memory://eager-on-full").acquire()
+        assert skipper.apply().state == "IGNORED"
+        result = failer.apply()
+        assert result.state == "FAILURE" and isinstance(result.result, SemaphoreFull)
+        assert ran == [] and skipped == [(skipper.name, "busy")]
+        holder.release()
+        assert skipper.apply().state == "SUCCESS" and failer.apply().state == "SUCCESS"
+        assert ran == ["skip", "fail"]
+    finally:
+        task_skipped.disconnect(on_skipped)
 
 
 def test_a_retry_does_not_carry_the_gates_headers():

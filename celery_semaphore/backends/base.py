@@ -16,6 +16,19 @@ Admission rule (FIFO): a caller is admitted when ``len(holders) + rank < limit``
 is its place in the waiter queue (a caller that is not queued ranks behind every waiter). The
 admitted caller takes the lowest free slot ``s < limit`` and bumps ``epoch[s]``.
 
+Fair shares (round-robin across keys): a caller whose ``meta`` carries a non-empty string under
+:data:`FAIR_KEY` (the task's ``semaphore_fair_by`` value, e.g. a tenant) makes the semaphore
+*fair* while such a waiter is queued. A waiter that queues while the semaphore is fair gets a
+**round**, fixed for good: one more than the later of the semaphore's current round (the
+highest round admitted so far) and the round of the last waiter of its own key still queued
+(waiters with no key form one key of their own). The queue is then ordered by ``(round,
+ticket)``; a waiter queued before the semaphore became fair has round 0. Consequences: a key
+has at most one waiter per round, so while several keys wait they are admitted in turn, FIFO
+within one key; a key that starts waiting joins the next round, behind at most two waiters of
+each other key (the current round's and the next's); with one key, or none, the order is plain
+FIFO. ``rank`` in the admission rule is a caller's place in that order (a caller not yet queued
+ranks behind every waiter of its round or an earlier one).
+
 One holder per task: a holder id of the form ``<task id>:<random>`` (:func:`new_holder_id`
 with a task id) names its task, and a caller is not admitted while another holder of the same
 task holds; it keeps its place in the queue and is woken when that twin goes. A duplicate
@@ -158,6 +171,16 @@ class SemaphoreStatus:
                 for w in self.waiters
             ],
         }
+
+
+#: The ``meta`` key whose value is the caller's fair-share key (module docs).
+FAIR_KEY = "fair_key"
+
+
+def fair_key_of(meta: Optional[Meta]) -> Optional[str]:
+    """The fair-share key ``meta`` carries, or None (absent, empty or not a string)."""
+    key = (meta or {}).get(FAIR_KEY)
+    return key if isinstance(key, str) and key else None
 
 
 def new_holder_id(task_id: Optional[str] = None) -> str:

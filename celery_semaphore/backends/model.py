@@ -12,7 +12,16 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
-from .base import Attempt, Grant, HolderInfo, Meta, SemaphoreStatus, WaiterInfo, task_of
+from .base import (
+    Attempt,
+    Grant,
+    HolderInfo,
+    Meta,
+    SemaphoreStatus,
+    WaiterInfo,
+    fair_key_of,
+    task_of,
+)
 
 
 def next_epoch(previous: int, now: float) -> int:
@@ -40,6 +49,8 @@ class Waiter:
     expires: float
     client: str
     meta: Meta = field(default_factory=dict)
+    #: Its fair-share round (:mod:`.base`, "Fair shares"); 0: queued while not fair.
+    round: int = 0
 
 
 @dataclass
@@ -50,6 +61,8 @@ class State:
     waiters: Dict[str, Waiter] = field(default_factory=dict)
     epochs: Dict[int, int] = field(default_factory=dict)
     next_ticket: int = 1
+    #: The highest fair-share round admitted so far.
+    round: int = 0
 
     # -- (de)serialization, for backends that store the state as one document ---------------
 
@@ -66,6 +79,7 @@ class State:
             "waiters": {holder: vars(entry) for holder, entry in self.waiters.items()},
             "epochs": self.epochs,
             "next_ticket": self.next_ticket,
+            "round": self.round,
         }
 
     @classmethod
@@ -82,12 +96,27 @@ class State:
             waiters={k: Waiter(**v) for k, v in raw["waiters"].items()},
             epochs={int(k): v for k, v in raw["epochs"].items()},
             next_ticket=raw["next_ticket"],
+            round=raw.get("round", 0),
         )
 
     # -- queries -------------------------------------------------------------------------
 
     def queue(self) -> List[str]:
+        """The waiters in admission order: by ticket, or by (round, ticket) while the
+        semaphore is fair."""
+        if self.fair():
+            return sorted(self.waiters, key=lambda h: (self.waiters[h].round,
+                                                       self.waiters[h].ticket))
         return sorted(self.waiters, key=lambda h: self.waiters[h].ticket)
+
+    def fair(self) -> bool:
+        """A waiter queued with a fair-share round waits."""
+        return any(w.round for w in self.waiters.values())
+
+    def next_round(self, key: Optional[str]) -> int:
+        """The round a waiter of fair key ``key`` that queues now gets."""
+        return 1 + max([self.round] + [w.round for w in self.waiters.values()
+                                       if w.round and fair_key_of(w.meta) == key])
 
     def wakeups(self, before: Set[Tuple[str, str]]) -> Set[Tuple[str, str]]:
         """Waiters that became admissible since ``before`` (:meth:`admissible` then)."""
@@ -145,8 +174,14 @@ class State:
                 Grant(current.slot, current.epoch, current.expires, current.expires - now),
                 limit=self.limit,
             )
-        queue = self.queue()
-        rank = queue.index(holder) if holder in self.waiters else len(queue)
+        waiter = self.waiters.get(holder)
+        if waiter is not None:
+            rank, round_ = self.queue().index(holder), waiter.round
+        elif fair_key_of(meta) is not None or self.fair():
+            round_ = self.next_round(fair_key_of(meta))
+            rank = sum(1 for w in self.waiters.values() if w.round <= round_)
+        else:
+            rank, round_ = len(self.waiters), 0
         used = {h.slot for h in self.holders.values()}
         if slots is None:  # the lowest free slot: one of the first len(used) + 1 is free
             lowest = next(s for s in range(len(used) + 1) if s not in used)
@@ -159,12 +194,13 @@ class State:
             self.epochs[slot] = epoch
             self.holders[holder] = Holder(slot, epoch, now, now + ttl, meta)
             self.waiters.pop(holder, None)
+            self.round = max(self.round, round_)
             return Attempt(Grant(slot, epoch, now + ttl, ttl), limit=self.limit)
         position = None
         if wait:
-            waiter = self.waiters.get(holder)
             if waiter is None:
-                self.waiters[holder] = Waiter(self.next_ticket, now, now + waiter_ttl, client, meta)
+                self.waiters[holder] = Waiter(self.next_ticket, now, now + waiter_ttl, client,
+                                              meta, round_)
                 self.next_ticket += 1
             else:
                 waiter.expires = now + waiter_ttl

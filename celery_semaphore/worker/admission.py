@@ -14,7 +14,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Deque, Dict, NamedTuple, Optional
 
-from ..backends.base import Attempt, new_holder_id
+from ..backends.base import FAIR_KEY, Attempt, new_holder_id
 from ..guards import Guard
 from ..semaphore import Lease
 from ..task_lease import LEASE_KEY, LeaseRecord
@@ -149,7 +149,7 @@ class Admission:
         try:
             attempt = self.backend.acquire(
                 guard.name, holder, limit=guard.limit, ttl=guard.settings.lease_ttl,
-                meta=self.meta(waiter.request), wait=True,
+                meta=self.meta(waiter.request, guard), wait=waiter.waits,
             )
         except Exception as exc:
             answer = Answer(holder, None, exc, requested_at)
@@ -174,6 +174,10 @@ class Admission:
         attempt = answer.attempt
         if attempt.grant is not None:
             self._granted(waiter, answer)
+            return
+        if not waiter.waits:  # semaphore_on_full skip or fail: it never queued
+            self.drop(waiter)
+            self.gate.full(waiter.request, waiter.guard, attempt.limit)
             return
         waiter.attempts += 1
         if attempt.position != waiter.position:
@@ -202,7 +206,8 @@ class Admission:
     def _lease(self, waiter: Waiter, answer: Answer) -> Lease:
         attempt = answer.attempt
         return Lease(self.backend, waiter.guard.name, answer.holder, attempt.grant,
-                     answer.requested_at, limit=attempt.limit, meta=self.meta(waiter.request))
+                     answer.requested_at, limit=attempt.limit,
+                     meta=self.meta(waiter.request, waiter.guard))
 
     def _granted(self, waiter: Waiter, answer: Answer) -> None:
         self._move(waiter, WaitState.GRANTED)
@@ -261,6 +266,9 @@ class Admission:
                 lambda next_retry: self._cancel(name, holder, expires, next_retry),
                 retry, expires - time.monotonic(), f"leaving the queue of {name!r}", exc)
 
-    def meta(self, request: Any) -> Dict[str, Any]:
-        return {"task_id": request.id, "task": request.name,
+    def meta(self, request: Any, guard: Guard) -> Dict[str, Any]:
+        meta = {"task_id": request.id, "task": request.name,
                 "worker": self.gate.consumer.hostname, "pid": os.getpid()}
+        if guard.fair is not None:
+            meta[FAIR_KEY] = guard.fair
+        return meta

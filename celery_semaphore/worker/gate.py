@@ -23,10 +23,12 @@ from typing import Any, Callable, Deque, List, Set
 
 from ..backends import close_all
 from ..backends.base import Backend
-from ..exceptions import ConfigurationError, SemaphoreError, SemaphoreTimeout
-from ..guards import Guards
+from ..exceptions import ConfigurationError, SemaphoreError, SemaphoreFull, SemaphoreTimeout
+from ..guards import Guard, Guards
 from ..scheduler import Scheduler
 from ..settings import Settings
+from ..signals import task_skipped
+from ..states import SKIPPED_EVENT, SKIPPED_REASON
 from ..waiting_room import PARKED_HEADER
 from . import celery_internals
 from .admission import Admission
@@ -206,7 +208,7 @@ class Gate:
         pulled = PARKED_HEADER in (request.message.headers or {})
         room = self.parking.room(guard.name)
         waiter = self.admission.add(request, guard, pulled=pulled)
-        if room <= 0 and not pulled:
+        if room <= 0 and not pulled and waiter.waits:
             return self.parking.park(waiter, "this worker holds its share already")
         self.admission.wait(waiter)
 
@@ -241,7 +243,7 @@ class Gate:
                 self.fail(waiter.request, SemaphoreTimeout(
                     f"no slot of semaphore {waiter.guard.name!r} in {settings.max_wait}s "
                     f"(semaphore_max_wait)"))
-            elif now - waiter.entered > settings.worker_max_hold:
+            elif now - waiter.entered > settings.worker_max_hold and waiter.waits:
                 self.parking.park(waiter, "semaphore_worker_max_hold passed")
         self.releases.check_orphans()
         self.parking.check_tracked()
@@ -268,6 +270,32 @@ class Gate:
             logger.warning("celery-semaphore: storing the failure of %s failed: %s",
                            request.id, store_exc)
         request.send_event("task-failed", exception=repr(exc), traceback="")
+        request.acknowledge()
+        celery_internals.task_ready(request)
+
+    def full(self, request: Any, guard: Guard, limit: Any) -> None:
+        """The one try of a request whose ``semaphore_on_full`` is ``skip`` or ``fail`` found
+        its semaphore full (no free slot, others queued for one, or a twin of the task
+        holding one): skip or fail it, without running it."""
+        policy = guard.settings.on_full
+        why = (f"semaphore {guard.name!r} is full (limit {limit}); "
+               f"semaphore_on_full={policy!r}")
+        if policy == "fail":
+            return self.fail(request, SemaphoreFull(why))
+        logger.info("celery-semaphore: task %s[%s] skipped: %s", request.name, request.id, why)
+        try:
+            request.task.backend.mark_as_revoked(
+                request.id, f"{SKIPPED_REASON}: {why}", request=request._context,
+                store_result=request.store_errors)
+        except Exception as store_exc:
+            logger.warning("celery-semaphore: storing the skip of %s failed: %s",
+                           request.id, store_exc)
+        request.send_event(SKIPPED_EVENT, semaphore=guard.name, limit=limit, reason=why)
+        try:
+            task_skipped.send(sender=request.task, task_id=request.id, semaphore=guard.name,
+                              limit=limit, request=request)
+        except Exception:  # a receiver's bug must not keep the message unacked
+            logger.exception("celery-semaphore: a task_skipped receiver failed")
         request.acknowledge()
         celery_internals.task_ready(request)
 

@@ -32,9 +32,9 @@ import heapq
 import logging
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Deque, Dict, List, Optional, Set, Tuple
 
 from celery.worker.control import control_command
 from kombu import Producer, Queue
@@ -48,8 +48,10 @@ from ..waiting_room import (
     FIRST_WAIT_HEADER,
     PARKED_HEADER,
     ROUTE_HEADER,
+    lane_of,
     parked_counts,
     parking_queue,
+    semaphore_of,
 )
 from . import celery_internals
 from .requeue import publish_copy
@@ -90,8 +92,9 @@ class ParkingLot:
     def __init__(self, gate: "Gate") -> None:
         self.gate = gate
         # loop thread
-        self.known: Set[str] = set()  # names whose parking queue may hold requests
-        self.pulling: Dict[str, int] = {}  # name -> gets on their way
+        self.known: Set[str] = set()  # lanes whose parking queue may hold requests
+        self.lanes: Dict[str, Deque[str]] = {}  # semaphore -> its known lanes, in turn
+        self.pulling: Dict[str, int] = {}  # lane -> gets on their way
         self.parking: Dict[str, int] = {}  # name -> copies being published
         self._announced: Dict[str, float] = {}
         self.tracked: "OrderedDict[str, ParkedTask]" = OrderedDict()  # task id -> parked task
@@ -116,7 +119,7 @@ class ParkingLot:
         others."""
         admission = self.gate.admission
         share = (SHARE_PER_PROCESS * admission.pool_size() - admission.count(name)
-                 - self.pulling.get(name, 0))
+                 - sum(self.pulling.get(lane, 0) for lane in self.lanes.get(name, ())))
         total = (self.gate.settings.worker_max_waiting - len(admission)
                  - sum(self.pulling.values()))
         return min(share, total)
@@ -124,7 +127,7 @@ class ParkingLot:
     def park(self, waiter: Waiter, why: str) -> None:
         """Take ``waiter`` out of this worker and park it (its message is acked once the
         parked copy is published)."""
-        name = waiter.guard.name
+        name = lane_of(waiter.guard.name, waiter.guard.fair)
         self.gate.admission.drop(waiter)
         self.gate.admission.leave_backend(waiter)
         self.parking[name] = self.parking.get(name, 0) + 1
@@ -141,24 +144,49 @@ class ParkingLot:
         waiter.request.acknowledged = True  # settled here, not on the consumer's channel
         if not waiter.detached:
             self.gate.io.call(self._reject, waiter.request.message)
-        self.known.add(waiter.guard.name)
+        self._know(lane_of(waiter.guard.name, waiter.guard.fair))
 
     def refill(self, name: str) -> None:
-        """Pull parked requests of ``name`` while this worker has room for them."""
-        if name not in self.known or not self.gate.open:
+        """Pull parked requests of semaphore ``name`` (or of a lane's semaphore) while this
+        worker has room for them: from its lanes in turn (with ``semaphore_fair_by``, one per
+        fair key), an equal part of the room each, the next refill starting at the next lane,
+        so that the backend's fair queue sees every key that has parked requests."""
+        semaphore = semaphore_of(name)
+        lanes = self.lanes.get(semaphore)
+        if not lanes or not self.gate.open:
             return
-        want = min(self.room(name), PULL_BATCH)
-        if want > 0:
-            self.pulling[name] = self.pulling.get(name, 0) + want
-            self.gate.io.call(self._pull, name, want)
+        want = min(self.room(semaphore), PULL_BATCH)
+        part = max(1, want // len(lanes))
+        for _ in range(len(lanes)):
+            if want <= 0:
+                break
+            lane = lanes[0]
+            lanes.rotate(-1)
+            take = min(part, want)
+            want -= take
+            self.pulling[lane] = self.pulling.get(lane, 0) + take
+            self.gate.io.call(self._pull, lane, take)
 
     def refill_all(self) -> None:
-        for name in list(self.known):
-            self.refill(name)
+        for semaphore in list(self.lanes):
+            self.refill(semaphore)
+
+    def _know(self, lane: str) -> None:
+        if lane not in self.known:
+            self.known.add(lane)
+            self.lanes.setdefault(semaphore_of(lane), deque()).append(lane)
+
+    def _forget(self, lane: str) -> None:
+        if lane in self.known:
+            self.known.discard(lane)
+            lanes = self.lanes[semaphore_of(lane)]
+            lanes.remove(lane)
+            if not lanes:
+                del self.lanes[semaphore_of(lane)]
 
     def learn(self, name: str) -> None:
-        """Another worker parked requests of ``name``."""
-        self.known.add(name)
+        """Another worker parked requests of lane ``name``."""
+        self._know(name)
         self.refill(name)
 
     def doorbell(self, name: str) -> None:
@@ -181,10 +209,10 @@ class ParkingLot:
             return
         request.acknowledge()
         celery_internals.task_ready(request)
-        self.parked_total[name] += 1
+        self.parked_total[semaphore_of(name)] += 1
         self._track(waiter)
         self.gate.admission.pump()
-        self.known.add(name)
+        self._know(name)
         self._announce_soon(name)
 
     def _announce_soon(self, name: str) -> None:
@@ -233,17 +261,17 @@ class ParkingLot:
         if not self.pulling[name]:
             del self.pulling[name]
         if empty:
-            self.known.discard(name)
+            self._forget(name)
         if not self.gate.open:  # the consumer stopped meanwhile: they wait for another pull
             for message in messages:
                 self.gate.io.call(message.reject_log_error, logger, (), True)
             return
         if messages:
-            self.pulled_total[name] += len(messages)
+            self.pulled_total[semaphore_of(name)] += len(messages)
         for message in messages:
             self._deliver(message)
-        if messages and not empty:
-            self.refill(name)
+        if (messages and not empty) or (empty and semaphore_of(name) in self.lanes):
+            self.refill(name)  # more of this lane, or the room it left to the others
 
     def _deliver(self, message: Any) -> None:
         """Hand a pulled message to Celery's strategy for its task, as the consumer does for a
@@ -328,9 +356,9 @@ class ParkingLot:
             message.ack_log_error(log, errors)
         else:
             message.reject_log_error(log, errors, requeue)
-        self._forget(name)
+        self._settled(name)
 
-    def _forget(self, name: str) -> None:
+    def _settled(self, name: str) -> None:
         with self._unsettled_lock:
             self._unsettled[name] -= 1
             if self._unsettled[name] <= 0:
@@ -342,7 +370,7 @@ class ParkingLot:
         except Exception as exc:  # a closed channel's messages go back all the same
             logger.debug("celery-semaphore: giving back pulled %s failed: %s",
                          message.delivery_tag, exc)
-        self._forget(message.headers.get(PARKED_HEADER))
+        self._settled(message.headers.get(PARKED_HEADER))
 
     def reset(self) -> None:
         """The consumer lost its broker connection (I/O thread): every message pulled from

@@ -73,6 +73,13 @@ class Waiter:
     #: puts its message back in its queue (see ``Gate.on_connection_lost``).
     detached: bool = False
 
+    @property
+    def waits(self) -> bool:
+        """It joins the backend's queue when the semaphore is full (``semaphore_on_full`` is
+        ``"wait"``); else its one attempt, made once a pool process is free for it, is a
+        try (``wait=False``) and "full" skips or fails it."""
+        return self.guard.settings.on_full == "wait"
+
     def move(self, to: WaitState) -> None:
         if to not in ALLOWED[self.state]:
             raise RuntimeError(f"waiter {self.holder}: {self.state.value} -> {to.value}")

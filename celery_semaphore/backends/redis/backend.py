@@ -9,7 +9,7 @@ Guarantees:
   ``scripts/prelude.lua``) run with one EVALSHA: no client can steal a slot between two steps.
 * Time comes from the server's ``TIME``, never a client clock; leases and waiter entries are
   stored as absolute expiries (microseconds), so client clock skew changes nothing.
-* The six keys of a semaphore share the hash tag ``{name}`` (``<prefix>{name}:holders`` ...),
+* The seven keys of a semaphore share the hash tag ``{name}`` (``<prefix>{name}:holders`` ...),
   and no script touches any other key: on a Redis Cluster every script runs on the one node
   serving that slot. There is no index of names: :meth:`RedisBackend.names` scans for the
   ``config`` keys (on a cluster, on every master). Every key has a TTL: none expires while the
@@ -72,6 +72,7 @@ from ..base import (
     Meta,
     SemaphoreStatus,
     WaiterInfo,
+    fair_key_of,
 )
 from . import deployments
 
@@ -79,7 +80,7 @@ logger = logging.getLogger(__name__)
 
 _SCRIPTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
 #: The keys of one semaphore, in the order the scripts receive them (see scripts/prelude.lua).
-KEY_SUFFIXES = ("config", "holders", "hinfo", "queue", "wexp", "winfo")
+KEY_SUFFIXES = ("config", "holders", "hinfo", "queue", "wexp", "winfo", "wfair")
 _SCRIPTS = ("acquire", "release", "renew", "cancel", "resize", "status", "reset", "verify")
 #: Errors that mean "Redis cannot serve us now". ReadOnlyError: a failover left us on a replica;
 #: OutOfMemoryError: maxmemory reached with a no-eviction policy; NoPermissionError: an ACL
@@ -266,7 +267,7 @@ class RedisBackend(Backend):
         reply = self._call(
             "acquire", name, holder, int(limit), int(ttl * 1e6),
             json.dumps(meta or {}, separators=(",", ":")), 1 if wait else 0, self.client_id,
-            int(self.waiter_ttl * 1e6),
+            int(self.waiter_ttl * 1e6), fair_key_of(meta) or "",
         )
         if reply[0] == 1:
             _, slot, epoch, expires, now, current_limit = reply
@@ -319,7 +320,7 @@ class RedisBackend(Backend):
             limit=int(limit),
             declared={int(k): int(v) / 1e6 for k, v in zip(declared[0::2], declared[1::2])},
             holders=tuple(sorted(holder_infos, key=lambda h: h.slot)),
-            waiters=tuple(waiter_infos),  # the script returns them in ticket order
+            waiters=tuple(waiter_infos),  # the script returns them in admission order
         )
 
     def names(self) -> List[str]:

@@ -1,9 +1,10 @@
 -- ARGV[4] holder, [5] declared limit, [6] ttl (us), [7] meta JSON, [8] wait (0/1),
--- [9] client id, [10] waiter ttl (us).
+-- [9] client id, [10] waiter ttl (us), [11] fair-share key ('' for none).
 -- Returns {1, slot, epoch, expires, now, limit} when admitted (or already holding), else
 -- {0, position (-1: not queued), retry_after (us, -1: nobody holds), now, limit}.
 local holder, declared_limit, ttl = ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6])
 local meta, wait, client, waiter_ttl = ARGV[7], ARGV[8] == '1', ARGV[9], tonumber(ARGV[10])
+local fair_key = ARGV[11] or ''
 
 local before = begin()
 
@@ -35,11 +36,31 @@ if mine then  -- a current holder gets its grant back unchanged
   return {1, tonumber(held_slot), tonumber(epoch), expires, now, limit}
 end
 
-local rank, queued = 0, false
+local rank, queued, round = 0, false, 0
 if before then
   rank = redis.call('ZRANK', queue, holder)
   queued = rank ~= false
   if not queued then rank = redis.call('ZCARD', queue) end
+end
+-- Fair shares (base.py): a queued waiter keeps its round; a newcomer gets one while fair.
+local fair = redis.call('EXISTS', wfair) == 1
+if queued then
+  if fair then
+    round = fair_entry(redis.call('HGET', wfair, holder))
+    for i, h in ipairs(in_order()) do
+      if h == holder then rank = i - 1 break end
+    end
+  end
+elseif fair or fair_key ~= '' then
+  round = next_round(fair_key)
+  if before then
+    rank = 0
+    local waiting = redis.call('ZRANGE', queue, 0, -1)
+    local infos = fair and each_chunk('HMGET', wfair, waiting, {}) or {}
+    for i = 1, #waiting do
+      if fair_entry(infos[i]) <= round then rank = rank + 1 end
+    end
+  end
 end
 
 if count + rank < limit and not twin then
@@ -53,6 +74,10 @@ if count + rank < limit and not twin then
     redis.call('ZREM', queue, holder)
     redis.call('ZREM', wexp, holder)
     redis.call('HDEL', winfo, holder)
+    redis.call('HDEL', wfair, holder)
+  end
+  if round > tonumber(redis.call('HGET', config, 'round') or 0) then
+    redis.call('HSET', config, 'round', round)
   end
   if count == 0 then keep(touched, holders, hinfo) else keep(touched) end
   wake(before)
@@ -66,6 +91,10 @@ if wait then
     local ticket = redis.call('HINCRBY', config, 'ticket', 1)
     redis.call('ZADD', queue, ticket, holder)
     redis.call('HSET', winfo, holder, client .. '\n' .. int(now) .. '\n' .. meta)
+    if round > 0 then
+      redis.call('HSET', wfair, holder, round .. '\n' .. fair_key)
+      redis.call('PEXPIRE', wfair, idle_ms)
+    end
   end
   redis.call('ZADD', wexp, int(now + waiter_ttl), holder)
   position = rank

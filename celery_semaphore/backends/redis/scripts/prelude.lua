@@ -1,14 +1,16 @@
 -- Shared by every script (prepended at load time). The rules are model.py's State, in Lua.
--- KEYS: the six keys of one semaphore, all under one hash tag:
+-- KEYS: the seven keys of one semaphore, all under one hash tag:
 --   config  hash  limit, ticket (last issued), touched (last TTL refresh), e:<slot> (fencing
 --                 epoch), d:<limit> (declared limit, last seen)
 --   holders zset  holder -> lease expiry          hinfo hash  holder -> slot\nepoch\nsince\nmeta
 --   queue   zset  holder -> ticket (FIFO order)   wexp  zset  holder -> waiter expiry
 --   winfo   hash  holder -> client\nsince\nmeta
+--   wfair   hash  holder -> round\nfair key, for waiters queued while the semaphore is fair
+--                 (base.py, "Fair shares"); config's 'round' is the highest round admitted
 -- ARGV[1] idle TTL (ms), ARGV[2] wake channel prefix, ARGV[3] semaphore name; then per script.
 -- Time is the server's, in microseconds; every score of holders and wexp is an absolute expiry.
-local config, holders, hinfo, queue, wexp, winfo =
-  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+local config, holders, hinfo, queue, wexp, winfo, wfair =
+  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
 local idle_ms, channel_prefix, name = tonumber(ARGV[1]), ARGV[2], ARGV[3]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
@@ -39,7 +41,41 @@ local function prune_waiters()
     each_chunk('ZREM', wexp, gone)
     each_chunk('ZREM', queue, gone)
     each_chunk('HDEL', winfo, gone)
+    each_chunk('HDEL', wfair, gone)
   end
+end
+
+-- Fair shares (model.py's State.queue, fair, next_round). A wfair entry: round, fair key.
+local function fair_entry(info)
+  if not info then return 0, '' end
+  local r, k = string.match(info, '^(%d+)\n(.*)$')
+  return tonumber(r), k
+end
+
+-- The waiters in admission order: by ticket, or by (round, ticket) while wfair exists.
+local function in_order()
+  local members = redis.call('ZRANGE', queue, 0, -1)
+  if #members == 0 or redis.call('EXISTS', wfair) == 0 then return members end
+  local infos = each_chunk('HMGET', wfair, members, {})
+  local ranked = {}
+  for i, h in ipairs(members) do ranked[i] = {(fair_entry(infos[i])), i, h} end
+  table.sort(ranked, function(a, b)
+    if a[1] ~= b[1] then return a[1] < b[1] end
+    return a[2] < b[2]
+  end)
+  local out = {}
+  for i, r in ipairs(ranked) do out[i] = r[3] end
+  return out
+end
+
+-- The round a waiter of fair key `key` ('' for none) that queues now gets.
+local function next_round(key)
+  local r = tonumber(redis.call('HGET', config, 'round') or 0)
+  for _, info in ipairs(redis.call('HVALS', wfair)) do
+    local wr, wk = fair_entry(info)
+    if wk == key and wr > r then r = wr end
+  end
+  return r + 1
 end
 
 -- The task a holder id names ('<task id>:<random>'), or nil.
@@ -50,7 +86,12 @@ local function task_of(h) return string.match(h, '^(.*):') end
 local function admissible(limit)
   local free = limit - redis.call('ZCARD', holders)
   if free <= 0 then return {} end
-  local first, out, held = redis.call('ZRANGE', queue, 0, free - 1), {}, nil
+  local first, out, held = nil, {}, nil
+  if redis.call('EXISTS', wfair) == 1 then
+    first = {unpack(in_order(), 1, free)}
+  else
+    first = redis.call('ZRANGE', queue, 0, free - 1)
+  end
   for _, h in ipairs(first) do
     local task = task_of(h)
     if task and not held then
@@ -107,7 +148,7 @@ end
 local function keep(touched, ...)
   if not touched or now - tonumber(touched) > idle_ms * 1000 / 16 then
     redis.call('HSET', config, 'touched', int(now))
-    for _, key in ipairs({config, holders, hinfo, queue, wexp, winfo}) do
+    for _, key in ipairs({config, holders, hinfo, queue, wexp, winfo, wfair}) do
       redis.call('PEXPIRE', key, idle_ms)
     end
   else

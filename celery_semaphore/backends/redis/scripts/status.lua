@@ -1,4 +1,4 @@
--- Read-only snapshot, hiding what pruning would remove: {now, limit, declared [limit, seen]...,
+-- Read-only snapshot (waiters in admission order), hiding what pruning would remove: {now, limit, declared [limit, seen]...,
 -- holders [holder, expiry, info]..., waiters [holder, ticket, info]...}, or false when the
 -- semaphore is unknown.
 local fields = redis.call('HGETALL', config)
@@ -26,15 +26,14 @@ for i, h in ipairs(names) do
 end
 
 local waiter_list = {}
-local queued = redis.call('ZRANGE', queue, 0, -1, 'WITHSCORES')
-names = {}
-for i = 1, #queued, 2 do table.insert(names, queued[i]) end
+names = in_order()
+local tickets = each_chunk('ZMSCORE', queue, names, {})
 local expiries = each_chunk('ZMSCORE', wexp, names, {})
 infos = each_chunk('HMGET', winfo, names, {})
 for i, h in ipairs(names) do
   if tonumber(expiries[i] or 0) > now then
     table.insert(waiter_list, h)
-    table.insert(waiter_list, queued[2 * i])
+    table.insert(waiter_list, tickets[i])
     table.insert(waiter_list, infos[i] or '')
   end
 end
