@@ -292,3 +292,23 @@ def test_top_refreshes_in_place_in_a_real_terminal(redis_url, tmp_path):
         assert "celery semaphore top" not in screen()  # the alternate screen is gone
     finally:
         tmux("kill-server")
+
+
+def test_semaphore_metrics_top_is_validated_like_the_other_settings():
+    from celery import Celery
+
+    from celery_semaphore.exceptions import ConfigurationError
+    from celery_semaphore.settings import Settings
+
+    app = Celery(set_as_current=False)
+    assert Settings.from_app(app).metrics_top == 10
+    app.conf.semaphore_metrics_top = 0
+    assert Settings.from_app(app).metrics_top == 0
+    for bad in (-1, 100_001, "5", True, 2.5):
+        app.conf.semaphore_metrics_top = bad
+        try:
+            Settings.from_app(app)
+        except ConfigurationError as exc:
+            assert "semaphore_metrics_top" in str(exc)
+        else:
+            raise AssertionError(f"{bad!r} accepted")
