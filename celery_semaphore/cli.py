@@ -552,3 +552,126 @@ def workers(obj: Context, timeout: float, destination: Sequence[str], as_json: b
     replies = worker_requests(obj.app, timeout=timeout, destination=list(destination))
     human = "" if as_json else render_workers(replies, obj.parked(semaphores_of(replies)))
     _emit(as_json, replies, human)
+
+
+# -- monitoring ---------------------------------------------------------------------------
+
+
+def _parked_reader(obj: Context) -> Optional[Callable[[List[str]], Dict[str, int]]]:
+    """Parked counts per name from the app's broker; None without an app."""
+    if obj.app is None:
+        return None
+    from .waiting_room import parked_counts
+
+    app, key_prefix = obj.app, obj.settings.key_prefix
+    return lambda names: parked_counts(app, key_prefix, names)
+
+
+def _snapshot_reader(obj: Context) -> Callable[[], Any]:
+    """A function taking one :func:`.metrics.read_snapshot` of the backend (and, with -A, the
+    broker's parked counts)."""
+    from .metrics import Templates, read_snapshot
+
+    backend = obj.backend
+    templates = Templates.of_app(obj.app, obj.settings.limits)
+    parked = _parked_reader(obj)
+    return lambda: read_snapshot(backend, templates, parked)
+
+
+@semaphore.command()
+@backend_option
+@click.option("--port", type=click.IntRange(0, 65535), default=9808, show_default=True,
+              help="TCP port (0: any free port, printed at start).")
+@click.option("--address", default="127.0.0.1", show_default=True,
+              help="Address to listen on (0.0.0.0: every interface).")
+@click.option("--top", "top_n", type=click.IntRange(0, 100_000), default=None,
+              help="Keys of each template exported one by one (default: semaphore_metrics_top).")
+@click.pass_obj
+@_operational
+def exporter(obj: Context, port: int, address: str, top_n: Optional[int]) -> None:
+    """Serve Prometheus metrics of every semaphore on http://ADDRESS:PORT/metrics.
+
+    One exporter serves the whole cluster: each scrape reads the backend (state and the
+    counters it keeps) and, with -A, the broker (parked tasks). Needs prometheus_client
+    (extra [metrics]).
+    """
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        raise click.ClickException("the exporter needs prometheus_client: "
+                                   "pip install 'celery-semaphore[metrics]'") from None
+    from .metrics import Collector, Templates, serve
+
+    settings = obj.settings
+    collector = Collector(obj.backend, Templates.of_app(obj.app, settings.limits),
+                          _parked_reader(obj), settings.metrics_top if top_n is None else top_n)
+    try:
+        server = serve(collector, port, address)
+    except OSError as exc:
+        raise click.ClickException(f"cannot listen on {address}:{port}: {exc}") from None
+    click.echo(f"serving http://{address}:{server.server_port}/metrics for "
+               f"{where(obj.backend)}", err=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        server.shutdown()
+
+
+@semaphore.command()
+@backend_option
+@click.option("--interval", type=click.FloatRange(min=0, max=3600), default=2.0,
+              callback=_finite, show_default=True,
+              help="Seconds between refreshes (rates and percentiles are over it).")
+@click.option("--sort", type=click.Choice(["waiting", "held", "parked", "grants", "p99",
+                                           "name"]),
+              default="waiting", show_default=True, help="Sort column.")
+@click.option("--filter", "pattern", metavar="GLOB",
+              help="Only names (or templates) matching this glob, e.g. 'api:*'.")
+@click.option("--by-template", is_flag=True, help="One row per template (keys summed).")
+@click.option("--once", is_flag=True, help="Print one frame (rates over --interval) and exit.")
+@json_option
+@click.pass_obj
+@_operational
+def top(obj: Context, interval: float, sort: str, pattern: Optional[str], by_template: bool,
+        once: bool, as_json: bool) -> None:
+    """A live view of every semaphore: limit, held, waiting, parked, wait p50/p99 and grants
+    per second, refreshed in place (keys: s sort, r reverse, q quit). Piped, it prints one
+    frame per refresh; --once (or --json) prints one and exits."""
+    from . import top as view
+
+    if not once and not as_json and interval <= 0:
+        raise click.UsageError("--interval must be above 0 without --once")
+    read = _snapshot_reader(obj)
+    backend_where = where(obj.backend)
+    if once or as_json:
+        rows, snap = view.once(read, interval, by_template, pattern)
+        rows = view.sort_rows(rows, sort)
+        if snap.backend_error:
+            raise click.ClickException(f"semaphore backend {backend_where} failed: "
+                                       f"{snap.backend_error}")
+        if as_json:
+            click.echo(view.dump_json(view.as_json(rows, snap, backend_where, interval)))
+        else:
+            click.echo("\n".join(view.render(rows, snap, backend_where, sort,
+                                             interval=interval or None)))
+        return
+    stdout = click.get_text_stream("stdout")
+    terminal = stdout.isatty()
+    keys = sys.stdin if terminal and sys.stdin.isatty() else None
+    live = view.Live(read, backend_where, interval, sort, pattern, by_template, out=stdout,
+                     keys=keys)
+    if keys is None:
+        live.run(terminal)
+        return
+    import termios
+    import tty
+
+    saved = termios.tcgetattr(keys.fileno())
+    try:
+        tty.setcbreak(keys.fileno())
+        live.run(terminal)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        termios.tcsetattr(keys.fileno(), termios.TCSADRAIN, saved)

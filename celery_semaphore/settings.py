@@ -52,6 +52,7 @@ class Settings:
     park_on_send: bool = True
     on_full: str = "wait"
     fair_by: Optional[str] = None
+    metrics_top: int = 10
 
     @classmethod
     def from_app(cls, app: Any) -> "Settings":
@@ -215,6 +216,10 @@ def validate(key: str, field_name: str, value: Any) -> Any:
             return validate_limit(value, key)
         except InvalidLimit as exc:
             raise ConfigurationError(str(exc)) from None
+    if field_name == "metrics_top":
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 100_000:
+            raise ConfigurationError(f"{key} must be an integer from 0 to 100000, not {value!r}")
+        return value
     if field_name in ("retry_jitter", "park_on_send"):
         if not isinstance(value, bool):
             raise ConfigurationError(f"{key} must be True or False, not {value!r}")

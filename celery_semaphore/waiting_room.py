@@ -44,6 +44,9 @@ ANNOUNCE_EVERY = 1.0
 
 #: On a parked message: the semaphore it waits for.
 PARKED_HEADER = "semaphore_parked"
+#: On a copy a worker parked (absent: parked on send): counted as parked by a worker when
+#: parked, a task parked on send when a worker pulls it (:mod:`celery_semaphore.stats`).
+PARKED_BY_HEADER = "semaphore_parked_by"
 #: Unix time the task first waited for a slot (its send, when it was parked on send).
 FIRST_WAIT_HEADER = "semaphore_first_wait"
 #: On a parked message: ``[exchange, routing_key]`` it was sent to (a pulled task is given

@@ -23,6 +23,9 @@ wait_port() { # host port seconds
   return 1
 }
 
+# tmux: tests/test_monitoring.py runs `celery semaphore top` in a real terminal.
+command -v tmux >/dev/null || apt_install tmux
+
 if [ -z "${REDIS_URL:-}" ] && ! port_open 127.0.0.1 6379; then
   command -v redis-server >/dev/null || apt_install redis-server
   echo "starting redis-server on 127.0.0.1:6379"

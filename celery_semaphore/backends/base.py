@@ -52,7 +52,9 @@ import threading
 import uuid
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+
+from ..stats import SemaphoreStats
 
 Meta = Dict[str, Any]
 WakeCallback = Callable[[], None]
@@ -137,6 +139,9 @@ class SemaphoreStatus:
     declared: Dict[int, float]
     holders: Tuple[HolderInfo, ...]
     waiters: Tuple[WaiterInfo, ...]
+    #: Counters and histograms (:mod:`celery_semaphore.stats`); None from a backend that
+    #: keeps none.
+    stats: Optional[SemaphoreStats] = None
 
     @property
     def held(self) -> int:
@@ -170,6 +175,7 @@ class SemaphoreStatus:
                 {"holder": w.holder, "ticket": w.ticket, "since": w.since, "meta": w.meta}
                 for w in self.waiters
             ],
+            "stats": None if self.stats is None else self.stats.as_dict(),
         }
 
 
@@ -308,6 +314,21 @@ class Backend(abc.ABC):
 
         Fencing epochs survive where the backend can keep them, so tokens still increase.
         """
+
+    def count(self, name: str, counts: Mapping[str, int]) -> None:  # noqa: B027 - optional
+        """Add worker-side counts (:data:`celery_semaphore.stats.WORKER_COUNTERS`) to the
+        counters of ``name``, in one atomic step; nothing when the semaphore is unknown (its
+        counters went with its state). Default: this backend keeps no counters."""
+
+    def statuses(self, names: Sequence[str]) -> Dict[str, SemaphoreStatus]:
+        """:meth:`status` of each name the backend knows (unknown names are left out); backends
+        override it with one round trip for many names where they can."""
+        found = {}
+        for name in names:
+            status = self.status(name)
+            if status is not None:
+                found[name] = status
+        return found
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections and stop the notification listener."""

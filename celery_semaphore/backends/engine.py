@@ -23,7 +23,7 @@ I/O that a retry cannot undo; anything it must remember across attempts lives in
 
 from __future__ import annotations
 
-from typing import Any, Callable, ContextManager, List, Optional, TypeVar
+from typing import Any, Callable, ContextManager, Dict, List, Optional, TypeVar
 
 from ..exceptions import BackendUnavailable
 from .base import Attempt, Backend, Meta, SemaphoreStatus
@@ -138,7 +138,7 @@ class DocumentBackend(Backend):
 
     def release(self, name: str, holder: str) -> bool:
         return self._transact(
-            name, lambda txn: txn.state is not None and txn.state.release(holder)
+            name, lambda txn: txn.state is not None and txn.state.release(holder, txn.now)
         )
 
     def renew(self, name: str, holder: str, ttl: float) -> Optional[float]:
@@ -153,6 +153,9 @@ class DocumentBackend(Backend):
 
     def cancel(self, name: str, holder: str) -> None:
         self._transact(name, lambda txn: txn.state.cancel(holder) if txn.state else None)
+
+    def count(self, name: str, counts: Dict[str, int]) -> None:
+        self._transact(name, lambda txn: txn.state.add_counts(counts) if txn.state else None)
 
     def resize(self, name: str, limit: int) -> bool:
         def resize(txn: Transaction) -> bool:

@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
+from ..stats import FIRST_WAIT_META, WORKER_COUNTERS, SemaphoreStats, observe
 from .base import (
     Attempt,
     Grant,
@@ -63,6 +64,9 @@ class State:
     next_ticket: int = 1
     #: The highest fair-share round admitted so far.
     round: int = 0
+    #: Counters and histograms in the storage form of :mod:`celery_semaphore.stats`, updated
+    #: by the rules below in the same step as what they count.
+    stats: Dict[str, int] = field(default_factory=dict)
 
     # -- (de)serialization, for backends that store the state as one document ---------------
 
@@ -80,6 +84,7 @@ class State:
             "epochs": self.epochs,
             "next_ticket": self.next_ticket,
             "round": self.round,
+            "stats": self.stats,
         }
 
     @classmethod
@@ -97,6 +102,7 @@ class State:
             epochs={int(k): v for k, v in raw["epochs"].items()},
             next_ticket=raw["next_ticket"],
             round=raw.get("round", 0),
+            stats=dict(raw.get("stats") or {}),  # absent in documents stored before counters
         )
 
     # -- queries -------------------------------------------------------------------------
@@ -145,9 +151,13 @@ class State:
 
     # -- operations ----------------------------------------------------------------------
 
+    def count(self, counter: str, n: int = 1) -> None:
+        self.stats[counter] = self.stats.get(counter, 0) + n
+
     def prune(self, now: float, idle_ttl: float) -> None:
         for holder in [h for h, v in self.holders.items() if v.expires <= now]:
             del self.holders[holder]
+            self.count("expired")  # a lease reclaimed by its TTL
         for holder in [h for h, v in self.waiters.items() if v.expires <= now]:
             del self.waiters[holder]
         for limit in [k for k, seen in self.declared.items() if seen < now - idle_ttl]:
@@ -193,8 +203,13 @@ class State:
             epoch = next_epoch(self.epochs.get(slot, 0), now)
             self.epochs[slot] = epoch
             self.holders[holder] = Holder(slot, epoch, now, now + ttl, meta)
-            self.waiters.pop(holder, None)
+            queued = self.waiters.pop(holder, None)
             self.round = max(self.round, round_)
+            self.count("acquired")
+            first_wait = meta.get(FIRST_WAIT_META)
+            since = (first_wait if isinstance(first_wait, (int, float))
+                     else queued.since if queued is not None else now)
+            observe(self.stats, "wait", now - since)
             return Attempt(Grant(slot, epoch, now + ttl, ttl), limit=self.limit)
         position = None
         if wait:
@@ -207,18 +222,29 @@ class State:
             position = rank
         return Attempt(None, position, self.earliest_expiry(now), self.limit)
 
-    def release(self, holder: str) -> bool:
-        return self.holders.pop(holder, None) is not None
+    def release(self, holder: str, now: Optional[float] = None) -> bool:
+        """Free ``holder``'s slot; with ``now``, observe its hold time."""
+        gone = self.holders.pop(holder, None)
+        if gone is not None and now is not None:
+            observe(self.stats, "hold", now - gone.since)
+        return gone is not None
 
     def renew(self, holder: str, ttl: float, now: float) -> Optional[float]:
         current = self.holders.get(holder)
         if current is None:
+            self.count("lost")  # a renewal that finds its lease gone
             return None
         current.expires = now + ttl
         return current.expires
 
     def cancel(self, holder: str) -> None:
         self.waiters.pop(holder, None)
+
+    def add_counts(self, counts: Dict[str, int]) -> None:
+        """Add worker-side counts (:data:`.stats.WORKER_COUNTERS` only)."""
+        for counter, n in counts.items():
+            if counter in WORKER_COUNTERS and n > 0:
+                self.count(counter, int(n))
 
     def status(self, name: str) -> SemaphoreStatus:
         holders = sorted(self.holders.items(), key=lambda kv: kv[1].slot)
@@ -233,6 +259,7 @@ class State:
                 WaiterInfo(h, self.waiters[h].ticket, self.waiters[h].since, self.waiters[h].meta)
                 for h in self.queue()
             ),
+            stats=SemaphoreStats.from_fields(self.stats),
         )
 
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Deque, Dict, NamedTuple, Optional
 from ..backends.base import FAIR_KEY, Attempt, new_holder_id
 from ..guards import Guard
 from ..semaphore import Lease
+from ..stats import FIRST_WAIT_META
 from ..task_lease import LEASE_KEY, LeaseRecord
 from . import celery_internals
 from .waiter import Waiter, WaitState
@@ -149,7 +150,8 @@ class Admission:
         try:
             attempt = self.backend.acquire(
                 guard.name, holder, limit=guard.limit, ttl=guard.settings.lease_ttl,
-                meta=self.meta(waiter.request, guard), wait=waiter.waits,
+                meta={**self.meta(waiter.request, guard), FIRST_WAIT_META: waiter.first_wait},
+                wait=waiter.waits,
             )
         except Exception as exc:
             answer = Answer(holder, None, exc, requested_at)

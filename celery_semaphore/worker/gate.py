@@ -36,6 +36,7 @@ from .parking import ParkingLot
 from .release import Releases
 from .reporting import Reporting
 from .requeue import Requeue
+from .tally import Tally
 from .threads import RETRY_FIRST, RETRY_MAX, LoopCaller
 
 logger = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ class Gate:
         self.requeue = Requeue(self)
         self.parking = ParkingLot(self)
         self.reporting = Reporting(self)
+        self.tally = Tally(self)
         self.original: Callable[[Any], Any] = consumer.on_task_request
         consumer.on_task_request = self.on_task_request
         self._on_connection_lost = consumer.on_connection_error_after_connected
@@ -182,6 +184,7 @@ class Gate:
         self.releases.release_all()
         self.state = GateState.CLOSED
         self.io.call(self.parking.close)  # after the acks and rejects already on their way
+        self.io.call(self.tally.flush)
         self.io.stop()
         close_all()  # this process's backends: wake-up listeners, connections, socket files
 

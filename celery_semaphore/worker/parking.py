@@ -46,6 +46,7 @@ from ..waiting_room import (
     DOORBELL_EVERY,
     DOORBELL_HEADER,
     FIRST_WAIT_HEADER,
+    PARKED_BY_HEADER,
     PARKED_HEADER,
     ROUTE_HEADER,
     lane_of,
@@ -210,6 +211,7 @@ class ParkingLot:
         request.acknowledge()
         celery_internals.task_ready(request)
         self.parked_total[semaphore_of(name)] += 1
+        self.gate.tally.add(semaphore_of(name), "parked_worker")
         self._track(waiter)
         self.gate.admission.pump()
         self._know(name)
@@ -268,6 +270,9 @@ class ParkingLot:
             return
         if messages:
             self.pulled_total[semaphore_of(name)] += len(messages)
+            sent = sum(1 for m in messages if PARKED_BY_HEADER not in (m.headers or {}))
+            if sent:  # parked on send: counted when first pulled
+                self.gate.tally.add(semaphore_of(name), "parked_send", sent)
         for message in messages:
             self._deliver(message)
         if (messages and not empty) or (empty and semaphore_of(name) in self.lanes):
@@ -325,6 +330,7 @@ class ParkingLot:
             publish_copy(Producer(queue.channel, auto_declare=False), waiter.request, "",
                          queue.name, {PARKED_HEADER: name,
                                       FIRST_WAIT_HEADER: waiter.first_wait,
+                                      PARKED_BY_HEADER: "worker",
                                       ROUTE_HEADER: route,
                                       "eta": None},  # it was due already
                          delivery_mode=2)

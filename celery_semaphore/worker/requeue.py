@@ -76,13 +76,14 @@ class Requeue:
         except Exception as exc:
             logger.warning("celery-semaphore: requeue of %s failed, rejecting for redelivery: %s",
                            request.id, exc)
-            self.gate.loop.post(self._settle, request, False)
+            self.gate.loop.post(self._settle, waiter, False)
             return
-        self.gate.loop.post(self._settle, request, True)
+        self.gate.loop.post(self._settle, waiter, True)
 
-    @staticmethod
-    def _settle(request: Any, republished: bool) -> None:
+    def _settle(self, waiter: Waiter, republished: bool) -> None:
+        request = waiter.request
         if republished:
+            self.gate.tally.add(waiter.guard.name, "requeued")
             request.acknowledge()
         else:
             request.reject(requeue=True)

@@ -21,13 +21,14 @@ from typing import Any, Dict, Optional, Set
 from ..guards import Guard
 from ..scheduler import Timer
 from ..task_lease import LEASE_KEY
-from ..waiting_room import FIRST_WAIT_HEADER, PARKED_HEADER, ROUTE_HEADER
+from ..waiting_room import FIRST_WAIT_HEADER, PARKED_BY_HEADER, PARKED_HEADER, ROUTE_HEADER
 
 #: Message header the gate writes when it requeues a request (see :mod:`..waiting_room` for
 #: the first-wait time and the parked mark).
 REQUEUES_HEADER = "semaphore_requeues"
 #: What the gate adds to a request; kept out of messages the task publishes (``self.retry``).
-GATE_HEADERS = (REQUEUES_HEADER, FIRST_WAIT_HEADER, PARKED_HEADER, ROUTE_HEADER, LEASE_KEY)
+GATE_HEADERS = (REQUEUES_HEADER, FIRST_WAIT_HEADER, PARKED_HEADER, PARKED_BY_HEADER,
+                ROUTE_HEADER, LEASE_KEY)
 
 
 class WaitState(enum.Enum):

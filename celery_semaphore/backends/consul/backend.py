@@ -372,7 +372,7 @@ class ConsulBackend(DocumentBackend):
     def release(self, name: str, holder: str) -> bool:
         def release(txn: Transaction) -> bool:
             assert isinstance(txn, ConsulTransaction)
-            if txn.state is None or not txn.state.release(holder):
+            if txn.state is None or not txn.state.release(holder, txn.now):
                 return False
             txn.spare.add(txn.sessions[holder])  # for our next waiter on this name
             return True
@@ -388,10 +388,14 @@ class ConsulBackend(DocumentBackend):
     def renew(self, name: str, holder: str, ttl: float) -> Optional[float]:
         def renew(txn: Transaction) -> Optional[float]:
             assert isinstance(txn, ConsulTransaction)
-            if txn.state is None or holder not in txn.state.holders:
+            if txn.state is None:
+                return None
+            if holder not in txn.state.holders:
+                txn.state.count("lost")  # a renewal that finds its lease gone
                 return None
             if not self.sessions.renew(txn.sessions[holder]):
                 txn.state.release(holder)  # Consul invalidated the session: the lease is lost
+                txn.state.count("lost")
                 return None
             return txn.state.renew(holder, ttl, txn.now)
 

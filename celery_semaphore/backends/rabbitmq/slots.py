@@ -184,7 +184,7 @@ class SlotQueueBackend(RabbitBackend):
 
     def _release_here(self, name: str, holder: str) -> bool:
         released = self._transact(
-            name, lambda txn: txn.state is not None and txn.state.release(holder)
+            name, lambda txn: txn.state is not None and txn.state.release(holder, txn.now)
         )
         hand = self._hands.get((name, holder))
         if hand is not None:
@@ -200,6 +200,7 @@ class SlotQueueBackend(RabbitBackend):
         hand = self._hands.get((name, holder))
         if hand is not None and hand.lost:
             self._release_here(name, holder)
+            self._transact(name, lambda txn: txn.state.count("lost") if txn.state else None)
             return None
         expiry = self._transact(
             name, lambda txn: txn.state.renew(holder, ttl, txn.now) if txn.state else None

@@ -339,7 +339,7 @@ class TokenBackend(RabbitBackend):
 
     def _release_here(self, name: str, holder: str) -> bool:
         released, tokens = self._with_tokens(
-            name, lambda txn: txn.state.release(holder), False
+            name, lambda txn: txn.state.release(holder, txn.now), False
         )
         hand = self._hands.get((name, holder))
         if hand is not None:
@@ -361,6 +361,7 @@ class TokenBackend(RabbitBackend):
         hand = self._hands.get((name, holder))
         if hand is not None and hand.lost:  # the broker took the token back
             self._release_here(name, holder)
+            self._transact(name, lambda txn: txn.state.count("lost") if txn.state else None)
             return None
         expiry, tokens = self._with_tokens(
             name, lambda txn: txn.state.renew(holder, ttl, txn.now), None

@@ -53,13 +53,14 @@ import os
 import socket
 import threading
 import time
-from typing import Any, Callable, Dict, List, NoReturn, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, NoReturn, Optional, Sequence, Tuple
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from ... import stats
 from ...exceptions import BackendUnavailable, ConfigurationError
 from ...urls import check_url, mask_url
 from ..base import (
@@ -81,7 +82,8 @@ logger = logging.getLogger(__name__)
 _SCRIPTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
 #: The keys of one semaphore, in the order the scripts receive them (see scripts/prelude.lua).
 KEY_SUFFIXES = ("config", "holders", "hinfo", "queue", "wexp", "winfo", "wfair")
-_SCRIPTS = ("acquire", "release", "renew", "cancel", "resize", "status", "reset", "verify")
+_SCRIPTS = ("acquire", "release", "renew", "cancel", "resize", "status", "reset", "verify",
+            "count")
 #: Errors that mean "Redis cannot serve us now". ReadOnlyError: a failover left us on a replica;
 #: OutOfMemoryError: maxmemory reached with a no-eviction policy; NoPermissionError: an ACL
 #: that does not allow our commands. A ``BUSY`` reply (another client's script overran) too.
@@ -111,7 +113,8 @@ def _sources() -> Dict[str, Tuple[str, str]]:
         with open(os.path.join(_SCRIPTS_DIR, f"{name}.lua")) as f:
             return f.read()
 
-    prelude = read("prelude")
+    buckets = ", ".join(str(int(bound * 1e6)) for bound in stats.BUCKETS)
+    prelude = f"local STAT_BUCKETS = {{{buckets}}}\n" + read("prelude")
     sources = {name: prelude + "\n" + read(name) for name in _SCRIPTS}
     return {name: (source, hashlib.sha1(source.encode()).hexdigest())
             for name, source in sources.items()}
@@ -299,11 +302,43 @@ class RedisBackend(Backend):
     def resize(self, name: str, limit: int) -> bool:
         return self._call("resize", name, int(limit)) == 1
 
+    def count(self, name: str, counts: Mapping[str, int]) -> None:
+        pairs = [x for counter, n in counts.items() if n > 0 for x in (counter, int(n))]
+        if pairs:
+            self._call("count", name, *pairs)
+
+    def statuses(self, names: Sequence[str]) -> Dict[str, SemaphoreStatus]:
+        """One pipeline per 500 names; on a Redis Cluster (redis-py refuses EVALSHA in a
+        cluster pipeline) one script call per name."""
+        if self.kind == deployments.CLUSTER:
+            return super().statuses(names)
+        found: Dict[str, SemaphoreStatus] = {}
+        source, sha = _sources()["status"]
+        if names:  # a pipeline cannot fall back to EVAL: load the script (on every master)
+            self._riding(lambda: self.client.script_load(source))
+        for start in range(0, len(names), 500):
+            chunk = list(names[start:start + 500])
+
+            def run(chunk: List[str] = chunk) -> List[Any]:
+                pipe = self.client.pipeline(transaction=False)
+                for name in chunk:
+                    pipe.evalsha(sha, len(KEY_SUFFIXES), *self._keys(name),
+                                 self._idle_ms, self._channel_prefix, name)
+                return pipe.execute()
+
+            for name, reply in zip(chunk, self._riding(run)):
+                status = self._status_of(name, reply)
+                if status is not None:
+                    found[name] = status
+        return found
+
     def status(self, name: str) -> Optional[SemaphoreStatus]:
-        reply = self._call("status", name)
+        return self._status_of(name, self._call("status", name))
+
+    def _status_of(self, name: str, reply: Any) -> Optional[SemaphoreStatus]:
         if not reply:
             return None
-        _, limit, declared, holders, waiters = reply
+        _, limit, declared, holders, waiters, counters = reply
         holder_infos = []
         for holder, expires, info in zip(holders[0::3], holders[1::3], holders[2::3]):
             slot, epoch, since, meta = info.split("\n", 3)
@@ -321,6 +356,7 @@ class RedisBackend(Backend):
             declared={int(k): int(v) / 1e6 for k, v in zip(declared[0::2], declared[1::2])},
             holders=tuple(sorted(holder_infos, key=lambda h: h.slot)),
             waiters=tuple(waiter_infos),  # the script returns them in admission order
+            stats=stats.SemaphoreStats.from_fields(dict(zip(counters[0::2], counters[1::2]))),
         )
 
     def names(self) -> List[str]:

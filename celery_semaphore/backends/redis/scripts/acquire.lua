@@ -70,6 +70,13 @@ if count + rank < limit and not twin then
     'e:' .. slot, int(epoch))
   redis.call('ZADD', holders, int(now + ttl), holder)
   redis.call('HSET', hinfo, holder, slot .. '\n' .. int(epoch) .. '\n' .. int(now) .. '\n' .. meta)
+  -- the wait: from the caller's first wait (meta), else from its entry in the queue
+  local since = tonumber(string.match(meta, '"first_wait":([%d%.]+)') or '')
+  if since then since = since * 1000000
+  elseif queued then since = tonumber(string.match(redis.call('HGET', winfo, holder), '\n(%d+)'))
+  else since = now end
+  stat('acquired', 1)
+  observe('wait', now - since)
   if queued then
     redis.call('ZREM', queue, holder)
     redis.call('ZREM', wexp, holder)

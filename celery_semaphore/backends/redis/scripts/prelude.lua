@@ -18,6 +18,21 @@ local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 -- Lua formats numbers with 14 significant digits; microsecond times need 16.
 local function int(x) return string.format('%d', x) end
 
+-- Counters and histograms (celery_semaphore/stats.py): fields 's:<name>' of config, changed in
+-- the same script as what they count. STAT_BUCKETS (bucket bounds, us) is prepended at load
+-- time from stats.BUCKETS. Only called where config exists (a HINCRBY would create it with
+-- no TTL).
+local function stat(field, n) redis.call('HINCRBY', config, 's:' .. field, n) end
+local function observe(histogram, us)
+  if us < 0 then us = 0 end
+  local index = #STAT_BUCKETS
+  for i, bound in ipairs(STAT_BUCKETS) do
+    if us <= bound then index = i - 1 break end
+  end
+  redis.call('HINCRBY', config, 's:' .. histogram .. ':' .. index, 1)
+  redis.call('HINCRBY', config, 's:' .. histogram .. '_sum', int(us))
+end
+
 -- Run a variadic command over many members without overflowing Lua's stack.
 local function each_chunk(command, key, members, out)
   for i = 1, #members, 500 do
@@ -32,6 +47,7 @@ local function prune_holders()
   if #dead > 0 then
     each_chunk('ZREM', holders, dead)
     each_chunk('HDEL', hinfo, dead)
+    if redis.call('EXISTS', config) == 1 then stat('expired', #dead) end
   end
 end
 

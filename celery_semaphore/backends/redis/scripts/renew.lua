@@ -6,6 +6,8 @@ if redis.call('ZSCORE', holders, ARGV[4]) then
   result = now + tonumber(ARGV[5])
   redis.call('ZADD', holders, 'XX', int(result), ARGV[4])
   keep(redis.call('HGET', config, 'touched'))
+elseif redis.call('EXISTS', config) == 1 then
+  stat('lost', 1)  -- a renewal that finds its lease gone
 end
 wake(before)
 return result

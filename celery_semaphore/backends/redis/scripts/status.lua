@@ -37,4 +37,19 @@ for i, h in ipairs(names) do
     table.insert(waiter_list, infos[i] or '')
   end
 end
-return {int(now), limit, declared_list, holder_list, waiter_list}
+-- counters: the 's:' fields of config, with the leases expired but not pruned yet
+local stat_list = {}
+local expired = redis.call('ZCOUNT', holders, '-inf', int(now))
+for i = 1, #fields, 2 do
+  if string.sub(fields[i], 1, 2) == 's:' then
+    local value = fields[i + 1]
+    if fields[i] == 's:expired' then value = int(tonumber(value) + expired); expired = 0 end
+    table.insert(stat_list, string.sub(fields[i], 3))
+    table.insert(stat_list, value)
+  end
+end
+if expired > 0 then
+  table.insert(stat_list, 'expired')
+  table.insert(stat_list, int(expired))
+end
+return {int(now), limit, declared_list, holder_list, waiter_list, stat_list}

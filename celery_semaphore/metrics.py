@@ -1,0 +1,279 @@
+"""The cluster's semaphores as metrics: one snapshot read from the backend (and the broker, for
+parked tasks) at scrape time, for Prometheus (:class:`Collector`, ``celery semaphore
+exporter``) and the live view (:mod:`celery_semaphore.top`).
+
+Nothing is counted here: counters and histograms are the backend's
+(:mod:`celery_semaphore.stats`), so any number of exporters (or none) and any worker restart
+give the same figures.
+
+Cardinality: a template (``"api:{customer_id}"``, known from the app's tasks and
+``semaphore_limits``) is exported as one series per metric, labelled ``semaphore`` and
+``template`` with the template itself, summing all its keys; the ``top`` keys with the most
+waiting of each template also get ``celery_semaphore_key_*`` gauges. A name that fills no
+template is its own series (``template=""``). So ``sum(celery_semaphore_held)`` counts every
+holder once, whatever the number of keys.
+
+Parked counts are asked of the broker (one passive declare per name) for every plain
+semaphore and, for templates, only for keys that are full or have waiters: asking every idle
+key of 100,000 would cost as many broker round trips per scrape.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence
+
+from .backends.base import Backend, SemaphoreStatus
+from .stats import SemaphoreStats, total
+
+#: Default number of keys per template exported one by one (``semaphore_metrics_top``).
+DEFAULT_TOP = 10
+
+
+@dataclass
+class Row:
+    """One semaphore (or, in :meth:`Snapshot.grouped`, one template's keys summed)."""
+
+    name: str
+    template: str  # "" for a name that fills no template
+    limit: int
+    held: int
+    waiting: int  # in the backend's queue (each such request is held by a worker)
+    parked: Optional[int]  # in the broker's waiting room; None: not asked or unknown
+    stats: SemaphoreStats
+    keys: int = 1
+
+    @property
+    def waiting_total(self) -> int:
+        return self.waiting + (self.parked or 0)
+
+
+@dataclass
+class Snapshot:
+    taken_at: float  # time.monotonic()
+    rows: List[Row]
+    backend_error: Optional[str] = None
+    broker_error: Optional[str] = None
+    seconds: float = 0.0  # how long reading it took
+
+    def grouped(self) -> List[Row]:
+        """Plain semaphores as they are, each template's keys summed into one row."""
+        plain = [r for r in self.rows if not r.template]
+        by_template: Dict[str, List[Row]] = {}
+        for row in self.rows:
+            if row.template:
+                by_template.setdefault(row.template, []).append(row)
+        for template, rows in sorted(by_template.items()):
+            parked = [r.parked for r in rows if r.parked is not None]
+            plain.append(Row(template, template, sum(r.limit for r in rows),
+                             sum(r.held for r in rows), sum(r.waiting for r in rows),
+                             sum(parked) if parked else None, total(r.stats for r in rows),
+                             keys=len(rows)))
+        return plain
+
+    def top_keys(self, n: int) -> List[Row]:
+        """The ``n`` keys of each template with the most waiting (then held), per template."""
+        by_template: Dict[str, List[Row]] = {}
+        for row in self.rows:
+            if row.template:
+                by_template.setdefault(row.template, []).append(row)
+        out: List[Row] = []
+        for rows in by_template.values():
+            rows.sort(key=lambda r: (-r.waiting_total, -r.held, r.name))
+            out += [r for r in rows[:n] if r.waiting_total or r.held]
+        return out
+
+
+class Templates:
+    """Which template a concrete semaphore name fills (the most specific one wins)."""
+
+    def __init__(self, templates: Iterable[str]) -> None:
+        self.patterns = []
+        for template in sorted(set(templates)):
+            parts = list(string.Formatter().parse(template))
+            if not any(field is not None for _, field, _, _ in parts):
+                continue
+            regex = "".join(re.escape(literal) + ("(.+?)" if field is not None else "")
+                            for literal, field, _, _ in parts)
+            literal_length = sum(len(literal) for literal, _, _, _ in parts)
+            self.patterns.append((literal_length, template, re.compile(f"^{regex}$", re.S)))
+        self.patterns.sort(key=lambda p: -p[0])
+
+    def of(self, name: str) -> str:
+        for _, template, pattern in self.patterns:
+            if pattern.match(name):
+                return template
+        return ""
+
+    @classmethod
+    def of_app(cls, app: Any, limits: Optional[Dict[str, int]] = None) -> "Templates":
+        """The templates of ``app``'s guarded tasks and of ``semaphore_limits``."""
+        found = [k for k in (limits or {}) if "{" in k]
+        if app is not None:
+            for task in list(app.tasks.values()):
+                template = getattr(task, "semaphore", None)
+                if isinstance(template, str) and "{" in template:
+                    found.append(template)
+        return cls(found)
+
+
+ParkedReader = Callable[[List[str]], Dict[str, int]]
+
+
+def read_snapshot(backend: Backend, templates: Templates,
+                  parked: Optional[ParkedReader] = None) -> Snapshot:
+    """Every semaphore the backend knows, with its counters and (with ``parked``) the tasks
+    parked for it. Never raises: a backend or broker that fails is named in the snapshot."""
+    started = time.monotonic()
+    try:
+        statuses = backend.statuses(backend.names())
+    except Exception as exc:
+        return Snapshot(started, [], backend_error=f"{type(exc).__name__}: {exc}",
+                        seconds=time.monotonic() - started)
+    rows = [_row(status, templates.of(name)) for name, status in statuses.items()]
+    broker_error = None
+    if parked is not None:
+        ask = [r.name for r in rows if not r.template or r.held >= r.limit or r.waiting]
+        try:
+            counts = parked(ask) if ask else {}
+        except Exception as exc:
+            broker_error = f"{type(exc).__name__}: {exc}"
+            counts = {}
+        asked = set(ask)
+        for row in rows:  # None: not asked (an idle template key), or the broker failed
+            row.parked = counts.get(row.name) if row.name in asked else None
+    return Snapshot(started, rows, broker_error=broker_error,
+                    seconds=time.monotonic() - started)
+
+
+def _row(status: SemaphoreStatus, template: str) -> Row:
+    return Row(status.name, template, status.limit, status.held, status.waiting, None,
+               status.stats or SemaphoreStats())
+
+
+# -- Prometheus ------------------------------------------------------------------------------
+
+#: name -> (type, help) of every metric the exporter serves (the Grafana test checks against
+#: this table, the README lists it).
+METRICS = {
+    "celery_semaphore_up": ("gauge", "1 when the semaphore backend answered this scrape"),
+    "celery_semaphore_broker_up": ("gauge", "1 when the broker answered for parked counts"),
+    "celery_semaphore_scrape_duration_seconds": ("gauge", "Seconds this scrape took"),
+    "celery_semaphore_keys": ("gauge", "Semaphores (keys) the backend knows, per template"),
+    "celery_semaphore_limit": ("gauge", "Stored limit (a template: summed over its keys)"),
+    "celery_semaphore_held": ("gauge", "Leases held now"),
+    "celery_semaphore_waiting": ("gauge", "Requests waiting now: where=worker (in the "
+                                          "backend's queue, held by a worker), where=parked "
+                                          "(in the broker's waiting room)"),
+    "celery_semaphore_acquired_total": ("counter", "Slots granted"),
+    "celery_semaphore_expired_total": ("counter", "Leases reclaimed by their TTL"),
+    "celery_semaphore_lost_total": ("counter", "Renewals that found their lease gone"),
+    "celery_semaphore_requeued_total": ("counter", "Requests requeued with a backoff (the "
+                                                   "waiting room refused them)"),
+    "celery_semaphore_parked_total": ("counter", "Tasks parked in the waiting room: by=worker "
+                                                 "(when parked), by=send (when first pulled)"),
+    "celery_semaphore_wait_seconds": ("histogram", "From a task's first wait to its grant, "
+                                                   "across parking and requeues"),
+    "celery_semaphore_hold_seconds": ("histogram", "From grant to release (expired leases: "
+                                                   "not observed, see expired_total)"),
+    "celery_semaphore_key_limit": ("gauge", "Limit of one template key (the top keys)"),
+    "celery_semaphore_key_held": ("gauge", "Leases held of one template key (the top keys)"),
+    "celery_semaphore_key_waiting": ("gauge", "Waiting for one template key (the top keys)"),
+}
+
+
+class Collector:
+    """A ``prometheus_client`` custom collector: each scrape reads one :func:`read_snapshot`.
+
+    ``top``: keys of each template exported one by one (``celery_semaphore_key_*``).
+    """
+
+    def __init__(self, backend: Backend, templates: Templates,
+                 parked: Optional[ParkedReader] = None, top: int = DEFAULT_TOP) -> None:
+        self.backend = backend
+        self.templates = templates
+        self.parked = parked
+        self.top = top
+
+    def describe(self) -> Sequence[Any]:
+        return []  # no fixed series: the registry must not collect at registration
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+        )
+
+        snap = read_snapshot(self.backend, self.templates, self.parked)
+
+        def family(name: str, labels: Sequence[str]) -> Any:
+            kind, doc = METRICS[name]
+            cls = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily,
+                   "histogram": HistogramMetricFamily}[kind]
+            return cls(name, doc, labels=list(labels))
+
+        up = family("celery_semaphore_up", [])
+        up.add_metric([], 0 if snap.backend_error else 1)
+        yield up
+        if self.parked is not None:
+            broker_up = family("celery_semaphore_broker_up", [])
+            broker_up.add_metric([], 0 if snap.broker_error else 1)
+            yield broker_up
+        labels = ("semaphore", "template")
+        keys = family("celery_semaphore_keys", ["template"])
+        limit, held = family("celery_semaphore_limit", labels), family("celery_semaphore_held",
+                                                                       labels)
+        waiting = family("celery_semaphore_waiting", labels + ("where",))
+        counters = {c: family(f"celery_semaphore_{c}_total", labels)
+                    for c in ("acquired", "expired", "lost", "requeued")}
+        parked_total = family("celery_semaphore_parked_total", labels + ("by",))
+        wait = family("celery_semaphore_wait_seconds", labels)
+        hold = family("celery_semaphore_hold_seconds", labels)
+        per_template: Dict[str, int] = {}
+        for row in snap.rows:
+            per_template[row.template] = per_template.get(row.template, 0) + 1
+        for template, count in sorted(per_template.items()):
+            keys.add_metric([template], count)
+        for row in snap.grouped():
+            ids = [row.name, row.template]
+            limit.add_metric(ids, row.limit)
+            held.add_metric(ids, row.held)
+            waiting.add_metric(ids + ["worker"], row.waiting)
+            if row.parked is not None:
+                waiting.add_metric(ids + ["parked"], row.parked)
+            for counter, metric in counters.items():
+                metric.add_metric(ids, row.stats[counter])
+            parked_total.add_metric(ids + ["worker"], row.stats["parked_worker"])
+            parked_total.add_metric(ids + ["send"], row.stats["parked_send"])
+            wait.add_metric(ids, list(row.stats.wait.cumulative()), row.stats.wait.total)
+            hold.add_metric(ids, list(row.stats.hold.cumulative()), row.stats.hold.total)
+        yield from (keys, limit, held, waiting, *counters.values(), parked_total, wait, hold)
+        key_limit = family("celery_semaphore_key_limit", labels)
+        key_held = family("celery_semaphore_key_held", labels)
+        key_waiting = family("celery_semaphore_key_waiting", labels + ("where",))
+        for row in snap.top_keys(self.top):
+            ids = [row.name, row.template]
+            key_limit.add_metric(ids, row.limit)
+            key_held.add_metric(ids, row.held)
+            key_waiting.add_metric(ids + ["worker"], row.waiting)
+            if row.parked is not None:
+                key_waiting.add_metric(ids + ["parked"], row.parked)
+        yield from (key_limit, key_held, key_waiting)
+        duration = family("celery_semaphore_scrape_duration_seconds", [])
+        duration.add_metric([], snap.seconds)
+        yield duration
+
+
+def serve(collector: Collector, port: int, address: str) -> Any:
+    """Serve ``/metrics`` for ``collector`` on ``address:port`` (0: any free port) from a
+    daemon thread; return the HTTP server (``server_port``, ``shutdown()``)."""
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    server, _thread = start_http_server(port, addr=address, registry=registry)
+    return server
