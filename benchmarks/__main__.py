@@ -94,7 +94,7 @@ def plots(data, out: str) -> None:
     fig.tight_layout()
     fig.savefig(os.path.join(out, "backends.png"), dpi=110)
 
-    rows = [r for r in data["workload"] if r["workload"] != "W3"]
+    rows = [r for r in data["workload"] if "utilization" in r]  # W3 and W5 have no utilization
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     labels = [f"{r['workload']} {r['tasks']}\n{r['setup']}" for r in rows]
     left.barh(labels, [r["utilization"] for r in rows], color="#55a868")

@@ -311,3 +311,34 @@ def test_workers_on_the_sentinel_backend_go_on_when_the_master_dies(sentinels, r
         assert wait_until(lambda: cluster.held("images") == 0, timeout=10)
     finally:
         cluster.stop()
+
+
+@pytest.mark.slow
+def test_workers_on_the_cluster_backend_go_on_when_a_master_dies(cluster, redis_url, tmp_path):
+    """2 prefork workers (4 processes each) on the Redis Cluster backend run guarded tasks of
+    one semaphore (limit 2) and of a template over three customers (limit 1 each, on several
+    masters); the master serving the first semaphore is killed mid-run. Every task runs,
+    never over a limit and never one twice at once, by the probe file the task bodies write."""
+    from tests.test_worker import Cluster
+
+    workers = Cluster(str(tmp_path), redis_url, servers.redis_broker(redis_url), cluster.url)
+    probe = FileProbe(workers.env["CS_PROBE"])
+    try:
+        guarded, per_customer = workers.task("guarded"), workers.task("per_customer")
+        results = [guarded.delay(f"t{i}", 0.1) for i in range(30)]
+        results += [per_customer.delay(c, f"c{i}", 0.05) for i in range(5) for c in (1, 2, 3)]
+        assert wait_until(lambda: sum(probe.completed("guarded:").values()) >= 6, timeout=30)
+        serving = cluster.master_of(workers.backend.key_names("images")["config"])
+        cluster.kill(serving)
+        done_at_kill = sum(probe.completed("guarded:").values())
+        for result in results:
+            result.get(timeout=90)
+        assert done_at_kill < 30, "the run ended before the master died"
+        assert set(probe.completed("guarded:")) == {f"guarded:t{i}" for i in range(30)}
+        assert probe.max_concurrent("guarded:") <= 2
+        for customer in (1, 2, 3):
+            assert probe.max_concurrent(f"customer-{customer}:") == 1
+        assert probe.run_twice_at_once("guarded:") == []
+        assert wait_until(lambda: workers.held("images") == 0, timeout=10)
+    finally:
+        workers.stop()

@@ -35,6 +35,8 @@ class Answer(NamedTuple):
     attempt: Optional[Attempt]
     error: Optional[BaseException]
     requested_at: float
+    #: The waiter's attempt number it answers (:attr:`.Waiter.attempts_sent`).
+    sent: int = 0
 
 
 class Admission:
@@ -133,8 +135,9 @@ class Admission:
         if waiter.first_sent is None:
             waiter.first_sent = now
         waiter.last_sent = now + delay
+        waiter.attempts_sent += 1
         waiter.next_attempt = self.gate.io.call(self._acquire, waiter, waiter.holder,
-                                                delay=delay)
+                                                waiter.attempts_sent, delay=delay)
 
     def _watch(self, waiter: Waiter, holder: str) -> None:  # I/O thread
         self.backend.watch(waiter.guard.name, holder,
@@ -144,7 +147,7 @@ class Admission:
         if waiter.state is WaitState.QUEUED and waiter.holder == holder:
             self._send(waiter)
 
-    def _acquire(self, waiter: Waiter, holder: str) -> None:  # I/O thread
+    def _acquire(self, waiter: Waiter, holder: str, sent: int) -> None:  # I/O thread
         guard = waiter.guard
         requested_at = time.monotonic()
         try:
@@ -154,15 +157,21 @@ class Admission:
                 wait=waiter.waits,
             )
         except Exception as exc:
-            answer = Answer(holder, None, exc, requested_at)
+            answer = Answer(holder, None, exc, requested_at, sent)
         else:
-            answer = Answer(holder, attempt, None, requested_at)
+            answer = Answer(holder, attempt, None, requested_at, sent)
         self.gate.loop.post(self._answered, waiter, answer)
 
     def _answered(self, waiter: Waiter, answer: Answer) -> None:
         current = waiter.holder == answer.holder
         if waiter.state is not WaitState.QUEUED or not current:
             self._late_answer(waiter, answer, current)
+            return
+        if answer.sent != waiter.attempts_sent and (answer.attempt is None
+                                                    or answer.attempt.grant is None):
+            # A newer attempt is on its way (a wake-up sent it after this one was made):
+            # its answer decides. Rescheduling from this one would cancel it, and the
+            # waiter would sleep a poll interval through the slot it was woken for.
             return
         settings = waiter.guard.settings
         if answer.error is not None:

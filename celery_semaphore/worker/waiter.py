@@ -65,6 +65,8 @@ class Waiter:
     next_attempt: Optional[Timer] = None
     #: Monotonic time the first acquire was sent (None: it never reached the backend).
     first_sent: Optional[float] = None
+    #: Acquire attempts sent so far; an answer to an older one than the last is stale.
+    attempts_sent: int = 0
     last_sent: float = 0.0
     backend_down: bool = False
     #: Pulled from the parking queue: its message is acked on the parking channel, and it
