@@ -19,7 +19,7 @@ from .exceptions import (
     UnknownSemaphore,
 )
 from .guards import task
-from .semaphore import Lease, Semaphore
+from .semaphore import Lease, LeaseGroup, Semaphore, acquire_all, try_acquire_all
 from .task_lease import current_lease
 
 
@@ -41,6 +41,7 @@ __all__ = [
     "InvalidLimit",
     "InvalidName",
     "Lease",
+    "LeaseGroup",
     "LeaseLost",
     "NotHeld",
     "Semaphore",
@@ -50,7 +51,9 @@ __all__ = [
     "SemaphoreTimeout",
     "UnknownBackend",
     "UnknownSemaphore",
+    "acquire_all",
     "current_lease",
     "install",
     "task",
+    "try_acquire_all",
 ]
