@@ -20,7 +20,7 @@ from .exceptions import (
 )
 from .guards import task
 from .semaphore import Lease, LeaseGroup, Semaphore, acquire_all, try_acquire_all
-from .task_lease import current_lease
+from .task_lease import current_lease, current_leases
 
 
 def install(app: Any) -> Any:
@@ -53,6 +53,7 @@ __all__ = [
     "UnknownSemaphore",
     "acquire_all",
     "current_lease",
+    "current_leases",
     "install",
     "task",
     "try_acquire_all",
