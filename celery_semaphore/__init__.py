@@ -19,8 +19,8 @@ from .exceptions import (
     UnknownSemaphore,
 )
 from .guards import task
-from .semaphore import Lease, Semaphore
-from .task_lease import current_lease
+from .semaphore import Lease, LeaseGroup, Semaphore, acquire_all, try_acquire_all
+from .task_lease import current_lease, current_leases
 
 
 def install(app: Any) -> Any:
@@ -41,6 +41,7 @@ __all__ = [
     "InvalidLimit",
     "InvalidName",
     "Lease",
+    "LeaseGroup",
     "LeaseLost",
     "NotHeld",
     "Semaphore",
@@ -50,7 +51,10 @@ __all__ = [
     "SemaphoreTimeout",
     "UnknownBackend",
     "UnknownSemaphore",
+    "acquire_all",
     "current_lease",
+    "current_leases",
     "install",
     "task",
+    "try_acquire_all",
 ]

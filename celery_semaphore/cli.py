@@ -204,6 +204,21 @@ def _where_waiting(request: Mapping[str, Any]) -> str:
     return f"position {request['position']} at its last try"
 
 
+def _names(request: Mapping[str, Any]) -> str:
+    """The request's semaphore, or all of them (a task under several), the one it waits for
+    first: ``api:7 (+api)``."""
+    first = request["semaphore"]
+    others = [n for n in request.get("semaphores") or () if n != first]
+    return f"{first} (+{', '.join(others)})" if others else first
+
+
+def _tokens(held: Mapping[str, Any]) -> str:
+    tokens = held.get("tokens") or {}
+    if len(tokens) > 1:
+        return "tokens " + " ".join(f"{name}={token}" for name, token in tokens.items())
+    return f"token {held['token']}"
+
+
 def render_workers(replies: Mapping[str, Any],
                    parked_now: Optional[Mapping[str, int]] = None) -> str:
     """``parked_now``: name -> tasks in its parking queue on the broker now."""
@@ -222,9 +237,9 @@ def render_workers(replies: Mapping[str, Any],
                      f"({queued} in the backend's queue, {len(waiting) - queued} in the "
                      f"worker's own line); since it started: {sum(parked.values())} parked, "
                      f"{sum(pulled.values())} pulled back")
-        rows += [(worker, "held", h["semaphore"], h["id"], h.get("task", "-"),
-                  f"token {h['token']}") for h in held]
-        rows += [(worker, "waiting", w["semaphore"], w["id"], w.get("task", "-"),
+        rows += [(worker, "held", _names(h), h["id"], h.get("task", "-"),
+                  _tokens(h)) for h in held]
+        rows += [(worker, "waiting", _names(w), w["id"], w.get("task", "-"),
                   f"{_where_waiting(w)}, waited {w.get('waited', 0):.1f}s") for w in waiting]
     if rows:
         lines += [""] + table(("WORKER", "STATE", "SEMAPHORE", "TASK ID", "TASK", "DETAIL"),
@@ -239,7 +254,9 @@ def semaphores_of(replies: Mapping[str, Any]) -> List[str]:
     """The semaphores the workers' replies name (requests, parked and pulled counts)."""
     names = set()
     for info in replies.values():
-        names.update(r["semaphore"] for r in info.get("held", []) + info.get("waiting", []))
+        for request in info.get("held", []) + info.get("waiting", []):
+            names.add(request["semaphore"])
+            names.update(request.get("semaphores") or ())
         names.update(info.get("parked", {}))
         names.update(info.get("pulled", {}))
     return sorted(names)

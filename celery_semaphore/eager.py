@@ -28,13 +28,14 @@ from celery.exceptions import Ignore
 
 from .exceptions import SemaphoreFull
 from .guards import Guards
-from .semaphore import Semaphore
+from .semaphore import Semaphore, acquire_all, try_acquire_all
 from .settings import Settings
 from .signals import task_skipped
 from .states import SKIPPED_REASON
-from .task_lease import LEASE_KEY, LeaseRecord
+from .task_lease import LEASE_KEY, lease_record_of
 
 logger = logging.getLogger(__name__)
+
 _guards: "weakref.WeakKeyDictionary[Any, Tuple[Guards, str]]" = weakref.WeakKeyDictionary()
 _LEASE_ATTR = "_celery_semaphore_lease"
 _GUARD_ATTR = "_celery_semaphore_eager_guard"
@@ -80,20 +81,33 @@ def acquire_for_eager(task: Any) -> None:
     if guard is None:
         return
     settings = guard.settings
-    semaphore = Semaphore(guard.name, guard.limit, url, ttl=settings.lease_ttl,
-                          poll_interval=settings.poll_interval, auto_renew=True,
-                          key_prefix=settings.key_prefix)
+    semaphores = [Semaphore(name, limit, url, ttl=settings.lease_ttl,
+                            poll_interval=settings.poll_interval, auto_renew=True,
+                            key_prefix=settings.key_prefix) for name, limit in guard.pairs]
     meta = {"task_id": request.id, "task": task.name}
+    lease: Any
     if settings.on_full == "wait":
-        lease = semaphore.acquire(timeout=settings.max_wait, meta=meta, fair_key=guard.fair)
+        if guard.multi:
+            lease = acquire_all(semaphores, timeout=settings.max_wait, meta=meta,
+                                fair_key=guard.fair)
+        else:
+            lease = semaphores[0].acquire(timeout=settings.max_wait, meta=meta,
+                                          fair_key=guard.fair)
     else:
-        lease = semaphore.try_acquire(meta=meta, fair_key=guard.fair)
+        if guard.multi:
+            lease = try_acquire_all(semaphores, meta=meta, fair_key=guard.fair)
+        else:
+            lease = semaphores[0].try_acquire(meta=meta, fair_key=guard.fair)
         if lease is None:
-            _full(task, request, guard.name, semaphore.status().limit, settings.on_full)
+            full = next((s for s in semaphores if _is_full(s)), semaphores[0])
+            _full(task, request, full.name, full.status().limit, settings.on_full)
     setattr(request, _LEASE_ATTR, lease)
-    setattr(request, LEASE_KEY, LeaseRecord(
-        lease.name, lease.limit, lease.holder, lease.token.slot, lease.token.epoch, lease.ttl,
-        url, settings.key_prefix).to_header())
+    setattr(request, LEASE_KEY, lease_record_of(lease, url, settings.key_prefix).to_header())
+
+
+def _is_full(semaphore: Semaphore) -> bool:
+    status = semaphore.status()
+    return status.held + status.waiting >= status.limit
 
 
 def _full(task: Any, request: Any, name: str, limit: int, policy: str) -> None:

@@ -3,16 +3,21 @@
 Task options (extra ``@app.task`` options become task class attributes):
 
 * ``semaphore``: a name, or a template filled from the call's arguments by parameter name
-  (``"api:{customer_id}"``); defaults of the task's signature count.
-* ``limit``: the limit the semaphore is created with.
+  (``"api:{customer_id}"``); defaults of the task's signature count. Or a list of them
+  (``["api", "api:{customer_id}"]``): the task runs holding a slot of every one, granted
+  together (:meth:`.backends.base.Backend.acquire_all`). Templates that fill in to the same
+  name count once.
+* ``limit``: the limit the semaphore is created with; with several, an int for all of them or
+  a dict from the listed names/templates to their limits (a listed one it leaves out gets the
+  next of the sources below).
 * any ``semaphore_*`` setting, to override it for this task.
 
 Per call, ``apply_async(headers={"semaphore": "name", "semaphore_limit": 3})`` overrides both.
 
 The limit a name is *declared* with is the first of: the ``semaphore_limit`` header,
-``semaphore_limits[name]``, ``semaphore_limits[template]``, the task's ``limit``,
-``semaphore_default_limit``. A declared limit only creates the semaphore; once it exists its
-stored limit rules, and only ``resize`` changes it.
+``semaphore_limits[name]``, ``semaphore_limits[template]``, the task's ``limit`` (its entry for
+the template, when a dict), ``semaphore_default_limit``. A declared limit only creates the
+semaphore; once it exists its stored limit rules, and only ``resize`` changes it.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from __future__ import annotations
 import difflib
 import inspect
 from dataclasses import dataclass, fields
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from celery import shared_task
 
@@ -32,13 +37,59 @@ from .settings import validate as validate_setting
 
 @dataclass(frozen=True)
 class Guard:
-    """The semaphore one request must hold: resolved name, declared limit, task settings."""
+    """The semaphores one request must hold: the first one's resolved name and declared limit
+    (``name``, ``limit``: what a single-semaphore task has), the others' (``also``), the task's
+    settings. Parking, the worker's line and the reports that name one semaphore use the
+    first one."""
 
     name: str
     limit: int
     settings: Settings
     #: The fair-share key (``semaphore_fair_by`` filled from the call), or None.
     fair: Optional[str] = None
+    #: ``(name, limit)`` of every further semaphore, in the order listed.
+    also: Tuple[Tuple[str, int], ...] = ()
+
+    @property
+    def multi(self) -> bool:
+        """The request needs several semaphores (granted together)."""
+        return bool(self.also)
+
+    @property
+    def pairs(self) -> Tuple[Tuple[str, int], ...]:
+        """``(name, declared limit)`` of every semaphore, first one first."""
+        return ((self.name, self.limit),) + self.also
+
+    @property
+    def names(self) -> Tuple[str, ...]:
+        return (self.name,) + tuple(name for name, _ in self.also)
+
+
+def templates_of(option: Any) -> List[str]:
+    """The templates of a ``semaphore`` option: one string, or a list or tuple of them."""
+    if isinstance(option, (list, tuple)):
+        return list(option)
+    return [option]
+
+
+def check_semaphore_option(option: Any, limit: Any = None, what: str = "semaphore") -> None:
+    """Refuse a ``semaphore`` option that is not a template or a non-empty list of distinct
+    templates, and a ``limit`` that is not an int from 1 to 100,000 or a dict from templates
+    the option lists to such ints."""
+    if isinstance(option, (list, tuple)):
+        if not option:
+            raise ConfigurationError(f"{what} must list at least one semaphore")
+        if len(set(map(str, option))) != len(option):
+            raise ConfigurationError(f"{what} lists a semaphore twice: {list(option)!r}")
+    templates = [validate_template(t, what) for t in templates_of(option)]
+    if isinstance(limit, dict):
+        for key, value in limit.items():
+            if key not in templates:
+                raise ConfigurationError(
+                    f"limit names {key!r}, which {what} does not list ({templates!r})")
+            validate_limit(value, f"limit of {key!r}")
+    elif limit is not None:
+        validate_limit(limit)
 
 
 def task(*args: Any, **options: Any) -> Any:
@@ -58,8 +109,11 @@ def check_options(options: Dict[str, Any], task_name: str = "") -> None:
     where = f"task {task_name}: " if task_name else ""
     try:
         if options.get("semaphore") is not None:
-            validate_template(options["semaphore"], "semaphore")
-        if options.get("limit") is not None:
+            check_semaphore_option(options["semaphore"], options.get("limit"))
+        elif isinstance(options.get("limit"), dict):
+            raise ConfigurationError("a dict limit needs the semaphore option that lists "
+                                     "its semaphores")
+        elif options.get("limit") is not None:
             validate_limit(options["limit"])
         known = {f"semaphore_{f.name}": f.name for f in fields(Settings)}
         for key, value in options.items():
@@ -139,26 +193,42 @@ class Guards:
         built (the template names an argument the call lacks, or fills in a bad name)."""
         headers = headers or {}
         check_call_headers(headers)
-        template = headers.get("semaphore")
-        if template is None:
-            template = getattr(task, "semaphore", None)
-        if not template:
+        option = headers.get("semaphore")
+        if option is None:
+            option = getattr(task, "semaphore", None)
+        if not option:
             return None
-        name = validate_name(self.fill(template, task, args, kwargs))
         settings = self.task_settings(task)
-        limit = headers.get("semaphore_limit")
         fair = None
         if settings.fair_by is not None:
             fair = self.fill(settings.fair_by, task, args, kwargs, "semaphore_fair_by")
-        if limit is not None:
-            return Guard(name, validate_limit(limit, "header 'semaphore_limit'"), settings, fair)
-        limit = (
-            settings.limits.get(name)
-            or settings.limits.get(template)
-            or getattr(task, "limit", None)
-            or settings.default_limit
-        )
-        return Guard(name, validate_limit(limit, f"limit of semaphore {name!r}"), settings, fair)
+        header_limit = headers.get("semaphore_limit")
+        if header_limit is not None:
+            header_limit = validate_limit(header_limit, "header 'semaphore_limit'")
+        task_limit = getattr(task, "limit", None)
+        pairs: Dict[str, int] = {}  # name -> limit, in the order listed
+        for template in templates_of(option):
+            name = validate_name(self.fill(template, task, args, kwargs))
+            if name in pairs:  # two templates filled in to one name: one semaphore
+                continue
+            limit = header_limit or (
+                settings.limits.get(name)
+                or settings.limits.get(template)
+                or (task_limit.get(template) if isinstance(task_limit, dict) else task_limit)
+                or settings.default_limit
+            )
+            pairs[name] = validate_limit(limit, f"limit of semaphore {name!r}")
+        (name, limit), *also = pairs.items()
+        return Guard(name, limit, settings, fair, tuple(also))
+
+    @staticmethod
+    def declared_limits(option: Any, task_limit: Any, settings: Settings
+                        ) -> Sequence[Tuple[str, Any]]:
+        """``(template, limit)`` of each template a task's ``semaphore`` option lists, the
+        limit as far as the templates alone tell (for the worker's start-up line)."""
+        return [(template, settings.limits.get(template)
+                 or (task_limit.get(template) if isinstance(task_limit, dict) else task_limit)
+                 or settings.default_limit) for template in templates_of(option)]
 
     def fill(self, template: str, task: Any, args: Any, kwargs: Any,
              what: str = "semaphore template") -> str:

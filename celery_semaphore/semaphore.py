@@ -14,7 +14,7 @@ import logging
 import math
 import threading
 import time
-from typing import Any, Callable, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from .backends import get_backend
 from .backends.base import (
@@ -341,3 +341,209 @@ class Semaphore:
 
     def __repr__(self) -> str:
         return f"<Semaphore {self.name!r} limit={self.limit} backend={self.backend!r}>"
+
+
+class LeaseGroup:
+    """The leases of several semaphores granted together (:func:`acquire_all`), held under
+    one holder id and kept, renewed and released as one: it offers what :class:`Lease` offers
+    (``release``, ``renew``, ``verify``, ``valid``, ``lost``, ``on_lost``, ``with``), over all
+    of them. ``name``, ``token`` and ``limit`` are the first semaphore's; :attr:`leases` maps
+    every name to its own :class:`Lease` (its own fencing token).
+
+    The group is lost as soon as one of its leases is: the guarantee it gives (at most
+    ``limit`` holders of each semaphore) holds only while all of them are valid.
+    """
+
+    def __init__(self, leases: "Dict[str, Lease]") -> None:
+        if not leases:
+            raise ValueError("a lease group needs at least one lease")
+        self.leases = dict(leases)
+        first = next(iter(self.leases.values()))
+        self.backend = first.backend
+        self.name = first.name
+        self.holder = first.holder
+        self.token = first.token
+        self.limit = first.limit
+        self.meta = first.meta
+        self._lost_callbacks: List[Callable[["LeaseGroup"], None]] = []
+        self._lost_once = threading.Lock()
+        self._lost_fired = False
+        for lease in self.leases.values():
+            lease.on_lost(lambda _lease: self.mark_lost())
+
+    @property
+    def names(self) -> Tuple[str, ...]:
+        return tuple(self.leases)
+
+    @property
+    def tokens(self) -> "Dict[str, FencingToken]":
+        return {name: lease.token for name, lease in self.leases.items()}
+
+    @property
+    def ttl(self) -> float:
+        return min(lease.ttl for lease in self.leases.values())
+
+    @property
+    def released(self) -> bool:
+        return all(lease.released for lease in self.leases.values())
+
+    @property
+    def releasing(self) -> bool:
+        return any(lease.releasing for lease in self.leases.values())
+
+    @property
+    def lost(self) -> bool:
+        return any(lease.lost for lease in self.leases.values())
+
+    @property
+    def valid(self) -> bool:
+        return all(lease.valid for lease in self.leases.values())
+
+    @property
+    def remaining(self) -> float:
+        return min(lease.remaining for lease in self.leases.values())
+
+    def on_lost(self, callback: Callable[["LeaseGroup"], None]) -> None:
+        """Call ``callback(group)`` once when one of the leases is found gone."""
+        self._lost_callbacks.append(callback)
+
+    def mark_lost(self) -> None:
+        """Run the ``on_lost`` callbacks, once (not while the group is being released)."""
+        with self._lost_once:
+            if self._lost_fired or self.releasing or self.released:
+                return
+            self._lost_fired = True
+        for callback in self._lost_callbacks:
+            callback(self)
+
+    def release(self) -> bool:
+        """Release every lease (each once; a call that raises leaves the ones not released to
+        a later call). True when this call freed all that were still held."""
+        from .keeper import default_keeper
+
+        default_keeper.discard(self)
+        freed, error = True, None
+        for lease in self.leases.values():
+            if lease.released:
+                continue
+            try:
+                freed = lease.release() and freed
+            except BaseException as exc:  # the others are still released
+                error = error or exc
+        if error is not None:
+            raise error
+        return freed
+
+    def renew(self, ttl: Optional[float] = None) -> bool:
+        """Renew every lease; False (and lost) as soon as one is gone."""
+        return all([lease.renew(ttl) for lease in self.leases.values()])
+
+    def verify(self) -> bool:
+        return all([lease.verify() for lease in self.leases.values()])
+
+    def __enter__(self) -> "LeaseGroup":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> None:
+        Lease.__exit__(self, exc_type, exc, traceback)  # type: ignore[arg-type]
+
+    def __repr__(self) -> str:
+        tokens = " ".join(f"{name}={token}" for name, token in self.tokens.items())
+        return f"<LeaseGroup {tokens} holder={self.holder}>"
+
+
+def _check_set(semaphores: Sequence[Semaphore]) -> Backend:
+    if not semaphores:
+        raise ConfigurationError("acquire_all needs at least one semaphore")
+    backend = semaphores[0].backend
+    if any(s.backend is not backend for s in semaphores):
+        raise ConfigurationError("semaphores acquired together must share one backend")
+    if len({s.name for s in semaphores}) != len(semaphores):
+        raise ConfigurationError("acquire_all lists a semaphore twice")
+    return backend
+
+
+def _group(semaphores: Sequence[Semaphore], backend: Backend, holder: str, attempt: Any,
+           requested_at: float, meta: Meta) -> LeaseGroup:
+    group = LeaseGroup({
+        s.name: Lease(backend, s.name, holder, attempt.grants[s.name], requested_at,
+                      limit=attempt.limits.get(s.name), meta=meta) for s in semaphores})
+    if semaphores[0].auto_renew:
+        from .keeper import default_keeper
+
+        default_keeper.add(group)
+    return group
+
+
+def acquire_all(semaphores: Sequence[Semaphore], timeout: Optional[float] = None, *,
+                meta: Optional[Meta] = None, task_id: Optional[str] = None,
+                fair_key: Optional[str] = None) -> LeaseGroup:
+    """Block until every one of ``semaphores`` (on one backend) grants a slot, together, and
+    return their :class:`LeaseGroup`; while it waits it holds none of them
+    (:meth:`.backends.base.Backend.acquire_all`). TTL, poll interval and auto-renewal are the
+    first semaphore's; ``timeout``, ``meta``, ``task_id`` and ``fair_key`` as for
+    :meth:`Semaphore.acquire`.
+    """
+    backend = _check_set(semaphores)
+    first = semaphores[0]
+    if timeout is not None and (isinstance(timeout, bool)
+                                or not isinstance(timeout, (int, float)) or not timeout >= 0):
+        raise ConfigurationError(f"timeout must be None or a number of seconds >= 0, "
+                                 f"not {timeout!r}")
+    meta = first._meta(meta, fair_key)
+    holder = new_holder_id(task_id)
+    requests = [(s.name, s.limit) for s in semaphores]
+    deadline = None if timeout is None or math.isinf(timeout) else time.monotonic() + timeout
+    wake = threading.Event()
+    for s in semaphores:  # it may wait in any one's queue
+        backend.watch(s.name, holder, wake.set)
+    granted = False
+    try:
+        while True:
+            wake.clear()
+            requested_at = time.monotonic()
+            attempt = backend.acquire_all(requests, holder, ttl=first.ttl, meta=meta, wait=True)
+            if attempt.grants is not None:
+                granted = True
+                return _group(semaphores, backend, holder, attempt, requested_at, meta)
+            pause = backend.pause_after(attempt, first.poll_interval)  # type: ignore[arg-type]
+            if deadline is not None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise SemaphoreTimeout(
+                        f"no slot of semaphore {attempt.blocking!r} (of "
+                        f"{[s.name for s in semaphores]!r}) became free in {timeout}s")
+                pause = min(pause, remaining)
+            wake.wait(pause)
+    finally:
+        for s in semaphores:
+            backend.unwatch(s.name, holder)
+        if not granted:
+            try:
+                backend.abandon_all([s.name for s in semaphores], holder)
+            except Exception:  # queue entries expire by themselves after waiter_ttl
+                pass
+
+
+def try_acquire_all(semaphores: Sequence[Semaphore], *, meta: Optional[Meta] = None,
+                    task_id: Optional[str] = None,
+                    fair_key: Optional[str] = None) -> Optional[LeaseGroup]:
+    """Every one of ``semaphores`` together if each admits the caller now, else None (none
+    held); never blocks."""
+    backend = _check_set(semaphores)
+    first = semaphores[0]
+    meta = first._meta(meta, fair_key)
+    holder = new_holder_id(task_id)
+    requested_at = time.monotonic()
+    try:
+        attempt = backend.acquire_all([(s.name, s.limit) for s in semaphores], holder,
+                                      ttl=first.ttl, meta=meta, wait=False)
+    except BaseException:
+        try:
+            backend.abandon_all([s.name for s in semaphores], holder)
+        except Exception:
+            pass
+        raise
+    if attempt.grants is None:
+        return None
+    return _group(semaphores, backend, holder, attempt, requested_at, meta)

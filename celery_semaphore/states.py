@@ -1,7 +1,9 @@
 """Task states and events celery-semaphore adds while a task waits for a slot.
 
 ``WAITING``: the worker holds the task in its main process until a slot frees. The worker
-sends a ``task-waiting`` event (fields: ``semaphore``, ``limit``, ``position``, ``attempt``)
+sends a ``task-waiting`` event (fields: ``semaphore``, ``limit``, ``position``, ``attempt``;
+for a task under several semaphores ``semaphore`` is the one whose queue it waits in, and
+``semaphores`` lists them all)
 that Flower shows as the state ``WAITING``, and stores ``WAITING`` in the result backend (with
 the same fields as the result's meta) unless the task ignores results. Once it runs, the task
 goes through ``STARTED``/``SUCCESS`` as usual.

@@ -1,16 +1,19 @@
 """The lease a running task holds: one record, written by the worker into the request's
-headers when it grants the slot, read back inside the task by :func:`current_lease`."""
+headers when it grants the slot, read back inside the task by :func:`current_lease` (and, for a
+task under several semaphores, :func:`current_leases`: one lease per semaphore, each with its
+own fencing token, all under one holder id)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any, Dict, Optional
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 from celery import current_task
 
 from .backends import get_backend
 from .backends.base import FencingToken
 from .exceptions import LeaseLost
+from .semaphore import Lease, LeaseGroup
 
 #: The request header that carries the :class:`LeaseRecord`.
 LEASE_KEY = "semaphore_lease"
@@ -33,6 +36,14 @@ class LeaseRecord:
     backend: str
     key_prefix: str
     waited: bool = False
+    #: The task's further semaphores, each ``{"name", "limit", "slot", "epoch"}`` (a task
+    #: under several semaphores: :func:`current_leases`).
+    others: Tuple[Dict[str, Any], ...] = ()
+
+    def records(self) -> List["LeaseRecord"]:
+        """One record per semaphore, this one first."""
+        return [self] + [replace(self, name=o["name"], limit=o.get("limit"), slot=o["slot"],
+                                 epoch=o["epoch"], others=()) for o in self.others or ()]
 
     def to_header(self) -> Dict[str, Any]:
         return asdict(self)
@@ -45,6 +56,18 @@ class LeaseRecord:
     @property
     def token(self) -> FencingToken:
         return FencingToken(self.slot, self.epoch)
+
+
+def lease_record_of(lease: Union[Lease, LeaseGroup], backend_url: str, key_prefix: str,
+                    waited: bool = False) -> LeaseRecord:
+    """The :class:`.LeaseRecord` a task reads its lease(s) from (``current_lease(s)``)."""
+    leases = list(lease.leases.values()) if isinstance(lease, LeaseGroup) else [lease]
+    first = leases[0]
+    return LeaseRecord(
+        first.name, first.limit, first.holder, first.token.slot, first.token.epoch, first.ttl,
+        backend_url, key_prefix, waited=waited,
+        others=tuple({"name": other.name, "limit": other.limit, "slot": other.token.slot,
+                      "epoch": other.token.epoch} for other in leases[1:]))
 
 
 def lease_record(request: Any) -> Optional[LeaseRecord]:
@@ -79,7 +102,22 @@ class TaskLease:
         return f"<TaskLease {self.name!r} token={self.token} limit={self.limit}>"
 
 
-def current_lease() -> Optional[TaskLease]:
-    """The lease of the task running in this process, or None outside a guarded task."""
+def current_lease(name: Optional[str] = None) -> Optional[TaskLease]:
+    """The lease of the task running in this process, or None outside a guarded task. A task
+    under several semaphores: the lease of the first one listed, or of semaphore ``name``
+    (None when the task does not hold that one)."""
     record = lease_record(getattr(current_task, "request", None))
-    return TaskLease(record) if record else None
+    if record is None:
+        return None
+    if name is None:
+        return TaskLease(record)
+    return current_leases().get(name)
+
+
+def current_leases() -> Dict[str, TaskLease]:
+    """Semaphore name -> lease, for every semaphore the running task holds (in the order its
+    ``semaphore`` option lists them); empty outside a guarded task."""
+    record = lease_record(getattr(current_task, "request", None))
+    if record is None:
+        return {}
+    return {r.name: TaskLease(r) for r in record.records()}

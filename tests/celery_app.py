@@ -128,6 +128,14 @@ def create_app(env):
         body(f"fair:{tenant}:{key}", hold)
         return key
 
+    @task(semaphore=["saas", "saas:{customer_id}"], limit={"saas": 3, "saas:{customer_id}": 1})
+    def tenant_call(customer_id, key, hold=0.05):
+        """A global cap (3) plus a per-tenant limit (1): both held together."""
+        body(f"tenant:{customer_id}:{key}", hold)
+        leases = celery_semaphore.current_leases()
+        return {name: {"limit": lease.limit, "token": str(lease.token), "holder": lease.holder,
+                       "verified": lease.verify()} for name, lease in leases.items()}
+
     app.probe = probe
     return app
 

@@ -12,6 +12,7 @@ from celery_semaphore import Semaphore, SemaphoreFull
 from tests import servers
 from tests.test_worker import Cluster
 from tests.util import wait_until
+from tests.workers import run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -94,3 +95,39 @@ def test_fair_shares_serve_tenants_in_turn_behind_a_backlog(cluster):
     last_small = max(i for i, (_, key) in enumerate(starts) if not key.startswith("fair:big"))
     big_after = sum(1 for _, key in starts[last_small:] if key.startswith("fair:big"))
     assert big_after >= 8, [key for _, key in starts]
+
+
+def test_several_semaphores_a_global_cap_plus_a_per_tenant_limit(cluster):
+    """``semaphore=["saas", "saas:{customer_id}"]``, limits 3 and 1: by the probe, never more
+    than 3 tenants' tasks at once and never two of one tenant; a request whose tenant is busy
+    waits in that tenant's queue holding no global slot, so other tenants run meanwhile; the
+    task sees a lease (own fencing token) per semaphore, under one holder id."""
+    tenant_call = cluster.task("tenant_call")
+    busy = _blocker(cluster, "saas:9")
+    blocked = tenant_call.delay(9, "w", 0.05)
+    assert wait_until(lambda: cluster.backend.status("saas:9").waiting == 1, timeout=15)
+    status = cluster.backend.status("saas")
+    assert status is None or (status.held == 0 and status.waiting == 0)
+    assert wait_until(lambda: blocked.state == "WAITING", timeout=5)
+    assert blocked.info["semaphore"] == "saas:9"
+    assert blocked.info["semaphores"] == ["saas", "saas:9"]
+    listing = run_cli(cluster.env, "workers", "--timeout", "1")
+    assert "saas:9 (+saas)" in listing.stdout, listing.stdout + listing.stderr
+
+    sent = [(c, tenant_call.delay(c, f"k{i}", 0.2)) for i in range(4) for c in (1, 2, 3, 4)]
+    infos = [(c, result.get(timeout=60)) for c, result in sent]
+    assert not cluster.started("tenant:9:w")  # its tenant stayed busy all along
+    busy.release()
+    info = blocked.get(timeout=20)
+    assert set(info) == {"saas", "saas:9"}
+    assert all(lease["verified"] for lease in info.values())
+    assert len({lease["holder"] for lease in info.values()}) == 1
+    assert info["saas"]["limit"] == 3 and info["saas:9"]["limit"] == 1
+    for customer, one in infos:
+        assert set(one) == {"saas", f"saas:{customer}"}
+    assert cluster.probe.max_concurrent("tenant:") == 3  # the global cap, reached
+    for customer in (1, 2, 3, 4):
+        assert cluster.probe.max_concurrent(f"tenant:{customer}:") == 1
+    assert all(n == 1 for n in cluster.probe.completed("tenant:").values())
+    assert len(cluster.probe.completed("tenant:")) == 17
+    assert wait_until(lambda: cluster.held("saas") == 0 and cluster.held("saas:9") == 0)

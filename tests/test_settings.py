@@ -135,6 +135,60 @@ def test_the_fair_key_fills_from_the_call_and_a_missing_argument_is_named():
         guards.resolve_call(call, (), {"payload": 1}, {})
 
 
+def test_several_semaphores_resolve_with_a_limit_each():
+    """A list of names/templates; ``limit`` an int for all or a dict by template; the
+    ``semaphore_limits`` setting first; templates filling in to one name count once."""
+    app = make_app(semaphore_limits={"api:7": 9}, semaphore_default_limit=3)
+    install(app)
+
+    @app.task(semaphore=["api", "api:{customer_id}"], limit={"api": 10}, shared=False)
+    def call(customer_id):
+        pass
+
+    @app.task(semaphore=["api", "api:{customer_id}"], limit=4, shared=False)
+    def same(customer_id):
+        pass
+
+    @app.task(semaphore=["x:{a}", "x:{b}"], limit=2, shared=False)
+    def twice(a, b):
+        pass
+
+    guards = Guards(Settings.from_app(app))
+    guard = guards.resolve(FakeRequest(call, (3,)))
+    assert guard.multi and guard.pairs == (("api", 10), ("api:3", 3))  # default for the rest
+    assert guard.names == ("api", "api:3") and (guard.name, guard.limit) == ("api", 10)
+    assert guards.resolve(FakeRequest(call, (7,))).pairs == (("api", 10), ("api:7", 9))
+    assert guards.resolve(FakeRequest(same, (1,))).pairs == (("api", 4), ("api:1", 4))
+    assert guards.resolve(FakeRequest(twice, (1, 2))).names == ("x:1", "x:2")
+    one = guards.resolve(FakeRequest(twice, (1, 1)))
+    assert not one.multi and one.pairs == (("x:1", 2),)
+    with pytest.raises(ConfigurationError, match="customer_id"):
+        guards.resolve(FakeRequest(call, ()))
+
+
+def test_an_eager_call_under_several_semaphores_holds_them_all():
+    app = make_app(semaphore_backend="memory://eager-multi", task_always_eager=True)
+    install(app)
+    from celery_semaphore import current_lease, current_leases
+
+    seen = {}
+
+    @app.task(semaphore=["all", "one:{n}"], limit={"all": 2, "one:{n}": 1}, shared=False)
+    def body(n):
+        leases = current_leases()
+        seen.update({name: (lease.limit, lease.verify(), str(lease.token))
+                     for name, lease in leases.items()})
+        assert current_lease().name == "all" and current_lease("one:5").name == "one:5"
+        assert current_lease("nope") is None
+        return len({lease.holder for lease in leases.values()})
+
+    assert body.delay(5).get() == 1  # one holder id in both
+    assert {name: held for name, (_, held, _) in seen.items()} == {"all": True, "one:5": True}
+    assert seen["all"][0] == 2 and seen["one:5"][0] == 1
+    backend = get_backend("memory://eager-multi", key_prefix="semaphore:")
+    assert backend.status("all").held == 0 and backend.status("one:5").held == 0
+
+
 def test_unguarded_task_has_no_guard():
     app = make_app()
 
@@ -162,6 +216,14 @@ BAD_OPTIONS = [
     ({"semaphore": "s", "semaphore_max_wait": -1}, "semaphore_max_wait"),
     ({"semaphore": "s", "semaphore_on_full": "skipp"},
      "semaphore_on_full must be one of 'wait', 'skip', 'fail', not 'skipp'"),
+    ({"semaphore": [], "limit": 1}, "semaphore must list at least one semaphore"),
+    ({"semaphore": ["api", "api"]}, "lists a semaphore twice"),
+    ({"semaphore": ["api", "bad name"]}, "contains ' '"),
+    ({"semaphore": ["api", 7]}, "semaphore must be a string, not 7"),
+    ({"semaphore": ["api", "api:{c}"], "limit": {"api:{x}": 2}},
+     "limit names 'api:{x}', which semaphore does not list"),
+    ({"semaphore": ["api", "api:{c}"], "limit": {"api": 0}}, "limit of 'api'"),
+    ({"semaphore": "api", "limit": {"other": 2}}, "limit names 'other'"),
 ]
 
 

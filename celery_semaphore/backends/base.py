@@ -34,6 +34,14 @@ with a task id) names its task, and a caller is not admitted while another holde
 task holds; it keeps its place in the queue and is woken when that twin goes. A duplicate
 delivery of a task (Celery is at-least-once) therefore never runs beside its twin.
 
+Several semaphores (:meth:`Backend.acquire_all`): a caller is admitted to all of the listed
+semaphores together, under one holder id, when the FIFO rule admits it in each; otherwise it
+holds none of them and waits in the queue of one of them only, the one that refused it (the
+first listed that does), so it never keeps a slot, or a place ahead of others, in a semaphore
+that would admit it while it waits for another. Backends that can decide over several
+semaphores atomically do so in one step; the others use the generic protocol of the base
+class (tries in sorted name order, give-back on refusal).
+
 Wake-ups: whenever an operation can make a waiter admissible (release, cancel, resize, pruning),
 the backend notifies the waiters whose rank is now below ``limit - len(holders)`` (and whose
 task no other holder holds), addressed to
@@ -106,6 +114,34 @@ class Attempt:
     position: Optional[int] = None
     retry_after: Optional[float] = None
     limit: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class MultiAttempt:
+    """The outcome of one :meth:`Backend.acquire_all` call over several semaphores.
+
+    ``grants`` (name -> :class:`Grant`, in the order asked) is set when the caller was admitted
+    to every semaphore; ``limits`` then holds each one's stored limit. Otherwise nothing is held
+    and ``blocking`` names the semaphore that refused it: the caller waits in that semaphore's
+    queue only, at ``position`` (None when it did not queue); ``retry_after`` and ``limit`` are
+    that semaphore's, as in :class:`Attempt`.
+    """
+
+    grants: Optional[Dict[str, Grant]]
+    blocking: Optional[str] = None
+    position: Optional[int] = None
+    retry_after: Optional[float] = None
+    limit: Optional[int] = None
+    limits: Dict[str, int] = field(default_factory=dict)
+
+    @property
+    def grant(self) -> Optional[Grant]:
+        """The first semaphore's grant (None: not admitted), as :attr:`Attempt.grant`."""
+        return None if self.grants is None else next(iter(self.grants.values()))
+
+
+#: (name, declared limit) of each semaphore a multi-semaphore request asks for.
+Requests = Sequence[Tuple[str, int]]
 
 
 @dataclass(frozen=True)
@@ -260,6 +296,67 @@ class Backend(abc.ABC):
         whose reply was lost. Raises what the backend raises."""
         self.cancel(name, holder)
         self.release(name, holder)
+
+    def abandon_all(self, names: Sequence[str], holder: str) -> None:
+        """:meth:`abandon` each of ``names`` (a multi-semaphore request leaves for good)."""
+        for name in names:
+            self.abandon(name, holder)
+
+    #: True where :meth:`acquire_all` grants every semaphore in one atomic step (an override);
+    #: False: the generic protocol below.
+    atomic_acquire_all = False
+
+    def acquire_all(self, requests: Requests, holder: str, *, ttl: float, meta: Meta,
+                    wait: bool) -> MultiAttempt:
+        """Admit ``holder`` to every semaphore of ``requests`` together, or to none.
+
+        Rule (every backend): the caller is admitted when the FIFO rule admits it in each
+        semaphore; then it holds all of them, under the one holder id. Otherwise it holds none
+        of them and, with ``wait``, waits in the queue of the semaphore that refused it
+        (``blocking``), and in no other queue: a request blocked by one semaphore never keeps
+        another semaphore's queue or slot from the requests behind it. Each try of a waiter
+        places it in the queue of the semaphore that blocks it then; woken there, it tries the
+        whole set again. Repeating the call once admitted returns the same grants.
+
+        This default works on any backend with the single-semaphore operations: it tries the
+        semaphores one by one in sorted name order (every caller in the same order) and gives
+        back what it took as soon as one refuses, so it holds slots only for the round trips
+        of one try, never while it waits: no deadlock whatever order tasks list their
+        semaphores in, and never over any limit (each grant is an ordinary one). Its limits:
+        during those round trips another request can find a semaphore full and queue (it is
+        woken by the give-back); and a request waits in the first refusing semaphore in sorted
+        order, not necessarily the listed one. Backends that can decide over several
+        semaphores in one atomic step override it (``atomic_acquire_all``).
+        """
+        requests = list(requests)
+        order = sorted(requests)
+        grants: Dict[str, Grant] = {}
+        limits: Dict[str, int] = {}
+        refused: Optional[Tuple[str, Attempt]] = None
+        try:
+            for name, limit in order:
+                attempt = self.acquire(name, holder, limit=limit, ttl=ttl, meta=meta, wait=wait)
+                if attempt.grant is None:
+                    refused = (name, attempt)
+                    break
+                grants[name] = attempt.grant
+                limits[name] = attempt.limit if attempt.limit is not None else limit
+        except BaseException:
+            self._give_back(grants, holder)
+            raise
+        if refused is None:
+            return MultiAttempt({name: grants[name] for name, _ in requests}, limits=limits)
+        self._give_back(grants, holder)
+        blocking, attempt = refused
+        later = [name for name, _ in order[[n for n, _ in order].index(blocking) + 1:]]
+        for name in later:  # queued there by an earlier try, maybe: not any more
+            self.cancel(name, holder)
+        return MultiAttempt(None, blocking, attempt.position, attempt.retry_after,
+                            attempt.limit)
+
+    def _give_back(self, grants: Mapping[str, Grant], holder: str) -> None:
+        for name in grants:
+            self.release(name, holder)
 
     # -- operations every backend implements ---------------------------------------------
 

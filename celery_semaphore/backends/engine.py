@@ -17,17 +17,23 @@ how a write detects a concurrent one. Each implements the storage primitives of
    such as destroying a Consul session the state no longer names), then a wake-up to every
    waiter the operation made admissible.
 
+5. Where the storage has multi-document transactions (:attr:`~DocumentBackend.multi_document`:
+   :meth:`~DocumentBackend._load_many` and :meth:`~DocumentBackend._commit_many`), a rule over
+   several semaphores (:meth:`~DocumentBackend.acquire_all`) is applied the same way to all
+   their documents at once; elsewhere ``acquire_all`` is the generic protocol of
+   :meth:`.base.Backend.acquire_all`.
+
 A rule must be safe to apply more than once (a lost race applies it again) and must not do
 I/O that a retry cannot undo; anything it must remember across attempts lives in the caller.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, ContextManager, Dict, List, Optional, TypeVar
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, TypeVar
 
 from ..exceptions import BackendUnavailable
-from .base import Attempt, Backend, Meta, SemaphoreStatus
-from .model import State, as_json
+from .base import Attempt, Backend, Meta, MultiAttempt, Requests, SemaphoreStatus
+from .model import State, acquire_all, as_json
 
 Result = TypeVar("Result")
 
@@ -76,6 +82,18 @@ class DocumentBackend(Backend):
     def _stored_names(self) -> List[str]:
         raise NotImplementedError
 
+    #: The storage implements :meth:`_load_many` and :meth:`_commit_many`.
+    multi_document = False
+
+    def _load_many(self, names: Sequence[str]) -> ContextManager[List[Transaction]]:
+        """Open one transaction over the documents of ``names`` (sorted, distinct): the same
+        contract as :meth:`_load`, for all of them at once."""
+        raise NotImplementedError
+
+    def _commit_many(self, txns: Sequence[Transaction]) -> bool:
+        """Store every transaction's state in one atomic write, as :meth:`_commit`."""
+        raise NotImplementedError
+
     def _send_wakeup(self, client: str, name: str, holder: str) -> None:
         raise NotImplementedError
 
@@ -118,7 +136,57 @@ class DocumentBackend(Backend):
             "to other clients"
         )
 
+    def _transact_many(self, names: Sequence[str], rule: Callable[[Dict[str, Transaction]], Any]
+                       ) -> Any:
+        """:meth:`_transact` over several documents in one transaction (``multi_document``)."""
+        names = sorted(set(names))  # one lock order for everyone
+        for attempt in range(self.max_attempts):
+            with self._load_many(names) as txns:
+                before = {t.name: t.state.admissible() if t.state is not None else set()
+                          for t in txns}
+                for txn in txns:
+                    self._prune(txn)
+                result = rule({t.name: t for t in txns})
+                won = self._commit_many(txns)
+            if won:
+                for txn in txns:
+                    self._after_commit(txn)
+                    if txn.state is not None:
+                        for client, holder in txn.state.wakeups(before[txn.name]):
+                            self._send_wakeup(client, txn.name, holder)
+                return result
+            self._lost_race(attempt)
+        raise BackendUnavailable(
+            f"semaphores {names!r}: {self.max_attempts} attempts to store their state lost the "
+            "race to other clients"
+        )
+
     # -- the operations, as rules --------------------------------------------------------
+
+    @property
+    def atomic_acquire_all(self) -> bool:  # type: ignore[override]
+        return self.multi_document
+
+    def acquire_all(self, requests: Requests, holder: str, *, ttl: float, meta: Meta,
+                    wait: bool) -> MultiAttempt:
+        """One transaction over every requested semaphore's document where the storage has
+        them (:mod:`.model`'s ``acquire_all``), else the generic protocol of the base class."""
+        if not self.multi_document:
+            return super().acquire_all(requests, holder, ttl=ttl, meta=meta, wait=wait)
+        meta = as_json(meta)
+        requests = list(requests)
+
+        def rule(txns: Dict[str, Transaction]) -> MultiAttempt:
+            for name, limit in requests:
+                if txns[name].state is None:
+                    txns[name].state = txns[name].new_state(limit)
+            return acquire_all(
+                {name: txn.state for name, txn in txns.items()}, requests, holder, ttl=ttl,
+                meta=meta, wait=wait, client=self.client_id, now=min(t.now for t in
+                                                                     txns.values()),
+                waiter_ttl=self.waiter_ttl)
+
+        return self._transact_many([name for name, _ in requests], rule)
 
     def acquire(
         self, name: str, holder: str, *, limit: int, ttl: float, meta: Meta, wait: bool

@@ -10,7 +10,7 @@ import threading
 import time
 import weakref
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any, Dict, Iterator, List, Sequence, Tuple
 
 from .engine import DocumentBackend, Transaction
 from .model import State
@@ -37,6 +37,26 @@ class MemoryBackend(DocumentBackend):
             state, expires = self._states.get(name, (None, 0.0))
             copy = State.from_dict(state.to_dict()) if state is not None and expires > now else None
             yield Transaction(name, copy, now)
+
+    multi_document = True
+
+    @contextmanager
+    def _load_many(self, names: Sequence[str]) -> Iterator[List[Transaction]]:
+        """Every document under the store's one lock."""
+        with self._lock:
+            now = time.time()
+            txns = []
+            for name in names:
+                state, expires = self._states.get(name, (None, 0.0))
+                copy = (State.from_dict(state.to_dict()) if state is not None and expires > now
+                        else None)
+                txns.append(Transaction(name, copy, now))
+            yield txns
+
+    def _commit_many(self, txns: Sequence[Transaction]) -> bool:
+        for txn in txns:
+            self._commit(txn)
+        return True
 
     def _commit(self, txn: Transaction) -> bool:
         if txn.state is None:

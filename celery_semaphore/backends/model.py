@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from ..stats import FIRST_WAIT_META, WORKER_COUNTERS, SemaphoreStats, observe
 from .base import (
@@ -18,6 +18,7 @@ from .base import (
     Grant,
     HolderInfo,
     Meta,
+    MultiAttempt,
     SemaphoreStatus,
     WaiterInfo,
     fair_key_of,
@@ -41,6 +42,10 @@ class Holder:
     since: float
     expires: float
     meta: Meta = field(default_factory=dict)
+
+    def grant(self, now: float) -> Grant:
+        """This holder's grant as it stands (a repeated acquire gets it back unchanged)."""
+        return Grant(self.slot, self.epoch, self.expires, self.expires - now)
 
 
 @dataclass
@@ -180,10 +185,19 @@ class State:
         self.declared[declared] = now
         current = self.holders.get(holder)
         if current is not None:
-            return Attempt(
-                Grant(current.slot, current.epoch, current.expires, current.expires - now),
-                limit=self.limit,
-            )
+            return Attempt(current.grant(now), limit=self.limit)
+        rank, round_, slot = self.place(holder, meta, slots)
+        if slot is not None:
+            return Attempt(self.grant(holder, slot, round_, ttl, meta, now), limit=self.limit)
+        position = self.queue_up(holder, rank, round_, meta, client, now, waiter_ttl) \
+            if wait else None
+        return Attempt(None, position, self.earliest_expiry(now), self.limit)
+
+    def place(self, holder: str, meta: Meta, slots: Optional[Iterable[int]] = None
+              ) -> Tuple[int, int, Optional[int]]:
+        """``(rank, round, slot)`` of a caller that does not hold: its place in the queue (as
+        it is, or as it would queue), its fair-share round, and the slot the FIFO rule would
+        give it now (None: not admissible). Changes nothing."""
         waiter = self.waiters.get(holder)
         if waiter is not None:
             rank, round_ = self.queue().index(holder), waiter.round
@@ -199,28 +213,36 @@ class State:
         else:
             free = [s for s in sorted(slots) if 0 <= s < self.limit and s not in used]
         if len(self.holders) + rank < self.limit and free and not self.twin_holds(holder):
-            slot = free[0]
-            epoch = next_epoch(self.epochs.get(slot, 0), now)
-            self.epochs[slot] = epoch
-            self.holders[holder] = Holder(slot, epoch, now, now + ttl, meta)
-            queued = self.waiters.pop(holder, None)
-            self.round = max(self.round, round_)
-            self.count("acquired")
-            first_wait = meta.get(FIRST_WAIT_META)
-            since = (first_wait if isinstance(first_wait, (int, float))
-                     else queued.since if queued is not None else now)
-            observe(self.stats, "wait", now - since)
-            return Attempt(Grant(slot, epoch, now + ttl, ttl), limit=self.limit)
-        position = None
-        if wait:
-            if waiter is None:
-                self.waiters[holder] = Waiter(self.next_ticket, now, now + waiter_ttl, client,
-                                              meta, round_)
-                self.next_ticket += 1
-            else:
-                waiter.expires = now + waiter_ttl
-            position = rank
-        return Attempt(None, position, self.earliest_expiry(now), self.limit)
+            return rank, round_, free[0]
+        return rank, round_, None
+
+    def grant(self, holder: str, slot: int, round_: int, ttl: float, meta: Meta,
+              now: float) -> Grant:
+        """Give ``holder`` ``slot`` (as :meth:`place` found it), leaving the queue."""
+        epoch = next_epoch(self.epochs.get(slot, 0), now)
+        self.epochs[slot] = epoch
+        self.holders[holder] = Holder(slot, epoch, now, now + ttl, meta)
+        queued = self.waiters.pop(holder, None)
+        self.round = max(self.round, round_)
+        self.count("acquired")
+        first_wait = meta.get(FIRST_WAIT_META)
+        since = (first_wait if isinstance(first_wait, (int, float))
+                 else queued.since if queued is not None else now)
+        observe(self.stats, "wait", now - since)
+        return Grant(slot, epoch, now + ttl, ttl)
+
+    def queue_up(self, holder: str, rank: int, round_: int, meta: Meta, client: str,
+                 now: float, waiter_ttl: float) -> int:
+        """Queue ``holder`` at its place (as :meth:`place` found it), or refresh its entry;
+        its position."""
+        waiter = self.waiters.get(holder)
+        if waiter is None:
+            self.waiters[holder] = Waiter(self.next_ticket, now, now + waiter_ttl, client,
+                                          meta, round_)
+            self.next_ticket += 1
+        else:
+            waiter.expires = now + waiter_ttl
+        return rank
 
     def release(self, holder: str, now: Optional[float] = None) -> bool:
         """Free ``holder``'s slot; with ``now``, observe its hold time."""
@@ -261,6 +283,59 @@ class State:
             ),
             stats=SemaphoreStats.from_fields(self.stats),
         )
+
+
+def acquire_all(
+    states: Dict[str, State],
+    requests: Sequence[Tuple[str, int]],
+    holder: str,
+    *,
+    ttl: float,
+    meta: Meta,
+    wait: bool,
+    client: str,
+    now: float,
+    waiter_ttl: float,
+) -> MultiAttempt:
+    """The multi-semaphore rule (:meth:`.base.Backend.acquire_all`) over the states of every
+    requested semaphore, applied in one atomic step: all granted together, or none held and,
+    with ``wait``, queued in the first listed semaphore that refuses (and out of the others'
+    queues). A semaphore held on its own (a lease of the set that outlived the others' give
+    back, say) is given back when the set is refused: a waiting request holds no slot."""
+    for name, limit in requests:
+        states[name].declared[limit] = now
+    limits = {name: states[name].limit for name, _ in requests}
+    current = {name: states[name].holders.get(holder) for name, _ in requests}
+    if all(h is not None for h in current.values()):
+        return MultiAttempt({name: h.grant(now) for name, h in current.items()},
+                            limits=limits)
+    places = {name: states[name].place(holder, meta)
+              for name, _ in requests if current[name] is None}
+    refused = [name for name, (_, _, slot) in places.items() if slot is None]
+    if not refused:
+        grants = {}
+        for name, _ in requests:
+            held = current[name]
+            if held is not None:
+                grants[name] = held.grant(now)
+            else:
+                _, round_, slot = places[name]
+                grants[name] = states[name].grant(holder, slot, round_, ttl, meta, now)
+        return MultiAttempt(grants, limits=limits)
+    blocking = refused[0]
+    for name, _ in requests:
+        if current[name] is not None:
+            states[name].release(holder, now)
+    position = None
+    if wait:
+        for name, _ in requests:
+            if name != blocking:
+                states[name].cancel(holder)
+        rank, round_, _ = places[blocking]
+        position = states[blocking].queue_up(holder, rank, round_, meta, client, now,
+                                             waiter_ttl)
+    state = states[blocking]
+    return MultiAttempt(None, blocking, position, state.earliest_expiry(now), state.limit)
 
 
 def as_json(meta: Optional[Meta]) -> Dict[str, Any]:

@@ -60,7 +60,18 @@ import threading
 import time
 import weakref
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterator, List, NoReturn, Optional, Tuple, TypeVar
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Iterator,
+    List,
+    NoReturn,
+    Optional,
+    Sequence,
+    Tuple,
+    TypeVar,
+)
 from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 
 import psycopg
@@ -341,17 +352,29 @@ class PostgresBackend(DocumentBackend):
         """The engine's transaction, tried once more after a stale connection; creates the
         table when a write finds none, and answers a read on a missing table as on an absent
         semaphore."""
+        return self._retrying(lambda: super(PostgresBackend, self)._transact(name, rule,
+                                                                            write=write),
+                              lambda: rule(Transaction(name, None, time.time())), write)
+
+    def _transact_many(self, names: Sequence[str], rule: Callable[[Dict[str, Transaction]], Any]
+                       ) -> Any:
+        """:meth:`_transact` over several rows: one transaction locks them ``FOR UPDATE`` one
+        by one in sorted name order (so two such transactions never deadlock)."""
+        return self._retrying(lambda: super(PostgresBackend, self)._transact_many(names, rule),
+                              lambda: None, True)
+
+    def _retrying(self, run: Callable[[], Any], absent: Callable[[], Any], write: bool) -> Any:
         stale = created = False
         while True:
             try:
-                return super()._transact(name, rule, write=write)
+                return run()
             except _StaleConnection:
                 if stale:
                     raise
                 stale = True
             except _NoTable:
                 if not write:
-                    return rule(Transaction(name, None, time.time()))
+                    return absent()
                 if created:
                     raise BackendUnavailable(
                         f"postgresql semaphore backend {mask_url(self.url)}: the table "
@@ -383,23 +406,44 @@ class PostgresBackend(DocumentBackend):
     def _load(self, name: str) -> Iterator[Transaction]:
         """Inside ``BEGIN``, the semaphore's row locked ``FOR UPDATE`` until :meth:`_commit`
         commits or the transaction rolls back."""
+        with self._load_many([name]) as (txn,):
+            yield txn
+
+    multi_document = True
+
+    @contextmanager
+    def _load_many(self, names: Sequence[str]) -> Iterator[List[Transaction]]:
+        """Inside one ``BEGIN``, each row locked ``FOR UPDATE`` in the (sorted) order given."""
         conn, fresh = self._connection()
+        txns: List[Transaction] = []
         try:
             conn.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
-            row = conn.execute(self._sql["load"], (self.key_prefix + name,)).fetchone()
+            for name in names:
+                row = conn.execute(self._sql["load"], (self.key_prefix + name,)).fetchone()
+                assert row is not None
+                now, raw, expires = row
+                live = raw is not None and expires > now
+                txns.append(PgTransaction(name, State.from_dict(raw) if live else None, now,
+                                          conn, exists=raw is not None, fresh=fresh))
         except psycopg.Error as exc:
             self._raise(conn, fresh, exc)
-        assert row is not None
-        now, raw, expires = row
-        live = raw is not None and expires > now
-        txn = PgTransaction(name, State.from_dict(raw) if live else None, now, conn,
-                            exists=raw is not None, fresh=fresh)
         try:
-            yield txn
+            yield txns
         finally:
             self._rollback(conn)  # not committed: a read, a lost race or a rule that raised
 
-    def _commit(self, txn: Transaction) -> bool:
+    def _commit_many(self, txns: Sequence[Transaction]) -> bool:
+        for txn in txns:
+            if not self._write(txn):
+                return False
+        try:
+            txns[0].version.execute("COMMIT")
+        except psycopg.Error as exc:
+            self._raise(txns[0].version, txns[0].fresh, exc)
+        return True
+
+    def _write(self, txn: Transaction) -> bool:
+        """Write ``txn``'s row (no commit); False when another client created it meanwhile."""
         assert isinstance(txn, PgTransaction)
         conn, key = txn.version, self.key_prefix + txn.name
         try:
@@ -411,11 +455,13 @@ class PostgresBackend(DocumentBackend):
                 if txn.exists:
                     conn.execute(self._sql["update"], (state, expires, key))
                 elif conn.execute(self._sql["insert"], (key, state, expires)).rowcount == 0:
-                    return False  # created by another client since the load: start over
-            conn.execute("COMMIT")
+                    return False
         except psycopg.Error as exc:
             self._raise(conn, txn.fresh, exc)
         return True
+
+    def _commit(self, txn: Transaction) -> bool:
+        return self._commit_many([txn])
 
     def _after_commit(self, txn: Transaction) -> None:
         self._sweep_if_due()

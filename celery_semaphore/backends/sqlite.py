@@ -23,7 +23,7 @@ import tempfile
 import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator, List, Optional
+from typing import Any, Iterator, List, Optional, Sequence
 from urllib.parse import unquote, urlsplit
 
 from ..exceptions import BackendUnavailable, ConfigurationError
@@ -106,6 +106,14 @@ class SQLiteBackend(DocumentBackend):
     def _load(self, name: str) -> Iterator[Transaction]:
         """Inside ``BEGIN IMMEDIATE`` (the database's write lock): no other process writes
         until :meth:`_commit` commits or the transaction rolls back."""
+        with self._load_many([name]) as (txn,):
+            yield txn
+
+    multi_document = True
+
+    @contextmanager
+    def _load_many(self, names: Sequence[str]) -> Iterator[List[Transaction]]:
+        """Every document inside one ``BEGIN IMMEDIATE`` (see :meth:`_load`)."""
         with _no_fork:
             conn = self._connection()
             try:
@@ -116,16 +124,31 @@ class SQLiteBackend(DocumentBackend):
                 ) from exc
             try:
                 now = time.time()
-                row = conn.execute(
-                    "SELECT state FROM semaphores WHERE name = ? AND expires > ?",
-                    (self.key_prefix + name, now),
-                ).fetchone()
-                yield Transaction(name, State.loads(row[0]) if row else None, now, conn)
+                txns = []
+                for name in names:
+                    row = conn.execute(
+                        "SELECT state FROM semaphores WHERE name = ? AND expires > ?",
+                        (self.key_prefix + name, now),
+                    ).fetchone()
+                    txns.append(Transaction(name, State.loads(row[0]) if row else None, now,
+                                            conn))
+                yield txns
             finally:
                 if conn.in_transaction:  # not committed: a read, or a rule that raised
                     conn.execute("ROLLBACK")
 
+    def _commit_many(self, txns: Sequence[Transaction]) -> bool:
+        for txn in txns:
+            self._write(txn)
+        txns[0].version.execute("COMMIT")
+        return True
+
     def _commit(self, txn: Transaction) -> bool:
+        self._write(txn)
+        txn.version.execute("COMMIT")
+        return True
+
+    def _write(self, txn: Transaction) -> None:
         conn, key = txn.version, self.key_prefix + txn.name
         if txn.state is None:
             conn.execute("DELETE FROM semaphores WHERE name = ?", (key,))
@@ -134,8 +157,6 @@ class SQLiteBackend(DocumentBackend):
                 "INSERT OR REPLACE INTO semaphores (name, state, expires) VALUES (?, ?, ?)",
                 (key, txn.state.dumps(), txn.now + self.idle_ttl),
             )
-        conn.execute("COMMIT")
-        return True
 
     def _stored_names(self) -> List[str]:
         if not self._exists():

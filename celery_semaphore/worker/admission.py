@@ -4,6 +4,12 @@ the semaphore grants them a slot and a pool process is free to run them.
 A request enters the backend's waiter queue only while a pool process is free for it (per
 semaphore name), so a granted slot never waits for a local pool process; a grant that finds
 the pool full after all is given back and the request goes back to the head of the line.
+
+A request under several semaphores (:attr:`.Guard.multi`) asks for all of them in each attempt
+(:meth:`.Backend.acquire_all`: granted together or not at all, waiting in the queue of the one
+that refuses it), watches every one of them for wake-ups and holds a :class:`.LeaseGroup`. It
+is counted in the line and the pool-process share of its first semaphore. A request under one
+semaphore makes exactly the calls it always made.
 """
 
 from __future__ import annotations
@@ -12,13 +18,13 @@ import logging
 import os
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any, Deque, Dict, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, Deque, Dict, NamedTuple, Optional, Tuple, Union
 
-from ..backends.base import FAIR_KEY, Attempt, new_holder_id
+from ..backends.base import FAIR_KEY, Attempt, MultiAttempt, new_holder_id
 from ..guards import Guard
-from ..semaphore import Lease
+from ..semaphore import Lease, LeaseGroup
 from ..stats import FIRST_WAIT_META
-from ..task_lease import LEASE_KEY, LeaseRecord
+from ..task_lease import LEASE_KEY, lease_record_of
 from . import celery_internals
 from .waiter import Waiter, WaitState
 
@@ -32,7 +38,7 @@ class Answer(NamedTuple):
     """What one acquire attempt came back with (``attempt`` None: the call raised)."""
 
     holder: str
-    attempt: Optional[Attempt]
+    attempt: Optional[Union[Attempt, MultiAttempt]]
     error: Optional[BaseException]
     requested_at: float
     #: The waiter's attempt number it answers (:attr:`.Waiter.attempts_sent`).
@@ -102,7 +108,7 @@ class Admission:
         self.by_name[name] -= 1
         if not self.by_name[name]:
             del self.by_name[name]
-        self.backend.unwatch(name, waiter.holder)
+        self._unwatch(waiter)
         if not waiter.pulled:
             self.gate.consumer.qos.decrement_eventually()
         self.gate.parking.refill(name)
@@ -113,7 +119,7 @@ class Admission:
         still on its way may get (on the I/O thread, after that attempt; its answer may
         never be read: the loop stops at shutdown)."""
         if waiter.first_sent is not None:
-            self.gate.io.call(self._cancel, waiter.guard.name, waiter.holder,
+            self.gate.io.call(self._cancel, waiter.guard.names, waiter.holder,
                               waiter.last_sent + waiter.guard.settings.lease_ttl)
 
     def _move(self, waiter: Waiter, to: WaitState) -> None:
@@ -140,8 +146,13 @@ class Admission:
                                                 waiter.attempts_sent, delay=delay)
 
     def _watch(self, waiter: Waiter, holder: str) -> None:  # I/O thread
-        self.backend.watch(waiter.guard.name, holder,
-                           lambda: self.gate.loop.post(self._woken, waiter, holder))
+        woken = lambda: self.gate.loop.post(self._woken, waiter, holder)  # noqa: E731
+        for name in waiter.guard.names:  # a multi-semaphore request waits in any one's queue
+            self.backend.watch(name, holder, woken)
+
+    def _unwatch(self, waiter: Waiter) -> None:
+        for name in waiter.guard.names:
+            self.backend.unwatch(name, waiter.holder)
 
     def _woken(self, waiter: Waiter, holder: str) -> None:
         if waiter.state is WaitState.QUEUED and waiter.holder == holder:
@@ -150,12 +161,17 @@ class Admission:
     def _acquire(self, waiter: Waiter, holder: str, sent: int) -> None:  # I/O thread
         guard = waiter.guard
         requested_at = time.monotonic()
+        meta = {**self.meta(waiter.request, guard), FIRST_WAIT_META: waiter.first_wait}
         try:
-            attempt = self.backend.acquire(
-                guard.name, holder, limit=guard.limit, ttl=guard.settings.lease_ttl,
-                meta={**self.meta(waiter.request, guard), FIRST_WAIT_META: waiter.first_wait},
-                wait=waiter.waits,
-            )
+            attempt: Union[Attempt, MultiAttempt]
+            if guard.multi:
+                attempt = self.backend.acquire_all(
+                    guard.pairs, holder, ttl=guard.settings.lease_ttl, meta=meta,
+                    wait=waiter.waits)
+            else:
+                attempt = self.backend.acquire(
+                    guard.name, holder, limit=guard.limit, ttl=guard.settings.lease_ttl,
+                    meta=meta, wait=waiter.waits)
         except Exception as exc:
             answer = Answer(holder, None, exc, requested_at, sent)
         else:
@@ -186,13 +202,14 @@ class Admission:
         if attempt.grant is not None:
             self._granted(waiter, answer)
             return
+        blocking = getattr(attempt, "blocking", None) or waiter.guard.name
         if not waiter.waits:  # semaphore_on_full skip or fail: it never queued
             self.drop(waiter)
-            self.gate.full(waiter.request, waiter.guard, attempt.limit)
+            self.gate.full(waiter.request, waiter.guard, attempt.limit, blocking)
             return
         waiter.attempts += 1
-        if attempt.position != waiter.position:
-            waiter.position = attempt.position
+        if attempt.position != waiter.position or blocking != waiter.blocking:
+            waiter.position, waiter.blocking = attempt.position, blocking
             self.gate.reporting.waiting(waiter, attempt.position, attempt.limit)
         self._send(waiter, delay=self.backend.pause_after(attempt, settings.poll_interval))
 
@@ -209,20 +226,25 @@ class Admission:
         if answer.attempt is not None and answer.attempt.grant is not None:
             self.gate.io.call(self.gate.releases.release, self._lease(waiter, answer))
         elif answer.error is not None:
-            self.gate.io.call(self._cancel, waiter.guard.name, answer.holder,
+            self.gate.io.call(self._cancel, waiter.guard.names, answer.holder,
                               answer.requested_at + waiter.guard.settings.lease_ttl)
 
     # -- a grant -----------------------------------------------------------------------------
 
-    def _lease(self, waiter: Waiter, answer: Answer) -> Lease:
+    def _lease(self, waiter: Waiter, answer: Answer) -> Union[Lease, LeaseGroup]:
         attempt = answer.attempt
+        meta = self.meta(waiter.request, waiter.guard)
+        if isinstance(attempt, MultiAttempt):
+            return LeaseGroup({
+                name: Lease(self.backend, name, answer.holder, grant, answer.requested_at,
+                            limit=attempt.limits.get(name), meta=meta)
+                for name, grant in attempt.grants.items()})
         return Lease(self.backend, waiter.guard.name, answer.holder, attempt.grant,
-                     answer.requested_at, limit=attempt.limit,
-                     meta=self.meta(waiter.request, waiter.guard))
+                     answer.requested_at, limit=attempt.limit, meta=meta)
 
     def _granted(self, waiter: Waiter, answer: Answer) -> None:
         self._move(waiter, WaitState.GRANTED)
-        self.backend.unwatch(waiter.guard.name, waiter.holder)
+        self._unwatch(waiter)
         lease = self._lease(waiter, answer)
         request, guard = waiter.request, waiter.guard
         if request.revoked():  # by id, by stamped header or expired: announced and acked
@@ -234,23 +256,22 @@ class Admission:
             self.gate.io.call(self._give_back_grant, waiter, lease)
             return
         self.drop(waiter)
-        grant = answer.attempt.grant
-        request.request_dict[LEASE_KEY] = LeaseRecord(
-            guard.name, answer.attempt.limit, waiter.holder, grant.slot, grant.epoch, grant.ttl,
-            self.backend.url, self.backend.key_prefix,
+        request.request_dict[LEASE_KEY] = lease_record_of(
+            lease, self.backend.url, self.backend.key_prefix,
             waited=waiter.attempts > 0,  # WAITING was stored: the task stores STARTED
         ).to_header()
         self.gate.releases.hold(request, lease, guard)
         self.gate.handoffs.append(request)
 
-    def _give_back_grant(self, waiter: Waiter, lease: Lease) -> None:  # I/O thread
+    def _give_back_grant(self, waiter: Waiter,
+                         lease: Union[Lease, LeaseGroup]) -> None:  # I/O thread
         """Release a grant the pool had no process for, then put the request back in line.
         The waiter stays GRANTED until the release is done: an answer to an attempt made
         before it would carry this very grant, about to be freed."""
         self.gate.releases.release(lease)
         self.gate.loop.post(self._line_again, waiter, lease)
 
-    def _line_again(self, waiter: Waiter, lease: Lease) -> None:
+    def _line_again(self, waiter: Waiter, lease: Union[Lease, LeaseGroup]) -> None:
         if waiter.state is not WaitState.GRANTED:
             return
         if not lease.released:  # the release is being retried: wait under another holder id
@@ -259,23 +280,23 @@ class Admission:
             self.waiters[waiter.holder] = waiter
             waiter.first_sent = None
         self._move(waiter, WaitState.LINED)
-        waiter.position = None
+        waiter.position = waiter.blocking = None
         self.line.appendleft(waiter)
         self.pump()
 
     # -- leaving -----------------------------------------------------------------------------
 
-    def _cancel(self, name: str, holder: str, expires: float,
+    def _cancel(self, names: Tuple[str, ...], holder: str, expires: float,
                 retry: float = 0.0) -> None:  # I/O thread
-        """Leave the backend's queue and release a grant an attempt may have got (its reply
-        lost, or never to be read), retrying until the lease would have expired anyway
-        (``expires``, monotonic)."""
+        """Leave the backend's queues of ``names`` and release a grant an attempt may have got
+        (its reply lost, or never to be read), retrying until the lease would have expired
+        anyway (``expires``, monotonic)."""
         try:
-            self.backend.abandon(name, holder)
+            self.backend.abandon_all(names, holder)
         except Exception as exc:
             self.gate.retry_io(
-                lambda next_retry: self._cancel(name, holder, expires, next_retry),
-                retry, expires - time.monotonic(), f"leaving the queue of {name!r}", exc)
+                lambda next_retry: self._cancel(names, holder, expires, next_retry),
+                retry, expires - time.monotonic(), f"leaving the queue of {names[0]!r}", exc)
 
     def meta(self, request: Any, guard: Guard) -> Dict[str, Any]:
         meta = {"task_id": request.id, "task": request.name,

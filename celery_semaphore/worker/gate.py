@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Deque, List, Set
+from typing import Any, Callable, Deque, List, Optional, Set
 
 from ..backends import close_all
 from ..backends.base import Backend
@@ -244,7 +244,8 @@ class Gate:
                 self.admission.drop(waiter)
                 self.admission.leave_backend(waiter)
                 self.fail(waiter.request, SemaphoreTimeout(
-                    f"no slot of semaphore {waiter.guard.name!r} in {settings.max_wait}s "
+                    f"no slot of semaphore {waiter.blocking or waiter.guard.name!r} in "
+                    f"{settings.max_wait}s "
                     f"(semaphore_max_wait)"))
             elif now - waiter.entered > settings.worker_max_hold and waiter.waits:
                 self.parking.park(waiter, "semaphore_worker_max_hold passed")
@@ -276,12 +277,15 @@ class Gate:
         request.acknowledge()
         celery_internals.task_ready(request)
 
-    def full(self, request: Any, guard: Guard, limit: Any) -> None:
+    def full(self, request: Any, guard: Guard, limit: Any,
+             blocking: Optional[str] = None) -> None:
         """The one try of a request whose ``semaphore_on_full`` is ``skip`` or ``fail`` found
         its semaphore full (no free slot, others queued for one, or a twin of the task
-        holding one): skip or fail it, without running it."""
+        holding one; under several semaphores: ``blocking``, the one that refused it): skip
+        or fail it, without running it."""
         policy = guard.settings.on_full
-        why = (f"semaphore {guard.name!r} is full (limit {limit}); "
+        name = blocking or guard.name
+        why = (f"semaphore {name!r} is full (limit {limit}); "
                f"semaphore_on_full={policy!r}")
         if policy == "fail":
             return self.fail(request, SemaphoreFull(why))
@@ -293,9 +297,9 @@ class Gate:
         except Exception as store_exc:
             logger.warning("celery-semaphore: storing the skip of %s failed: %s",
                            request.id, store_exc)
-        request.send_event(SKIPPED_EVENT, semaphore=guard.name, limit=limit, reason=why)
+        request.send_event(SKIPPED_EVENT, semaphore=name, limit=limit, reason=why)
         try:
-            task_skipped.send(sender=request.task, task_id=request.id, semaphore=guard.name,
+            task_skipped.send(sender=request.task, task_id=request.id, semaphore=name,
                               limit=limit, request=request)
         except Exception:  # a receiver's bug must not keep the message unacked
             logger.exception("celery-semaphore: a task_skipped receiver failed")

@@ -26,9 +26,12 @@ class Reporting:
     def waiting(self, waiter: Waiter, position: Optional[int], limit: Any,
                 parked: bool = False) -> None:
         """``waiter`` waits at ``position`` of the backend's queue, or in the parking queue:
-        announce it (loop)."""
-        fields = {"semaphore": waiter.guard.name, "limit": limit, "position": position,
-                  "attempt": waiter.requeues + 1}
+        announce it (loop). A request under several semaphores: ``semaphore`` is the one whose
+        queue it waits in, ``semaphores`` lists them all."""
+        fields = {"semaphore": waiter.blocking or waiter.guard.name, "limit": limit,
+                  "position": position, "attempt": waiter.requeues + 1}
+        if waiter.guard.multi:
+            fields["semaphores"] = list(waiter.guard.names)
         if parked:
             fields["parked"] = True
         waiter.request.send_event(WAITING_EVENT, **fields)
@@ -81,7 +84,9 @@ class Reporting:
         with gate.lock:
             return {
                 "waiting": [
-                    {"id": w.request.id, "task": w.request.name, "semaphore": w.guard.name,
+                    {"id": w.request.id, "task": w.request.name,
+                     "semaphore": w.blocking or w.guard.name,
+                     "semaphores": list(w.guard.names),
                      "position": w.position, "queued": w.state is WaitState.QUEUED,
                      "waited": round(time.monotonic() - w.entered, 3),
                      "requeues": w.requeues}
@@ -89,7 +94,10 @@ class Reporting:
                 ],
                 "held": [
                     {"id": h.request.id, "task": h.request.name, "semaphore": h.lease.name,
-                     "holder": h.lease.holder, "token": str(h.lease.token)}
+                     "semaphores": list(h.guard.names),
+                     "holder": h.lease.holder, "token": str(h.lease.token),
+                     "tokens": {name: str(lease.token) for name, lease in
+                                getattr(h.lease, "leases", {h.lease.name: h.lease}).items()}}
                     for h in gate.releases.held.values()
                 ],
                 "parked": dict(gate.parking.parked_total),

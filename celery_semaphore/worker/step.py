@@ -12,7 +12,7 @@ from ..autoinstall import guarded_tasks
 from ..backends import get_backend
 from ..backends.base import Backend
 from ..exceptions import ConfigurationError
-from ..guards import check_options
+from ..guards import Guards, check_options
 from ..settings import Settings, lookup
 from .gate import Gate
 
@@ -86,9 +86,10 @@ def describe_guarded(app: Any) -> str:
     settings = Settings.from_app(app)
     parts = []
     for name, task in guarded_tasks(app).items():
-        template = task.semaphore
-        limit = (settings.limits.get(template) or getattr(task, "limit", None)
-                 or settings.default_limit)
-        kind = "template" if "{" in template else "semaphore"
-        parts.append(f"{name} ({kind} {template!r}, limit {limit})")
+        described = []
+        for template, limit in Guards.declared_limits(task.semaphore,
+                                                      getattr(task, "limit", None), settings):
+            kind = "template" if "{" in template else "semaphore"
+            described.append(f"{kind} {template!r}, limit {limit}")
+        parts.append(f"{name} ({'; '.join(described)})")
     return ", ".join(parts)

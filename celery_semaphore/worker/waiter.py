@@ -61,6 +61,9 @@ class Waiter:
     #: Acquire answers that were "wait"; > 0 means WAITING was reported.
     attempts: int = 0
     position: Optional[int] = None
+    #: The semaphore whose queue it waits in (a request under several: the one that refused
+    #: it last; under one: that one), once an attempt said "wait".
+    blocking: Optional[str] = None
     #: The next acquire attempt scheduled on the I/O thread.
     next_attempt: Optional[Timer] = None
     #: Monotonic time the first acquire was sent (None: it never reached the backend).

@@ -10,10 +10,12 @@ Guarantees:
 * Time comes from the server's ``TIME``, never a client clock; leases and waiter entries are
   stored as absolute expiries (microseconds), so client clock skew changes nothing.
 * The seven keys of a semaphore share the hash tag ``{name}`` (``<prefix>{name}:holders`` ...),
-  and no script touches any other key: on a Redis Cluster every script runs on the one node
-  serving that slot. There is no index of names: :meth:`RedisBackend.names` scans for the
-  ``config`` keys (on a cluster, on every master). Every key has a TTL: none expires while the
-  semaphore is used, and an idle semaphore leaves nothing behind after ``idle_ttl``.
+  and no script touches any other key but ``acquire_all`` (several semaphores' keys at once,
+  see :meth:`RedisBackend.acquire_all`, never sent to a Redis Cluster): on a Redis Cluster
+  every script runs on the one node serving that slot. There is no index of names:
+  :meth:`RedisBackend.names` scans for the ``config`` keys (on a cluster, on every master).
+  Every key has a TTL: none expires while the semaphore is used, and an idle semaphore
+  leaves nothing behind after ``idle_ttl``.
 * Wake-ups: a script that makes waiters admissible publishes ``name\\nholder`` on the channel
   ``<prefix>wake:<client id>`` of each waiter's process; one daemon thread per backend instance
   listens, resubscribing after connection loss (with Sentinel, to the current master). On a
@@ -71,6 +73,8 @@ from ..base import (
     Grant,
     HolderInfo,
     Meta,
+    MultiAttempt,
+    Requests,
     SemaphoreStatus,
     WaiterInfo,
     fair_key_of,
@@ -83,7 +87,7 @@ _SCRIPTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts
 #: The keys of one semaphore, in the order the scripts receive them (see scripts/prelude.lua).
 KEY_SUFFIXES = ("config", "holders", "hinfo", "queue", "wexp", "winfo", "wfair")
 _SCRIPTS = ("acquire", "release", "renew", "cancel", "resize", "status", "reset", "verify",
-            "count")
+            "count", "acquire_all")
 #: Errors that mean "Redis cannot serve us now". ReadOnlyError: a failover left us on a replica;
 #: OutOfMemoryError: maxmemory reached with a no-eviction policy; NoPermissionError: an ACL
 #: that does not allow our commands. A ``BUSY`` reply (another client's script overran) too.
@@ -284,6 +288,37 @@ class RedisBackend(Backend):
             None if retry_after < 0 else retry_after / 1e6,
             current_limit,
         )
+
+    @property
+    def atomic_acquire_all(self) -> bool:  # type: ignore[override]
+        """One script over every semaphore's keys, except on a Redis Cluster (their keys hash
+        to different slots): the generic protocol there."""
+        return self.kind != deployments.CLUSTER
+
+    def acquire_all(self, requests: Requests, holder: str, *, ttl: float, meta: Meta,
+                    wait: bool) -> MultiAttempt:
+        """``scripts/acquire_all.lua`` over the keys of every semaphore (one EVALSHA)."""
+        if not self.atomic_acquire_all:
+            return super().acquire_all(requests, holder, ttl=ttl, meta=meta, wait=wait)
+        requests = list(requests)
+        keys = [key for name, _ in requests for key in self._keys(name)]
+        argv = [self._idle_ms, self._channel_prefix, requests[0][0], holder, int(ttl * 1e6),
+                json.dumps(meta or {}, separators=(",", ":")), 1 if wait else 0,
+                self.client_id, int(self.waiter_ttl * 1e6), fair_key_of(meta) or "",
+                len(requests)]
+        argv += [x for name, limit in requests for x in (name, int(limit))]
+        reply = self._riding(lambda: self._script("acquire_all", keys, argv))
+        if reply[0] == 1:
+            now = reply[1]
+            grants, limits = {}, {}
+            for (name, _), (slot, epoch, expires, limit) in zip(requests, reply[2:]):
+                grants[name] = Grant(slot, epoch, expires / 1e6, (expires - now) / 1e6)
+                limits[name] = limit
+            return MultiAttempt(grants, limits=limits)
+        _, index, position, retry_after, limit = reply
+        return MultiAttempt(None, requests[index - 1][0],
+                            None if position < 0 else position,
+                            None if retry_after < 0 else retry_after / 1e6, limit)
 
     def release(self, name: str, holder: str) -> bool:
         return self._call("release", name, holder) == 1

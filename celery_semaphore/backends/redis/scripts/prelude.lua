@@ -8,6 +8,7 @@
 --   wfair   hash  holder -> round\nfair key, for waiters queued while the semaphore is fair
 --                 (base.py, "Fair shares"); config's 'round' is the highest round admitted
 -- ARGV[1] idle TTL (ms), ARGV[2] wake channel prefix, ARGV[3] semaphore name; then per script.
+-- (acquire_all.lua gets the keys of several semaphores and points these locals at each in turn.)
 -- Time is the server's, in microseconds; every score of holders and wexp is an absolute expiry.
 local config, holders, hinfo, queue, wexp, winfo, wfair =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
@@ -180,4 +181,88 @@ local function prune_declared()
       redis.call('HDEL', config, fields[i])
     end
   end
+end
+
+-- acquire.lua and acquire_all.lua (model.py's State.place, grant, queue_up) ------------------
+
+-- The place of a caller that does not hold: its rank in the queue (as queued, or where it
+-- would queue), whether it is queued, and its fair-share round. `before` is begin()'s.
+local function place(holder, fair_key, before)
+  local rank, queued, round = 0, false, 0
+  if before then
+    rank = redis.call('ZRANK', queue, holder)
+    queued = rank ~= false
+    if not queued then rank = redis.call('ZCARD', queue) end
+  end
+  -- Fair shares (base.py): a queued waiter keeps its round; a newcomer gets one while fair.
+  local fair = redis.call('EXISTS', wfair) == 1
+  if queued then
+    if fair then
+      round = fair_entry(redis.call('HGET', wfair, holder))
+      for i, h in ipairs(in_order()) do
+        if h == holder then rank = i - 1 break end
+      end
+    end
+  elseif fair or fair_key ~= '' then
+    round = next_round(fair_key)
+    if before then
+      rank = 0
+      local waiting = redis.call('ZRANGE', queue, 0, -1)
+      local infos = fair and each_chunk('HMGET', wfair, waiting, {}) or {}
+      for i = 1, #waiting do
+        if fair_entry(infos[i]) <= round then rank = rank + 1 end
+      end
+    end
+  end
+  return rank, queued, round
+end
+
+-- Give `holder` the lowest free `slot` (whose last epoch was `last_epoch`), leaving the queue;
+-- `count` holders held before. Returns the new epoch.
+local function grant(holder, slot, last_epoch, limit, declared_limit, ttl, meta, queued, round,
+                     count, touched)
+  local epoch = math.max(last_epoch + 1, now)
+  redis.call('HSET', config, 'limit', limit, 'd:' .. declared_limit, int(now),
+    'e:' .. slot, int(epoch))
+  redis.call('ZADD', holders, int(now + ttl), holder)
+  redis.call('HSET', hinfo, holder, slot .. '\n' .. int(epoch) .. '\n' .. int(now) .. '\n' .. meta)
+  -- the wait: from the caller's first wait (meta), else from its entry in the queue
+  local since = tonumber(string.match(meta, '"first_wait":([%d%.]+)') or '')
+  if since then since = since * 1000000
+  elseif queued then since = tonumber(string.match(redis.call('HGET', winfo, holder), '\n(%d+)'))
+  else since = now end
+  stat('acquired', 1)
+  observe('wait', now - since)
+  if queued then
+    redis.call('ZREM', queue, holder)
+    redis.call('ZREM', wexp, holder)
+    redis.call('HDEL', winfo, holder)
+    redis.call('HDEL', wfair, holder)
+  end
+  if round > tonumber(redis.call('HGET', config, 'round') or 0) then
+    redis.call('HSET', config, 'round', round)
+  end
+  if count == 0 then keep(touched, holders, hinfo) else keep(touched) end
+  return epoch
+end
+
+-- Queue `holder` (or refresh its entry) at the place place() found.
+local function queue_up(holder, queued, round, fair_key, meta, client, waiter_ttl)
+  if not queued then
+    local ticket = redis.call('HINCRBY', config, 'ticket', 1)
+    redis.call('ZADD', queue, ticket, holder)
+    redis.call('HSET', winfo, holder, client .. '\n' .. int(now) .. '\n' .. meta)
+    if round > 0 then
+      redis.call('HSET', wfair, holder, round .. '\n' .. fair_key)
+      redis.call('PEXPIRE', wfair, idle_ms)
+    end
+  end
+  redis.call('ZADD', wexp, int(now + waiter_ttl), holder)
+end
+
+-- Seconds (us) until the earliest lease expires, -1 when nobody holds.
+local function retry_after()
+  local first = redis.call('ZRANGE', holders, 0, 0, 'WITHSCORES')
+  if #first > 0 then return math.max(0, tonumber(first[2]) - now) end
+  return -1
 end

@@ -1,0 +1,109 @@
+-- Several semaphores at once (base.py's Backend.acquire_all, model.py's acquire_all): admitted
+-- to all of them in this one script, or holding none of them and, with wait, queued in the
+-- first listed one that refuses and in no other.
+-- KEYS: the seven keys of each semaphore in turn (so this script never runs on a Redis
+-- Cluster, where they hash to different slots: the backend uses the generic protocol there).
+-- ARGV[4] holder, [5] ttl (us), [6] meta JSON, [7] wait (0/1), [8] client id,
+-- [9] waiter ttl (us), [10] fair-share key ('' for none), [11] n; then for semaphore i:
+-- ARGV[10 + 2i] its name, ARGV[11 + 2i] its declared limit.
+-- Returns {1, now, {slot, epoch, expires, limit} for each} when admitted (or holding all),
+-- else {0, index of the refusing semaphore, position (-1: not queued),
+-- retry_after (us, -1: nobody holds it), its limit}.
+local holder, ttl, meta = ARGV[4], tonumber(ARGV[5]), ARGV[6]
+local wait, client, waiter_ttl = ARGV[7] == '1', ARGV[8], tonumber(ARGV[9])
+local fair_key = ARGV[10] or ''
+local n = tonumber(ARGV[11])
+
+-- Point the prelude's per-semaphore locals (its functions' upvalues) at semaphore i.
+local function use(i)
+  local k = (i - 1) * 7
+  config, holders, hinfo, queue, wexp, winfo, wfair =
+    KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], KEYS[k + 4], KEYS[k + 5], KEYS[k + 6], KEYS[k + 7]
+  name = ARGV[10 + 2 * i]
+end
+
+-- First every semaphore's standing, as acquire.lua finds it, changing nothing but the pruning.
+local s = {}
+local blocking = nil
+for i = 1, n do
+  use(i)
+  local st = {declared = tonumber(ARGV[11 + 2 * i])}
+  st.before = begin()
+  local infos = redis.call('HGETALL', hinfo)
+  st.count = #infos / 2
+  local used, twin, task = {}, false, task_of(holder)
+  for j = 1, #infos, 2 do
+    used[tonumber(string.match(infos[j + 1], '^%d+'))] = true
+    if infos[j] == holder then st.mine = infos[j + 1]
+    elseif task and task_of(infos[j]) == task then twin = true end
+  end
+  local slot = 0
+  while used[slot] do slot = slot + 1 end
+  st.slot = slot
+  local cfg = redis.call('HMGET', config, 'limit', 'touched', 'e:' .. slot)
+  st.limit = tonumber(cfg[1]) or st.declared
+  st.touched = cfg[2]
+  st.last_epoch = tonumber(cfg[3]) or 0
+  local rank, queued, round = place(holder, fair_key, st.before)
+  st.rank, st.queued, st.round = rank, queued, round
+  st.ok = st.mine ~= nil or (st.count + rank < st.limit and not twin)
+  if not st.ok and not blocking then blocking = i end
+  s[i] = st
+end
+
+if not blocking then  -- admitted to every one: grant them all
+  local out = {1, now}
+  for i = 1, n do
+    use(i)
+    local st = s[i]
+    if st.mine then
+      local held_slot, epoch = string.match(st.mine, '^(%d+)\n(%d+)\n')
+      local expires = tonumber(redis.call('ZSCORE', holders, holder))
+      redis.call('HSET', config, 'limit', st.limit, 'd:' .. st.declared, int(now))
+      keep(st.touched)
+      out[i + 2] = {tonumber(held_slot), tonumber(epoch), expires, st.limit}
+    else
+      local epoch = grant(holder, st.slot, st.last_epoch, st.limit, st.declared, ttl, meta,
+        st.queued, st.round, st.count, st.touched)
+      out[i + 2] = {st.slot, epoch, now + ttl, st.limit}
+    end
+    wake(st.before)
+  end
+  return out
+end
+
+-- Refused: hold none of them (a lease of the set held alone is given back), and wait in the
+-- refusing semaphore's queue only.
+local position, retry = -1, -1
+for i = 1, n do
+  use(i)
+  local st = s[i]
+  redis.call('HSET', config, 'limit', st.limit, 'd:' .. st.declared, int(now))
+  if st.mine then
+    redis.call('ZREM', holders, holder)
+    redis.call('HDEL', hinfo, holder)
+    observe('hold', now - tonumber(string.match(st.mine, '^%d+\n%d+\n(%d+)')))
+  end
+  if i == blocking then
+    if wait then
+      queue_up(holder, st.queued, st.round, fair_key, meta, client, waiter_ttl)
+      position = st.rank
+    end
+    if wait and not st.queued and st.rank == 0 then
+      keep(st.touched, queue, wexp, winfo)
+    else
+      keep(st.touched)
+    end
+    retry = retry_after()
+  else
+    if wait and st.queued then  -- waits elsewhere now: out of this queue
+      redis.call('ZREM', queue, holder)
+      redis.call('ZREM', wexp, holder)
+      redis.call('HDEL', winfo, holder)
+      redis.call('HDEL', wfair, holder)
+    end
+    keep(st.touched)
+  end
+  wake(st.before)
+end
+return {0, blocking, position, retry, s[blocking].limit}
