@@ -10,7 +10,7 @@ import os
 import time
 
 from celery import Celery, signals
-from celery.exceptions import SoftTimeLimitExceeded
+from celery.exceptions import Reject, SoftTimeLimitExceeded
 
 import celery_semaphore
 from tests.probe import Probe
@@ -105,6 +105,17 @@ def create_app(env):
     @task(semaphore="num:{n:d}", limit=1)
     def numbered(n, key):
         body(f"numbered:{key}", 0.01)
+        return key
+
+    @task(semaphore="rejecting", limit=1, acks_late=True)
+    def rejects_once(key):
+        """Rejected with requeue on its first run (``Reject(requeue=True)``), then runs."""
+        marker = os.path.join(env.get("CS_DIR", "/tmp"), f"rejected-{key}")
+        first = not os.path.exists(marker)
+        body(f"rejecting:{key}", 0.6 if first else 0.01)  # the first outlasts the doorbell's
+        if first:  # second look at its parking queue
+            open(marker, "w").close()
+            raise Reject("once", requeue=True)
         return key
 
     @task(semaphore="lease", limit=3)

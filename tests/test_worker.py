@@ -728,3 +728,18 @@ def test_tasks_parked_on_send_while_no_worker_runs_are_found_by_their_doorbell(r
         assert wait_until(lambda: _parked(cluster, "api:77") == 0)
     finally:
         cluster.stop()
+
+
+def test_a_pulled_task_celery_requeues_is_pulled_again(redis_url, tmp_path):
+    """A task parked on send, pulled and then rejected with requeue (``Reject(requeue=True)``)
+    goes back to its parking queue, which its worker had found empty and forgotten: the worker
+    learns it again and the task runs (before: it waited for the next send of its semaphore)."""
+    cluster = Cluster(str(tmp_path), redis_url, servers.redis_broker(redis_url), redis_url,
+                      workers=1, names="requeued")
+    try:
+        result = cluster.task("rejects_once").delay("r1")
+        assert result.get(timeout=20) == "r1"
+        assert cluster.probe.completed("rejecting:r1") == {"rejecting:r1": 2}
+        assert wait_until(lambda: _parked(cluster, "rejecting") == 0)
+    finally:
+        cluster.stop()

@@ -143,9 +143,12 @@ class ParkingLot:
         :meth:`.Gate.on_connection_lost` detached is restored there instead), and the
         semaphore is pulled again once the consumer runs (loop thread)."""
         waiter.request.acknowledged = True  # settled here, not on the consumer's channel
+        lane = lane_of(waiter.guard.name, waiter.guard.fair)
         if not waiter.detached:
             self.gate.io.call(self._reject, waiter.request.message)
-        self._know(lane_of(waiter.guard.name, waiter.guard.fair))
+            # the others may have forgotten this lane (this worker may be leaving for good)
+            self.gate.io.call(self._announce, lane)
+        self._know(lane)
 
     def refill(self, name: str) -> None:
         """Pull parked requests of semaphore ``name`` (or of a lane's semaphore) while this
@@ -265,6 +268,8 @@ class ParkingLot:
         if empty:
             self._forget(name)
         if not self.gate.open:  # the consumer stopped meanwhile: they wait for another pull
+            if messages:
+                self._know(name)
             for message in messages:
                 self.gate.io.call(message.reject_log_error, logger, (), True)
             return
@@ -293,9 +298,15 @@ class ParkingLot:
         name = message.headers.get(PARKED_HEADER)
         with self._unsettled_lock:
             self._unsettled[name] += 1
-        strategy(message, None, promise(self.gate.io.call, (self._settle, message, name, True)),
-                 promise(self.gate.io.call, (self._settle, message, name, False)),
-                 consumer.on_task_message)
+        try:
+            strategy(message, None,
+                     promise(self.gate.io.call, (self._settle, message, name, True)),
+                     promise(self.gate.io.call, (self._settle, message, name, False)),
+                     consumer.on_task_message)
+        except Exception:  # as the consumer does for a delivery: the rest of the pull goes on
+            logger.exception("celery-semaphore: cannot take pulled %s; it goes back",
+                             message.delivery_tag)
+            self.gate.io.call(self._reject, message)
 
     # -- broker calls (I/O thread) -----------------------------------------------------------
 
@@ -319,8 +330,21 @@ class ParkingLot:
         return queue
 
     def _lost(self, exc: BaseException, what: str) -> None:
+        """A call on the parking connection failed (I/O thread): every message pulled on it
+        and not settled goes back to its parking queue (:meth:`reset`), and this worker lets
+        go of those still waiting (:meth:`_let_go_of_pulled`) rather than run them beside
+        their next pull."""
         logger.warning("celery-semaphore: %s: broker unavailable: %s", what, exc)
-        self.close()
+        self.reset()
+        self.gate.loop.post(self._let_go_of_pulled)
+
+    def _let_go_of_pulled(self) -> None:  # loop thread
+        admission = self.gate.admission
+        for waiter in [w for w in admission.waiters.values() if w.pulled]:
+            if admission.drop(waiter):
+                admission.leave_backend(waiter)
+                waiter.request.acknowledged = True  # its message is back in the broker
+                celery_internals.task_ready(waiter.request)
 
     def _park(self, waiter: Waiter, name: str) -> None:
         try:
@@ -353,6 +377,7 @@ class ParkingLot:
                 messages.append(message)
         except Exception as exc:
             self._lost(exc, f"pulling parked requests of {name!r}")
+            messages, empty = [], False  # back in the broker with the connection
         self.gate.loop.post(self._pulled, name, want, messages, empty)
 
     def _settle(self, message: Any, name: str, ack: bool, log: Any, errors: Any,
@@ -363,6 +388,9 @@ class ParkingLot:
         else:
             message.reject_log_error(log, errors, requeue)
         self._settled(name)
+        if not ack and requeue:  # back in its parking queue, which workers may have forgotten
+            self.gate.loop.post(self.learn, name)
+            self._announce(name)
 
     def _settled(self, name: str) -> None:
         with self._unsettled_lock:

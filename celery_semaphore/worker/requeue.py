@@ -10,7 +10,7 @@ import random
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any, Dict, Optional
 
-from ..waiting_room import FIRST_WAIT_HEADER
+from ..waiting_room import FIRST_WAIT_HEADER, PARKED_BY_HEADER, PARKED_HEADER, ROUTE_HEADER
 from . import celery_internals
 from .waiter import REQUEUES_HEADER, Waiter
 
@@ -34,11 +34,12 @@ def publish_copy(producer: Any, request: Any, exchange: str, routing_key: Option
                  headers: Dict[str, Any], **options: Any) -> None:
     """Publish a copy of ``request``'s message (its body, content type, reply address,
     priority and delivery mode, persistent unless given) with ``headers`` added to or
-    replacing its own; an ``eta`` of None removes the message's ETA."""
+    replacing its own; a header given as None is removed (an ``eta`` of None: no ETA)."""
     message = request.message
     merged = {**message.headers, **headers}
-    if merged.get("eta") is None:
-        merged.pop("eta", None)
+    for key, value in headers.items():  # None: remove the header
+        if value is None:
+            merged.pop(key, None)
     properties = message.properties or {}
     options.setdefault("delivery_mode", properties.get("delivery_mode", 2))
     producer.publish(
@@ -71,7 +72,9 @@ class Requeue:
                 publish_copy(producer, request, delivery.get("exchange") or "",
                              delivery.get("routing_key"),
                              {REQUEUES_HEADER: waiter.requeues + 1,
-                              FIRST_WAIT_HEADER: waiter.first_wait, "eta": eta},
+                              FIRST_WAIT_HEADER: waiter.first_wait, "eta": eta,
+                              # a pulled request's copy goes to its task queue: unparked
+                              PARKED_HEADER: None, PARKED_BY_HEADER: None, ROUTE_HEADER: None},
                              retry=True, retry_policy={"max_retries": 3})
         except Exception as exc:
             logger.warning("celery-semaphore: requeue of %s failed, rejecting for redelivery: %s",

@@ -48,6 +48,10 @@ class Tally:
             try:
                 self.gate.backend.count(name, dict(counts))
             except Exception as exc:
+                if not self.gate.running:  # at shutdown: no next time
+                    logger.warning("celery-semaphore: counts %s of %r lost at shutdown: %s",
+                                   dict(counts), name, exc)
+                    continue
                 logger.debug("celery-semaphore: counting %s for %r failed, next time: %s",
                              dict(counts), name, exc)
                 for counter, n in counts.items():
