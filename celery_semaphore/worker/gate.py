@@ -237,17 +237,19 @@ class Gate:
         now, wall = time.monotonic(), time.time()
         for waiter in list(self.admission.waiters.values()):
             settings = waiter.guard.settings
-            if waiter.request.revoked():  # Celery's own test; announces and acks
-                self.admission.drop(waiter)
-                self.admission.leave_backend(waiter)
-            elif settings.max_wait is not None and wall - waiter.first_wait > settings.max_wait:
-                self.admission.drop(waiter)
-                self.admission.leave_backend(waiter)
-                self.fail(waiter.request, SemaphoreTimeout(
-                    f"no slot of semaphore {waiter.blocking or waiter.guard.name!r} in "
-                    f"{settings.max_wait}s "
-                    f"(semaphore_max_wait)"))
-            elif now - waiter.entered > settings.worker_max_hold and waiter.waits:
+            with waiter.outcome_lock:  # no WAITING stored over the outcome settled here
+                if waiter.request.revoked():  # Celery's own test; announces and acks
+                    self.admission.drop(waiter)
+                    self.admission.leave_backend(waiter)
+                    continue
+                if settings.max_wait is not None and wall - waiter.first_wait > settings.max_wait:
+                    self.admission.drop(waiter)
+                    self.admission.leave_backend(waiter)
+                    self.fail(waiter.request, SemaphoreTimeout(
+                        f"no slot of semaphore {waiter.blocking or waiter.guard.name!r} in "
+                        f"{settings.max_wait}s (semaphore_max_wait)"))
+                    continue
+            if now - waiter.entered > settings.worker_max_hold and waiter.waits:
                 self.parking.park(waiter, "semaphore_worker_max_hold passed")
         self.releases.check_orphans()
         self.parking.check_tracked()

@@ -41,17 +41,21 @@ class Reporting:
     def _store_waiting(self, waiter: Waiter, fields: Dict[str, Any],
                        parked: bool = False) -> None:  # I/O thread
         # A read of the loop's state: if it left meanwhile it may have run and stored its
-        # outcome already, which WAITING must not overwrite.
-        if waiter.state is not WaitState.QUEUED and not parked:
-            return
-        request = waiter.request
-        backend = request.task.backend
-        if getattr(backend, "persistent", True) and type(backend).__name__ != "DisabledBackend":
-            try:
-                backend.store_result(request.id, fields, WAITING, request=request._context)
-            except Exception as exc:
-                logger.debug("celery-semaphore: storing WAITING for %s failed: %s",
-                             request.id, exc)
+        # outcome already, which WAITING must not overwrite; the gate settles an outcome
+        # under the same lock.
+        with waiter.outcome_lock:
+            if waiter.state is not WaitState.QUEUED and not parked:
+                return
+            request = waiter.request
+            backend = request.task.backend
+            if (getattr(backend, "persistent", True)
+                    and type(backend).__name__ != "DisabledBackend"):
+                try:
+                    backend.store_result(request.id, fields, WAITING,
+                                         request=request._context)
+                except Exception as exc:
+                    logger.debug("celery-semaphore: storing WAITING for %s failed: %s",
+                                 request.id, exc)
 
     def revoked_parked(self, task_id: str, task_name: str) -> None:
         """A parked task was revoked: announce it now, as Celery does for a request it holds

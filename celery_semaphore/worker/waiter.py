@@ -14,6 +14,7 @@ Every transition happens on the consumer's loop thread (under the gate's lock wi
 from __future__ import annotations
 
 import enum
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Set
@@ -70,6 +71,9 @@ class Waiter:
     first_sent: Optional[float] = None
     #: Acquire attempts sent so far; an answer to an older one than the last is stale.
     attempts_sent: int = 0
+    #: Held while WAITING is stored (I/O thread) and while the gate settles the request's
+    #: outcome (revoked, failed: loop thread), so that WAITING never overwrites an outcome.
+    outcome_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     last_sent: float = 0.0
     backend_down: bool = False
     #: Pulled from the parking queue: its message is acked on the parking channel, and it
