@@ -151,12 +151,12 @@ class Gate:
             for waiter in detached:
                 waiter.detached = True
         if detached:
-            self.io.call(self._restore_detached,
+            self.io.call(self.restore_detached,
                          [w.request.message.delivery_tag for w in detached], set())
         self.io.call(self.parking.reset)
         return self._on_connection_lost(exc)
 
-    def _restore_detached(self, tags: List[str], parked: Set[str],
+    def restore_detached(self, tags: List[str], parked: Set[str],
                           retry: float = RETRY_FIRST) -> None:  # I/O
         """Put messages detached by :meth:`on_connection_lost` back in their queue (the
         parking queues of the semaphores ``parked``, which are then pulled again), retrying
@@ -166,7 +166,7 @@ class Gate:
             celery_internals.restore_unacked(self.app, tags)
         except Exception as exc:
             if self.running:
-                self.io.call(self._restore_detached, tags, parked, min(retry * 2, RETRY_MAX),
+                self.io.call(self.restore_detached, tags, parked, min(retry * 2, RETRY_MAX),
                              delay=retry)
             else:
                 logger.warning("celery-semaphore: %d waiting tasks stay unacked in the broker "

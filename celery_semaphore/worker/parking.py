@@ -139,15 +139,15 @@ class ParkingLot:
 
     def give_back(self, waiter: Waiter) -> None:
         """The consumer stops with ``waiter``, pulled from the waiting room, still waiting:
-        its message goes back to the parking queue (a reject on the parking channel; one that
-        :meth:`.Gate.on_connection_lost` detached is restored there instead), and the
-        semaphore is pulled again once the consumer runs (loop thread)."""
+        its message goes back to the parking queue (a reject on the parking channel; after a
+        lost connection :meth:`reset` has put it back already, and the reject on the closed
+        channel does nothing), the other workers are told, and this worker pulls the lane
+        again once the consumer runs (loop thread)."""
         waiter.request.acknowledged = True  # settled here, not on the consumer's channel
         lane = lane_of(waiter.guard.name, waiter.guard.fair)
-        if not waiter.detached:
-            self.gate.io.call(self._reject, waiter.request.message)
-            # the others may have forgotten this lane (this worker may be leaving for good)
-            self.gate.io.call(self._announce, lane)
+        self.gate.io.call(self._reject, waiter.request.message)
+        # the others may have forgotten this lane (this worker may be leaving for good)
+        self.gate.io.call(self._announce, lane)
         self._know(lane)
 
     def refill(self, name: str) -> None:
@@ -424,7 +424,7 @@ class ParkingLot:
         except Exception:
             pass
         if tags:
-            self.gate._restore_detached(tags, names)
+            self.gate.restore_detached(tags, names)
         else:
             for name in names:
                 self.gate.loop.post(self.learn, name)

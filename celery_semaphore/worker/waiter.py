@@ -79,8 +79,9 @@ class Waiter:
     #: Pulled from the parking queue: its message is acked on the parking channel, and it
     #: did not raise the consumer's prefetch.
     pulled: bool = False
-    #: Taken out of its channel's unacked set when the broker connection was lost: the gate
-    #: puts its message back in its queue (see ``Gate.on_connection_lost``).
+    #: Taken out of the consumer channel's unacked set when the broker connection was lost:
+    #: the gate puts its message back in its queue (``Gate.on_connection_lost``; a pulled one
+    #: goes back with the parking connection, ``ParkingLot.reset``).
     detached: bool = False
 
     @property
