@@ -170,7 +170,8 @@ class ParkOnSend:
                                       **options)
         lane, destination = parked
         queue = parking_queue(self._guards.settings.key_prefix, lane, self.driver_type())
-        headers = {**(options.get("headers") or {}), PARKED_HEADER: lane,
+        # the caller's own headers travel with the parked message, beside the parking marks
+        headers = {**(options.pop("headers", None) or {}), PARKED_HEADER: lane,
                    FIRST_WAIT_HEADER: time.time(),
                    ROUTE_HEADER: list(self._exchange_and_routing_key(destination))}
         for key in _ROUTING:

@@ -172,3 +172,57 @@ def test_a_retry_of_a_parked_task_keeps_none_of_its_marks(broker):
     ((name, headers, _),) = messages(client, f"{tag}.q")
     assert name == "t.guarded" and headers["eta"]
     assert not {PARKED_HEADER, FIRST_WAIT_HEADER, ROUTE_HEADER} & set(headers)
+
+
+
+def _chain(app):
+    from celery import chain
+
+    return chain(app.tasks["t.guarded"].s("c1").set(headers={"trace": "h"}),
+                 app.tasks["t.guarded"].si("c2")).apply_async()
+
+
+def _group(app):
+    from celery import group
+
+    return group(app.tasks["t.guarded"].s("g1").set(headers={"trace": "h"}),
+                 app.tasks["t.guarded"].s("g2").set(headers={"trace": "h"})).apply_async()
+
+
+TRACE = {"trace": "h"}
+
+
+@pytest.mark.parametrize("send, expected", [
+    (lambda app: app.tasks["t.guarded"].apply_async(("a",), headers=TRACE), TRACE),
+    (lambda app: app.tasks["t.guarded"].apply_async(("l",), headers={"semaphore_limit": 3}),
+     {"semaphore_limit": 3}),
+    (lambda app: app.tasks["t.guarded"].apply_async(
+        ("q",), headers=TRACE, queue="other", priority=3, expires=60, ignore_result=True,
+        task_id="fixed-id", shadow="shadowed", retry=True), TRACE),
+    (lambda app: app.tasks["t.guarded"].apply_async(("n",), headers={"semaphore": "n:1"}),
+     {"semaphore": "n:1"}),
+    (lambda app: app.tasks["t.guarded"].s("s").set(headers=TRACE).apply_async(), TRACE),
+    (lambda app: app.tasks["t.guarded"].s("s").apply_async(headers=TRACE), TRACE),
+    (lambda app: app.tasks["t.guarded"].si("si").set(headers=TRACE).delay(), TRACE),
+    (lambda app: app.send_task("t.guarded", ("t",), headers=TRACE), TRACE),
+    (lambda app: app.send_task("t.guarded", ("t",), headers={"semaphore_limit": 1}),
+     {"semaphore_limit": 1}),
+    (lambda app: app.tasks["t.per_customer"].apply_async((5, "k"), headers=TRACE), TRACE),
+    (_chain, TRACE),
+    (_group, TRACE),
+], ids=["apply_async", "apply_async-limit-header", "apply_async-options",
+        "apply_async-name-header", "signature-set", "signature-apply_async", "si-delay",
+        "send_task", "send_task-limit-header", "template", "chain", "group"])
+def test_every_way_to_send_works_with_headers_under_default_settings(broker, send, expected):
+    """Defect 1 of #27: a guarded send with ``headers=`` raised ``TypeError`` in the caller
+    once parking on send was on (the default). Every documented way to send takes them, and
+    the caller's headers travel with the task's message wherever it goes."""
+    url, client, tag = broker
+    app = make_app(url, tag)
+    send(app)
+    sent = [headers for key in sorted(client.scan_iter(f"{tag}*"))
+            if client.type(key) == b"list"
+            for name, headers, _ in messages(client, key.decode()) if name != DOORBELL_TASK]
+    assert sent, "nothing was sent"
+    for headers in sent:
+        assert {k: headers.get(k) for k in expected} == expected
