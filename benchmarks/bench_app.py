@@ -75,3 +75,15 @@ def diy(self, key, hold):
         raise self.retry(countdown=1)
     with lease:
         body(key, hold)
+
+
+@app.task(semaphore="t:{key}", limit=1, shared=False)
+def keyed(key, task, hold):
+    """W6: one limit per key of the template ``t:{key}``."""
+    body(f"{key}/{task}", hold)
+
+
+@app.task(shared=False)
+def keyed_plain(key, task, hold):
+    """W6's baseline: the same task with no semaphore, on the same workers."""
+    body(f"{key}/{task}", hold)

@@ -14,6 +14,16 @@ behind guarded ones. The doorbell is a persistent message in the task queue, so 
 are found even when no worker ran when they were sent. ``semaphore_park_on_send = False``
 (setting or task option) sends guarded tasks to their task queue as before (the worker parks
 what it cannot start soon).
+
+Only semaphores with a backlog use the waiting room: a send is parked only when the backend
+says the semaphore has requests waiting in its queue (:meth:`.Backend.waiting_count`, one cheap
+read per send, cached for :data:`BUSY_FOR` when busy and :data:`IDLE_FOR` when idle). A
+semaphore with room goes the plain way: one delivery, one acquire at the worker, nothing in
+the waiting room. So the cost per task does not grow with the number of keys of a template.
+
+Lanes keep Celery's routing: a lane is a semaphore (or a fair key of it) *and* the queue its
+tasks were routed to (:func:`lane_of`); its doorbell goes to that queue, so only workers that
+consume that queue ever pull its tasks.
 """
 
 from __future__ import annotations
@@ -24,9 +34,9 @@ import logging
 import re
 import threading
 import time
-from typing import Any, Dict, Iterable, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-from kombu import Exchange, Queue
+from kombu import Exchange, Producer, Queue
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +49,15 @@ PARKING_QUEUE_EXPIRES = 7 * 24 * 3600.0
 #: process. A worker that takes a doorbell looks again a little later, so what was parked
 #: after the doorbell and missed by its first pull waits at most about this long.
 DOORBELL_EVERY = 0.1
-#: Seconds between two broadcasts from one worker that a semaphore has parked tasks.
-ANNOUNCE_EVERY = 1.0
+#: Seconds between two doorbells one worker sends again for a lane it holds but has no room
+#: for (so that another worker consuming the same queue takes some).
+RERING_EVERY = 1.0
+#: Seconds a sender trusts a "busy" answer (requests wait in the backend's queue): sends of
+#: that semaphore are parked meanwhile.
+BUSY_FOR = 0.25
+#: Seconds a sender trusts an "idle" answer (nobody waits): sends of that semaphore go the
+#: plain way meanwhile, at most ``limit`` of them (then it asks again).
+IDLE_FOR = 0.02
 
 #: On a parked message: the semaphore it waits for.
 PARKED_HEADER = "semaphore_parked"
@@ -61,45 +78,65 @@ parking_now: "contextvars.ContextVar[Optional[str]]" = contextvars.ContextVar(
     "celery_semaphore_parking_now", default=None)
 
 
-#: A fair key that can stand in a queue name as it is; any other is hashed.
-_PLAIN_FAIR_KEY = re.compile(r"[A-Za-z0-9_.:@-]{1,64}")
+#: A part of a lane that can stand in a queue name as it is; any other is hashed (a template
+#: key filled from task arguments may be huge, non-ASCII or hostile).
+_PLAIN_PART = re.compile(r"[A-Za-z0-9_.:@-]{1,64}")
 
 
-def lane_of(name: str, fair: Optional[str]) -> str:
-    """The parking lane of a task: its semaphore's name, or with ``semaphore_fair_by``,
-    ``"<name>\n<fair key>"`` (a semaphore name holds no whitespace), parked apart so that
-    workers can pull round-robin across keys."""
-    return name if fair is None else f"{name}\n{fair}"
+def lane_of(name: str, fair: Optional[str], queue: Optional[str] = None) -> str:
+    """The parking lane of a task: ``"<queue>\t<semaphore>"``, with ``semaphore_fair_by``
+    ``"<queue>\t<semaphore>\n<fair key>"`` (a semaphore name holds no whitespace), parked apart
+    so that workers pull round-robin across keys, and only workers that consume ``queue``
+    (the queue the task was routed to) pull it. ``queue`` None: a lane of an earlier release
+    (no queue), still pulled by whoever gets its doorbell."""
+    lane = name if fair is None else f"{name}\n{fair}"
+    return lane if queue is None else f"{queue}\t{lane}"
 
 
 def semaphore_of(lane: str) -> str:
     """The semaphore name of a parking lane (:func:`lane_of`)."""
-    return lane.partition("\n")[0]
+    return lane.rpartition("\t")[2].partition("\n")[0]
 
 
-def parking_queue_name(key_prefix: str, name: str) -> str:
-    """``<key_prefix>park.<name>`` (a fair lane: ``...park.<name>.fair.<key>``, a key that is
-    not plain ASCII of up to 64 characters as ``~<hash>``), shortened with a hash of ``name``
-    past 200 bytes."""
-    name, fair_lane, fair = name.partition("\n")
-    full = f"{key_prefix}park.{name}"
-    if fair_lane:
-        if not _PLAIN_FAIR_KEY.fullmatch(fair):
-            fair = "~" + hashlib.sha1(fair.encode()).hexdigest()[:16]
-        full, name = f"{full}.fair.{fair}", f"{name}\n{fair}"
+def queue_of(lane: str) -> Optional[str]:
+    """The task queue of a parking lane (:func:`lane_of`), None for a lane without one."""
+    queue, tab, _ = lane.rpartition("\t")
+    return queue if tab else None
+
+
+def _plain(part: str) -> str:
+    if _PLAIN_PART.fullmatch(part):
+        return part
+    return "~" + hashlib.sha1(part.encode()).hexdigest()[:16]
+
+
+def parking_queue_name(key_prefix: str, lane: str) -> str:
+    """``<key_prefix>park.<name>`` for a lane without a queue, ``<key_prefix>park.<queue>|
+    <name>`` for one (and ``...|fair|<key>`` for a fair lane), each part that is not plain
+    ASCII of up to 64 characters as ``~<hash>`` (never outside the prefix); shortened with a
+    hash of the lane past 200 bytes."""
+    queue = queue_of(lane)
+    name, fair_lane, fair = lane.rpartition("\t")[2].partition("\n")
+    if queue is None:
+        full = f"{key_prefix}park.{name}"
+        if fair_lane:
+            full = f"{full}.fair.{_plain(fair)}"
+    else:
+        full = f"{key_prefix}park.{_plain(queue)}|{_plain(name)}"
+        if fair_lane:
+            full = f"{full}|fair|{_plain(fair)}"
     if len(full.encode()) <= MAX_QUEUE_NAME:
         return full
-    digest = hashlib.sha1(name.encode()).hexdigest()[:16]
+    digest = hashlib.sha1(lane.encode()).hexdigest()[:16]
     head = full.encode()[:MAX_QUEUE_NAME - 17].decode(errors="ignore")
     return f"{head}~{digest}"
 
 
-def parking_queue(key_prefix: str, name: str, driver_type: str) -> Queue:
-    """The parking queue of semaphore ``name`` as kombu declares it on a broker of
-    ``driver_type``: durable, reached through the default exchange, expiring when unused on
-    AMQP. Senders and workers declare it alike (RabbitMQ refuses a second declaration with
-    other arguments)."""
-    queue_name = parking_queue_name(key_prefix, name)
+def parking_queue(key_prefix: str, lane: str, driver_type: str) -> Queue:
+    """The parking queue of ``lane`` as kombu declares it on a broker of ``driver_type``:
+    durable, reached through the default exchange, expiring when unused on AMQP. Senders and
+    workers declare it alike (RabbitMQ refuses a second declaration with other arguments)."""
+    queue_name = parking_queue_name(key_prefix, lane)
     arguments = None
     if driver_type == "amqp":
         arguments = {"x-expires": int(PARKING_QUEUE_EXPIRES * 1000)}
@@ -107,22 +144,38 @@ def parking_queue(key_prefix: str, name: str, driver_type: str) -> Queue:
                  auto_delete=False, queue_arguments=arguments)
 
 
-def parked_counts(app: Any, key_prefix: str, names: Iterable[str]) -> Dict[str, int]:
-    """Tasks parked per semaphore name, asked of ``app``'s broker (0 where no parking queue
-    exists). Raises when the broker cannot be reached."""
+def known_queues(app: Any) -> List[str]:
+    """The task queues ``app`` knows (its default queue, ``task_queues``, and those its routes
+    created): where its parked tasks may be bound."""
+    names = {app.conf.task_default_queue}
+    try:
+        names.update(app.amqp.queues.keys())
+    except Exception:  # no broker configuration to read: the default queue alone
+        pass
+    return sorted(n for n in names if n)
+
+
+def parked_counts(app: Any, key_prefix: str, names: Iterable[str],
+                  queues: Optional[Iterable[str]] = None) -> Dict[str, int]:
+    """Tasks parked per semaphore name, over its lanes to each of ``queues`` (default: the
+    queues ``app`` knows, :func:`known_queues`) and its lane of an earlier release, asked of
+    ``app``'s broker (0 where no parking queue exists). Raises when the broker cannot be
+    reached."""
+    queues = list(known_queues(app) if queues is None else queues)
     counts: Dict[str, int] = {}
     with app.connection_for_write() as connection:
         connection.ensure_connection(max_retries=1, interval_start=0)
         channel = connection.channel()
         try:
             for name in names:
-                try:
-                    counts[name] = channel.queue_declare(
-                        queue=parking_queue_name(key_prefix, name), passive=True)[1]
-                except connection.channel_errors:  # no such queue
-                    counts[name] = 0
-                    if getattr(channel, "is_open", True) is False:  # AMQP closes the channel
-                        channel = connection.channel()
+                counts[name] = 0
+                for lane in [name] + [lane_of(name, None, queue) for queue in queues]:
+                    try:
+                        counts[name] += channel.queue_declare(
+                            queue=parking_queue_name(key_prefix, lane), passive=True)[1]
+                    except connection.channel_errors:  # no such queue
+                        if getattr(channel, "is_open", True) is False:  # AMQP closed it
+                            channel = connection.channel()
         finally:
             try:
                 channel.close()
@@ -144,7 +197,8 @@ class ParkOnSend:
     for it and ``semaphore_max_wait`` is not set (a worker that holds or parked a task fails
     it when its wait runs out; nobody watches a task parked on send until it is pulled) and
     ``semaphore_on_full`` is ``"wait"`` (a skip or fail is decided by the worker, once a pool
-    process is free for the task).
+    process is free for the task), it is routed to a queue, and its semaphore is busy: the
+    backend has requests waiting in its queue (:meth:`busy`).
     Anything else is sent as Celery sends it; the worker's gate handles it then (including a
     template it cannot fill, which fails that task alone).
     """
@@ -153,9 +207,15 @@ class ParkOnSend:
         self.app = app
         self.send_original = app.send_task
         self._guards: Any = None
+        self._backend: Any = None
         self._driver_type: Optional[str] = None
         self._rung: Dict[Tuple[str, str], float] = {}
+        #: semaphore -> (busy, trusted until (monotonic), plain sends left while idle)
+        self._busy: Dict[str, Tuple[bool, float, int]] = {}
         self._lock = threading.Lock()
+        #: AMQP: (connection, producer with publisher confirms, returned messages)
+        self._confirm: Optional[Tuple[Any, Any, List[Any]]] = None
+        self._confirm_lock = threading.Lock()
 
     def install(self) -> None:
         self.app.send_task = self.send_task
@@ -178,13 +238,97 @@ class ParkOnSend:
             options.pop(key, None)
         token = parking_now.set(lane)
         try:
-            result = self.send_original(name, args, kwargs, queue=queue, exchange="",
-                                        routing_key=queue.name, exchange_type="direct",
-                                        headers=headers, **options)
+            if self.driver_type() == "amqp":
+                result = self._publish_confirmed(name, args, kwargs, queue, headers, options)
+            else:
+                result = self.send_original(name, args, kwargs, queue=queue, exchange="",
+                                            routing_key=queue.name, exchange_type="direct",
+                                            headers=headers, **options)
         finally:
             parking_now.reset(token)
         self._ring(lane, destination, options)
         return result
+
+    def _publish_confirmed(self, name: str, args: Any, kwargs: Any, queue: Queue,
+                           headers: Dict[str, Any], options: Dict[str, Any]) -> Any:
+        """Publish a parked send on AMQP through this sender's own connection with publisher
+        confirms, ``mandatory``: a worker deletes a parking queue once it is empty, so the
+        broker may return the message (no such queue any more); then the queue is declared
+        again and the message published again. One parked send at a time per process."""
+        for key in ("producer", "connection"):
+            options.pop(key, None)
+        with self._confirm_lock:
+            for _ in range(3):
+                producer, returned = self._confirm_producer()
+                returned.clear()
+                try:
+                    result = self.send_original(
+                        name, args, kwargs, queue=queue, exchange="", routing_key=queue.name,
+                        exchange_type="direct", headers=headers, producer=producer,
+                        mandatory=True, **options)
+                except Exception:  # a new connection for the next send
+                    connection, self._confirm = self._confirm[0], None
+                    try:
+                        connection.close()
+                    except Exception:
+                        pass
+                    raise
+                if not returned:
+                    return result
+                queue(producer.channel).declare()
+            raise RuntimeError(f"the broker returned the parked task {name} three times "
+                               f"(parking queue {queue.name})")
+
+    def _confirm_producer(self) -> Tuple[Any, List[Any]]:
+        if self._confirm is None:
+            connection = self.app.connection_for_write(
+                transport_options={"confirm_publish": True})
+            returned: List[Any] = []
+            producer = Producer(connection.default_channel, auto_declare=False,
+                                on_return=lambda exc, *rest: returned.append(exc))
+            self._confirm = (connection, producer, returned)
+        _, producer, returned = self._confirm
+        return producer, returned
+
+    def busy(self, name: str, limit: int) -> bool:
+        """Whether semaphore ``name`` has a backlog: requests wait in the backend's queue
+        (:meth:`.Backend.waiting_count`). A "busy" answer is trusted for :data:`BUSY_FOR`; an
+        "idle" one for :data:`IDLE_FOR` and at most ``limit`` sends (a burst of one
+        semaphore is parked once it exceeds what could start at once, before its waiters show
+        in the backend). A backend that does not answer counts as busy: the waiting room
+        keeps the tasks until a worker can admit them."""
+        now = time.monotonic()
+        with self._lock:
+            known = self._busy.get(name)
+            if known is not None and now < known[1]:
+                busy, until, left = known
+                if busy:
+                    return True
+                if left > 0:
+                    self._busy[name] = (False, until, left - 1)
+                    return False
+                return True  # more plain sends than could start: park the rest of it
+        try:
+            busy = self.backend().waiting_count(name) > 0
+        except Exception as exc:
+            logger.debug("celery-semaphore: cannot tell whether %r has a backlog (parking "
+                         "the send): %s", name, exc)
+            busy = True
+        with self._lock:
+            if len(self._busy) > 10_000:  # template names: forget the stale answers
+                self._busy = {k: v for k, v in self._busy.items() if v[1] > now}
+            self._busy[name] = (busy, now + (BUSY_FOR if busy else IDLE_FOR),
+                                max(0, limit - 1))
+        return busy
+
+    def backend(self) -> Any:
+        if self._backend is None:
+            from .backends import get_backend
+
+            settings = self._guards.settings
+            self._backend = get_backend(settings.backend_url(self.app),
+                                        key_prefix=settings.key_prefix)
+        return self._backend
 
     def driver_type(self) -> str:
         if self._driver_type is None:
@@ -220,9 +364,13 @@ class ParkOnSend:
         destination = router.route(route_options, options.get("route_name") or name,
                                    args, kwargs, task)
         queue = destination.get("queue")
-        if queue is not None and queue.exchange is not None and queue.exchange.type == "fanout":
+        if queue is None or not getattr(queue, "name", None):
+            return None  # routed by exchange alone: no queue whose consumers may pull it
+        if queue.exchange is not None and queue.exchange.type == "fanout":
             return None  # a broadcast: every worker runs it; the gate sees each copy
-        return lane_of(guard.name, guard.fair), destination
+        if not self.busy(guard.name, guard.limit if isinstance(guard.limit, int) else 1):
+            return None  # room, or nobody waits: the plain way, one acquire at the worker
+        return lane_of(guard.name, guard.fair, queue.name), destination
 
     def _exchange_and_routing_key(self, destination: Dict[str, Any]) -> Tuple[str, str]:
         """Where Celery would publish a send routed to ``destination`` (as celery 5.x
@@ -241,12 +389,11 @@ class ParkOnSend:
         return exchange, (routing_key or queue.routing_key
                           or self.app.conf.task_default_routing_key)
 
-    def _ring(self, semaphore: str, destination: Dict[str, Any],
-              options: Dict[str, Any]) -> None:
-        """Send the doorbell for ``semaphore`` to ``destination``, at most once every
+    def _ring(self, lane: str, destination: Dict[str, Any], options: Dict[str, Any]) -> None:
+        """Send the doorbell for ``lane`` to ``destination``, at most once every
         :data:`DOORBELL_EVERY`."""
         queue = destination.get("queue")
-        key = (semaphore, getattr(queue, "name", None) or str(destination.get("routing_key")))
+        key = (lane, getattr(queue, "name", None) or str(destination.get("routing_key")))
         now = time.monotonic()
         with self._lock:
             if now - self._rung.get(key, -DOORBELL_EVERY) < DOORBELL_EVERY:
@@ -257,16 +404,20 @@ class ParkOnSend:
                               if now - t < DOORBELL_EVERY}
         routing = {k: v for k, v in destination.items() if k in _ROUTING}
         try:
-            self.send_original(DOORBELL_TASK, (semaphore,), None, ignore_result=True,
-                               headers={DOORBELL_HEADER: semaphore},
-                               producer=options.get("producer"),
-                               connection=options.get("connection"), **routing)
+            ring(self.send_original, lane, routing, producer=options.get("producer"),
+                 connection=options.get("connection"))
         except Exception as exc:  # the task is parked: the next send of it rings again
             with self._lock:
                 self._rung.pop(key, None)
-            logger.warning("celery-semaphore: the doorbell for semaphore %r was not sent "
-                           "(its parked tasks wait for the next one, or for a worker that "
-                           "knows the semaphore): %s", semaphore, exc)
+            logger.warning("celery-semaphore: the doorbell for %r was not sent (its parked "
+                           "tasks wait for the next one): %s", semaphore_of(lane), exc)
+
+
+def ring(send_task: Any, lane: str, routing: Dict[str, Any], **options: Any) -> None:
+    """Publish the doorbell of ``lane`` (a small persistent internal task) with ``routing``
+    (to the queue its parked tasks were routed to)."""
+    send_task(DOORBELL_TASK, (lane,), None, ignore_result=True,
+              headers={DOORBELL_HEADER: lane}, **routing, **options)
 
 
 def park_on_send(app: Any) -> None:

@@ -148,7 +148,7 @@ def test_a_redis_broker_outage_loses_no_worker_and_no_task(redis_url, tmp_path):
         time.sleep(2)  # an outage, not a blip: the worker retries its connection meanwhile
         broker.start()
         output = all_ran_once_quietly(cluster, worker, results, "r")
-        assert "5 tasks that were waiting when the broker connection was lost" in output
+        assert "lost with 5 tasks waiting for a slot" in output
     finally:
         cluster.stop()
         broker.kill()

@@ -10,6 +10,7 @@ import redis
 from celery import Celery
 
 import celery_semaphore
+from celery_semaphore.backends import get_backend
 from celery_semaphore.waiting_room import (
     DOORBELL_EVERY,
     DOORBELL_HEADER,
@@ -17,6 +18,7 @@ from celery_semaphore.waiting_room import (
     FIRST_WAIT_HEADER,
     PARKED_HEADER,
     ROUTE_HEADER,
+    lane_of,
     parking_queue_name,
 )
 from tests import servers
@@ -33,11 +35,27 @@ def broker(redis_url):
     client.close()
 
 
-def make_app(broker_url, tag, **conf):
+def make_busy(tag, *names, limit=2):
+    """Fill semaphores ``names`` and queue one waiter on each: they have a backlog, so sends
+    of them are parked (a semaphore with room goes the plain way)."""
+    backend = get_backend(f"memory://{tag}", key_prefix=f"{tag}:")
+    for name in names:
+        for i in range(limit + 1):
+            backend.acquire(name, f"busy-{i}", limit=limit, ttl=60, meta={}, wait=True)
+    return backend
+
+
+def lane(tag, name, queue=None):
+    return parking_queue_name(f"{tag}:", lane_of(name, None, queue or f"{tag}.q"))
+
+
+def make_app(broker_url, tag, busy=True, **conf):
     app = Celery(f"park-on-send-{tag}", set_as_current=False)
-    app.conf.update(broker_url=broker_url, semaphore_backend="memory://",
+    app.conf.update(broker_url=broker_url, semaphore_backend=f"memory://{tag}",
                     task_default_queue=f"{tag}.q", semaphore_key_prefix=f"{tag}:", **conf)
     celery_semaphore.install(app)
+    if busy:
+        make_busy(tag, "images", "api:7", "api:5", "n:1", limit=2)
 
     @app.task(name="t.guarded", semaphore="images", limit=2, shared=False)
     def guarded(key):
@@ -82,13 +100,14 @@ def test_a_guarded_send_is_parked_and_rings_the_doorbell_in_its_queue(broker):
     app = make_app(url, tag)
     before = time.time()
     result = app.tasks["t.guarded"].delay("a")
-    ((name, headers, _),) = messages(client, parking_queue_name(f"{tag}:", "images"))
+    ((name, headers, _),) = messages(client, lane(tag, "images"))
     assert name == "t.guarded" and headers["id"] == result.id
-    assert headers[PARKED_HEADER] == "images"
+    assert headers[PARKED_HEADER] == lane_of("images", None, f"{tag}.q")
     assert before <= headers[FIRST_WAIT_HEADER] <= time.time()
     assert headers[ROUTE_HEADER] == ["", f"{tag}.q"]  # where a pulled copy's retries go
     ((name, headers, properties),) = messages(client, f"{tag}.q")
-    assert name == DOORBELL_TASK and headers[DOORBELL_HEADER] == "images"
+    assert name == DOORBELL_TASK
+    assert headers[DOORBELL_HEADER] == lane_of("images", None, f"{tag}.q")
     assert properties["delivery_mode"] == 2  # persistent: found by a worker started later
 
 
@@ -96,10 +115,11 @@ def test_template_names_park_per_concrete_name_and_routes_follow_the_send(broker
     url, client, tag = broker
     app = make_app(url, tag)
     app.tasks["t.per_customer"].apply_async((7, "a"), queue=f"{tag}.other")
-    ((_, headers, _),) = messages(client, parking_queue_name(f"{tag}:", "api:7"))
+    ((_, headers, _),) = messages(client, lane(tag, "api:7", f"{tag}.other"))
     assert headers[ROUTE_HEADER] == ["", f"{tag}.other"]
     ((name, headers, _),) = messages(client, f"{tag}.other")  # the doorbell goes there too
-    assert name == DOORBELL_TASK and headers[DOORBELL_HEADER] == "api:7"
+    assert name == DOORBELL_TASK
+    assert headers[DOORBELL_HEADER] == lane_of("api:7", None, f"{tag}.other")
     assert client.llen(f"{tag}.q") == 0
 
 
@@ -149,14 +169,14 @@ def test_a_burst_rings_once_per_doorbell_interval(broker):
     for i in range(200):
         app.tasks["t.guarded"].delay(f"b{i}")
     elapsed = time.monotonic() - began
-    assert client.llen(parking_queue_name(f"{tag}:", "images")) == 200
+    assert client.llen(lane(tag, "images")) == 200
     doorbells = [m for m in messages(client, f"{tag}.q") if m[0] == DOORBELL_TASK]
     assert 1 <= len(doorbells) <= 1 + elapsed / DOORBELL_EVERY
 
 
 def test_eager_calls_are_not_sent_at_all(broker):
     url, client, tag = broker
-    app = make_app(url, tag, task_always_eager=True)
+    app = make_app(url, tag, busy=False, task_always_eager=True)
     assert app.tasks["t.guarded"].delay("e").get() == "e"
     assert not list(client.scan_iter(f"{tag}*"))
 
@@ -226,3 +246,37 @@ def test_every_way_to_send_works_with_headers_under_default_settings(broker, sen
     assert sent, "nothing was sent"
     for headers in sent:
         assert {k: headers.get(k) for k in expected} == expected
+
+
+def test_a_semaphore_with_room_goes_the_plain_way(broker):
+    """Only a semaphore with a backlog uses the waiting room: with nobody waiting, a send of a
+    template key goes to its task queue (one delivery, one acquire at the worker), with no
+    parking queue and no doorbell, whatever the number of keys."""
+    url, client, tag = broker
+    app = make_app(url, tag, busy=False)
+    for customer in range(50):
+        app.tasks["t.per_customer"].delay(customer, "k")
+    queued = messages(client, f"{tag}.q")
+    assert [m[0] for m in queued] == ["t.per_customer"] * 50
+    assert not any(PARKED_HEADER in m[1] for m in queued)
+    assert not list(client.scan_iter(f"{tag}:park*"))
+
+
+def test_a_burst_on_an_idle_semaphore_parks_what_could_not_start_at_once(broker):
+    """Before the backend shows waiters, a sender lets at most ``limit`` sends of an idle
+    semaphore go the plain way; the rest of the burst is parked."""
+    url, client, tag = broker
+    app = make_app(url, tag, busy=False)
+    for i in range(20):
+        app.tasks["t.guarded"].delay(f"b{i}")
+    plain = [m for m in messages(client, f"{tag}.q") if m[0] == "t.guarded"]
+    parked = client.llen(lane(tag, "images"))
+    assert 2 <= len(plain) < 20 and len(plain) + parked == 20
+
+
+def test_hostile_template_keys_never_name_a_queue_outside_the_prefix():
+    tag = "hostile"
+    for key in ("x" * 5000, "ключ", "a b*?[]{}|\n", "../../etc"):
+        name = parking_queue_name(f"{tag}:", lane_of(f"api:{key}", key, f"{tag}.q"))
+        assert name.startswith(f"{tag}:park.") and len(name.encode()) <= 200
+        assert key not in name

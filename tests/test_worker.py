@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import threading
 import time
 import uuid
 
@@ -16,7 +17,7 @@ from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
 
 from celery_semaphore import Semaphore, SemaphoreTimeout
 from celery_semaphore.backends import get_backend
-from celery_semaphore.waiting_room import parking_queue_name
+from celery_semaphore.waiting_room import lane_of, parking_queue_name
 from tests import servers
 from tests.celery_app import create_app
 from tests.probe import Probe
@@ -454,14 +455,28 @@ def _kill_clients(client):
 # -- the waiting room -----------------------------------------------------------------------
 
 
-def _parked(cluster, name):
-    """Messages in the parking queue of semaphore ``name``, asked of the broker itself."""
-    queue = parking_queue_name(cluster.env["CS_KEY_PREFIX"], name)
+def _parked(cluster, name, queue=None):
+    """Messages in the parking queue of semaphore ``name``'s lane to the cluster's task queue
+    (or ``queue``), asked of the broker itself."""
+    lane = lane_of(name, None, queue or cluster.env["CS_QUEUE"])
+    parking = parking_queue_name(cluster.env["CS_KEY_PREFIX"], lane)
     with cluster.app.connection_for_write() as connection:
         try:
-            return connection.default_channel.queue_declare(queue=queue, passive=True)[1]
-        except connection.channel_errors:  # not declared (yet)
+            return connection.default_channel.queue_declare(queue=parking, passive=True)[1]
+        except connection.channel_errors:  # not declared (yet), or deleted once empty
             return 0
+
+
+def _waiting_elsewhere(cluster, name, limit):
+    """A thread that waits in ``name``'s queue (so the semaphore has a backlog and sends of it
+    are parked) until it gets a slot, which it gives back at once."""
+    semaphore = Semaphore(name, limit, cluster.backend.url,
+                          key_prefix=cluster.env["CS_KEY_PREFIX"], ttl=60)
+    thread = threading.Thread(target=lambda: semaphore.acquire(timeout=120).release(),
+                              daemon=True)
+    thread.start()
+    assert wait_until(lambda: cluster.backend.waiting_count(name) >= 1)
+    return thread
 
 
 @pytest.mark.parametrize("broker_kind", ["redis", "amqp"])
@@ -682,6 +697,7 @@ def test_guarded_sends_go_straight_to_the_waiting_room(broker_kind, redis_url, a
                           ttl=60) for _ in range(2)]
     leases = [b.acquire(timeout=10) for b in blockers]
     try:
+        waiting = _waiting_elsewhere(cluster, "images", 2)  # a backlog: sends are parked
         guarded, unguarded = cluster.task("guarded"), cluster.task("unguarded")
         results = [guarded.delay(f"s{i}", 0.02) for i in range(60)]
         free = [unguarded.delay(f"s{i}") for i in range(5)]
@@ -692,6 +708,7 @@ def test_guarded_sends_go_straight_to_the_waiting_room(broker_kind, redis_url, a
         assert run_cli(cluster.env, "status", "images", "--json").returncode == 0
         for lease in leases:
             lease.release()
+        waiting.join(30)
         assert sorted(r.get(timeout=60) for r in results) == sorted(f"s{i}" for i in range(60))
         assert cluster.probe.max_concurrent("guarded:s") == 2
         assert all(n == 1 for n in cluster.probe.completed("guarded:s").values())
@@ -709,17 +726,20 @@ def test_guarded_sends_go_straight_to_the_waiting_room(broker_kind, redis_url, a
 
 def test_tasks_parked_on_send_while_no_worker_runs_are_found_by_their_doorbell(redis_url,
                                                                                tmp_path):
-    """Sent while no worker runs, for a semaphore the backend has never seen (so a starting
-    worker cannot find its parking queue from the backend's names): the doorbells wait in
-    the task queue, and the first worker to start pulls and runs every task."""
+    """Sent while no worker runs and the semaphore has a backlog: the doorbell waits in the
+    task queue, and the first worker to start takes it, pulls and runs every task (no worker
+    looks for parking queues any other way)."""
     cluster = Cluster(str(tmp_path), redis_url, servers.redis_broker(redis_url), redis_url,
                       workers=0)
+    blocker = Semaphore("api:77", 1, redis_url, key_prefix=cluster.env["CS_KEY_PREFIX"], ttl=60)
+    lease = blocker.acquire(timeout=10)
     try:
+        waiting = _waiting_elsewhere(cluster, "api:77", 1)
         per_customer = cluster.task("per_customer")
         results = [per_customer.delay(77, f"n{i}", 0.01) for i in range(12)]
         assert _parked(cluster, "api:77") == 12
-        assert cluster.backend.status("api:77") is None
-        assert "api:77" not in cluster.backend.names()
+        lease.release()
+        waiting.join(30)
         worker = Worker(cluster.env, "late", 2)
         worker.wait_ready()
         cluster.workers.append(worker)

@@ -401,6 +401,14 @@ class Backend(abc.ABC):
     def status(self, name: str) -> Optional[SemaphoreStatus]:
         """A snapshot of the semaphore, or None when the backend does not know it."""
 
+    def waiting_count(self, name: str) -> int:
+        """How many requests wait in the semaphore's queue (0 when it is unknown): a hint,
+        read on every parked-or-not decision of a sender (:mod:`celery_semaphore.
+        waiting_room`), so backends make it one cheap read where they can. It may count a
+        waiter whose expiry has passed but was not pruned yet. Default: :meth:`status`."""
+        status = self.status(name)
+        return 0 if status is None else status.waiting
+
     @abc.abstractmethod
     def names(self) -> List[str]:
         """Names of every semaphore the backend currently knows, sorted."""

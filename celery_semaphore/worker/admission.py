@@ -56,6 +56,8 @@ class Admission:
         self.line: Deque[Waiter] = deque()  # LINED, in arrival order
         self.queued: Dict[str, int] = {}  # semaphore name -> its QUEUED waiters
         self.by_name: Dict[str, int] = {}  # semaphore name -> its waiters
+        #: semaphore name -> its waiters the backend told to wait (the semaphore is full)
+        self.blocked_by_name: Dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self.waiters)
@@ -63,12 +65,17 @@ class Admission:
     def count(self, name: str) -> int:
         return self.by_name.get(name, 0)
 
+    def blocked(self, name: str) -> int:
+        """Waiters of semaphore ``name`` the backend told to wait."""
+        return self.blocked_by_name.get(name, 0)
+
     def add(self, request: Any, guard: Guard, pulled: bool = False) -> Waiter:
+        """A guarded request enters. It costs what any request the consumer holds costs (a
+        place in its prefetch) until the backend tells it to wait (:meth:`_told_to_wait`):
+        a semaphore with room costs one acquire and nothing else."""
         waiter = Waiter(request, guard, new_holder_id(request.id), pulled=pulled)
         self.waiters[waiter.holder] = waiter
         self.by_name[guard.name] = self.by_name.get(guard.name, 0) + 1
-        if not pulled:  # so the consumer keeps fetching while it holds this message
-            self.gate.consumer.qos.increment_eventually()
         return waiter
 
     def wait(self, waiter: Waiter) -> None:
@@ -108,8 +115,12 @@ class Admission:
         self.by_name[name] -= 1
         if not self.by_name[name]:
             del self.by_name[name]
+        if waiter.attempts:
+            self.blocked_by_name[name] -= 1
+            if not self.blocked_by_name[name]:
+                del self.blocked_by_name[name]
         self._unwatch(waiter)
-        if not waiter.pulled:
+        if waiter.raised_prefetch:
             self.gate.consumer.qos.decrement_eventually()
         self.gate.parking.refill(name)
         return True
@@ -208,10 +219,33 @@ class Admission:
             self.gate.full(waiter.request, waiter.guard, attempt.limit, blocking)
             return
         waiter.attempts += 1
+        if waiter.attempts == 1 and self._told_to_wait(waiter):
+            return
         if attempt.position != waiter.position or blocking != waiter.blocking:
             waiter.position, waiter.blocking = attempt.position, blocking
             self.gate.reporting.waiting(waiter, attempt.position, attempt.limit)
         self._send(waiter, delay=self.backend.pause_after(attempt, settings.poll_interval))
+
+    def _told_to_wait(self, waiter: Waiter) -> bool:
+        """The backend told ``waiter`` to wait for the first time: its semaphore is full. It
+        stops counting against the consumer's prefetch (the consumer fetches other work
+        meanwhile); beyond this worker's share of that semaphore's waiters it goes to the
+        waiting room instead (True: it left)."""
+        name = waiter.guard.name
+        self.blocked_by_name[name] = self.blocked_by_name.get(name, 0) + 1  # drop undoes it
+        if not waiter.pulled and self.gate.parking.room(name) < 0:
+            self.gate.parking.park(waiter, "this worker holds its share of waiters already")
+            return True
+        self.raise_prefetch(waiter)
+        return False
+
+    def raise_prefetch(self, waiter: Waiter) -> None:
+        """``waiter`` waits for its semaphore (not for a pool process): raise the consumer's
+        prefetch while it does (never for a pulled one, which is not on the consumer's
+        channel), so that the consumer fetches other work meanwhile."""
+        if not waiter.pulled and not waiter.raised_prefetch:
+            waiter.raised_prefetch = True
+            self.gate.consumer.qos.increment_eventually()
 
     def _late_answer(self, waiter: Waiter, answer: Answer, current: bool) -> None:
         """An answer to an attempt sent before the waiter left the backend's queue (the I/O

@@ -162,3 +162,33 @@ def child_is_up(pool: Any, pid: int) -> bool:
     waiting = {getattr(proc, "pid", None) for proc in getattr(inner, "_waiting_to_start", ())}
     return pid not in waiting and any(proc.pid == pid for proc in getattr(inner, "_pool", ()))
 
+
+
+def consumed_queues(consumer: Any) -> List[Any]:
+    """The kombu queues ``consumer`` consumes tasks from (celery 5.x ``app.amqp.queues``
+    filtered by ``-Q``: ``consumer.task_consumer.queues`` once the consumer runs)."""
+    task_consumer = getattr(consumer, "task_consumer", None)
+    queues = getattr(task_consumer, "queues", None)
+    if queues:
+        return list(queues)
+    return list(consumer.app.amqp.queues.consume_from.values())
+
+
+def consumed_queue(consumer: Any, request: Any) -> Optional[Any]:
+    """The queue among those ``consumer`` consumes that ``request``'s message came from, as
+    far as its delivery info tells (the exchange and routing key it was published with); None
+    when none of them matches."""
+    delivery = request.delivery_info or {}
+    exchange, routing_key = delivery.get("exchange") or "", delivery.get("routing_key")
+    queues = consumed_queues(consumer)
+    for queue in queues:
+        if queue.name == routing_key and exchange in ("", getattr(queue.exchange, "name", "")):
+            return queue
+    for queue in queues:
+        if (queue.routing_key == routing_key
+                and exchange == getattr(queue.exchange, "name", None)):
+            return queue
+    for queue in queues:  # a topic or fanout exchange: the first queue bound to it
+        if exchange and exchange == getattr(queue.exchange, "name", None):
+            return queue
+    return None

@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Deque, List, Optional, Set
+from typing import Any, Callable, Deque, List, Optional
 
 from ..backends import close_all
 from ..backends.base import Backend
@@ -94,7 +94,6 @@ class Gate:
         self.loop.start()
         if self.state is GateState.NEW:
             self.io.call(self._tick, delay=self.settings.poll_interval)
-            self.io.call(self._discover_parked)
             self.releases.connect()
         self.state = GateState.OPEN
         self.loop.post(self.parking.refill_all)  # what a reconnect gave back
@@ -131,6 +130,7 @@ class Gate:
                 else:
                     request.acknowledged = True  # nothing to settle on this channel
                 celery_internals.task_ready(request)
+            self.parking.let_go_of_bells(reject=connected)
             self.releases.after_flush()
         self.loop.stop()
 
@@ -150,32 +150,37 @@ class Gate:
                         if not w.pulled and celery_internals.detach_unacked(w.request.message)]
             for waiter in detached:
                 waiter.detached = True
-        if detached:
-            self.io.call(self.restore_detached,
-                         [w.request.message.delivery_tag for w in detached], set())
+            bells = [m for m in self.parking.held_bells() if celery_internals.detach_unacked(m)]
+        tags = [w.request.message.delivery_tag for w in detached] + [
+            m.delivery_tag for m in bells]
+        if tags:
+            logger.info("celery-semaphore: the broker connection is lost with %d tasks "
+                        "waiting for a slot and %d doorbells held; they go back to their "
+                        "queues once the broker answers", len(detached), len(bells))
+            self.io.call(self.restore_detached, tags)
         self.io.call(self.parking.reset)
         return self._on_connection_lost(exc)
 
-    def restore_detached(self, tags: List[str], parked: Set[str],
-                          retry: float = RETRY_FIRST) -> None:  # I/O
-        """Put messages detached by :meth:`on_connection_lost` back in their queue (the
-        parking queues of the semaphores ``parked``, which are then pulled again), retrying
-        until the broker answers (or the worker stops: then the transport's visibility
-        timeout restores them)."""
+    def restore_detached(self, tags: List[str], then: Optional[Callable[[], None]] = None,
+                         retry: float = RETRY_FIRST) -> None:  # I/O
+        """Put messages detached by :meth:`on_connection_lost` (or by the parking lot's
+        reset) back in their queue, retrying until the broker answers (or the worker stops:
+        then the transport's visibility timeout restores them); then post ``then`` to the
+        loop."""
         try:
             celery_internals.restore_unacked(self.app, tags)
         except Exception as exc:
             if self.running:
-                self.io.call(self.restore_detached, tags, parked, min(retry * 2, RETRY_MAX),
+                self.io.call(self.restore_detached, tags, then, min(retry * 2, RETRY_MAX),
                              delay=retry)
             else:
                 logger.warning("celery-semaphore: %d waiting tasks stay unacked in the broker "
                                "until its visibility_timeout restores them: %s", len(tags), exc)
             return
-        logger.info("celery-semaphore: %d tasks that were waiting when the broker connection "
-                    "was lost are back in their queue", len(tags))
-        for name in parked:
-            self.loop.post(self.parking.learn, name)
+        logger.info("celery-semaphore: %d messages held when the broker connection was lost "
+                    "are back in their queue", len(tags))
+        if then is not None:
+            self.loop.post(then)
 
     def shutdown(self) -> None:
         """The worker exits: release every lease still held, then stop the I/O thread."""
@@ -209,10 +214,16 @@ class Gate:
             self.handoffs.append(request)
             return
         pulled = PARKED_HEADER in (request.message.headers or {})
+        # This worker's waiters of the semaphore were told to wait: it is full. One more
+        # waits for it too (raising the prefetch), or, beyond this worker's share, goes to
+        # the waiting room without asking the backend again.
+        full = self.admission.blocked(guard.name) > 0
         room = self.parking.room(guard.name)
         waiter = self.admission.add(request, guard, pulled=pulled)
-        if room <= 0 and not pulled and waiter.waits:
-            return self.parking.park(waiter, "this worker holds its share already")
+        if full and waiter.waits:
+            if room <= 0 and not pulled:
+                return self.parking.park(waiter, "this worker holds its share already")
+            self.admission.raise_prefetch(waiter)
         self.admission.wait(waiter)
 
     def flush_handoffs(self) -> None:
@@ -255,15 +266,6 @@ class Gate:
         self.parking.check_tracked()
         self.admission.pump()
         self.parking.refill_all()
-
-    def _discover_parked(self) -> None:  # I/O thread, at start
-        try:
-            names = self.backend.names()
-        except Exception as exc:
-            logger.warning("celery-semaphore: cannot list semaphores to find parked tasks: %s",
-                           exc)
-            return
-        self.parking.discover(names)
 
     def fail(self, request: Any, exc: BaseException) -> None:
         """Fail a request that may never run guarded (bad template, max wait passed)."""

@@ -1,39 +1,46 @@
 """The waiting room: a worker keeps only the requests it can start soon; the rest of a backlog
-is parked in the broker, per semaphore, in order, and pulled back the moment this worker has
-room for it.
+is parked in the broker, per lane, in order, and pulled back the moment a worker has room for
+it.
 
-Where: one durable queue per semaphore name on the task broker (``<key_prefix>park.<name>``;
-a list on Redis, a durable classic queue on RabbitMQ, a folder on the filesystem transport),
-published to through kombu with persistent messages, so parked tasks are exactly as durable as
-queued ones and the broker's own tooling shows them.
+Where: one durable queue per lane on the task broker (a lane is a semaphore, or one fair key of
+it, *and* the task queue its tasks were routed to: :func:`..waiting_room.lane_of`; a list on
+Redis, a durable classic queue on RabbitMQ), published to through kombu with persistent
+messages, so parked tasks are exactly as durable as queued ones.
 
-How: a guarded request that arrives while this worker already holds
-``semaphore_worker_max_waiting`` waiting requests, or has waited past
-``semaphore_worker_max_hold``, is copied to the parking queue, and the original is acked once
-the copy is published (at-least-once: a kill in between leaves both, never neither). Whenever a
-request of that semaphore leaves this worker's waiting line (it got its slot, failed, was
-revoked), the worker pulls parked ones (``basic_get``, unacked) and feeds them through Celery's
-own task strategy (received event, revoke and expiry checks, the gate), acking each on the
-parking channel when Celery acks the request. A pulled request is never parked again for being
-one too many. Tasks parked on send (:mod:`celery_semaphore.waiting_room`) come the same way,
-announced by a doorbell message in their task queue: the worker that takes it pulls, looks
-again :data:`RECHECK_AFTER` later (for tasks sent after the doorbell that its first pull
-missed) and tells the others. Workers learn that a semaphore has parked requests from a
-doorbell, from a broadcast (``semaphore_parked``, at most once a second per name from a
-worker that parked requests or took a doorbell) and from the parking queues of the backend's
-semaphores, probed at worker start.
+Only semaphores with a backlog use it. A guarded request is admitted the plain way (one
+acquire); only when the backend answers "wait" (its semaphore is full, others queue) and this
+worker already holds its share of that semaphore's waiters (``SHARE_PER_PROCESS`` per pool
+process, ``semaphore_worker_max_waiting`` in all), or it waited past
+``semaphore_worker_max_hold``, is it copied to its lane's parking queue, and the original
+acked once the copy is published (at-least-once: a kill in between leaves both, never
+neither). Senders park on send only when the semaphore has a backlog
+(:mod:`celery_semaphore.waiting_room`).
+
+Doorbells: whoever parks a task makes sure a *doorbell* for its lane (a tiny persistent
+internal message) is in the lane's task queue, so only workers that consume that queue learn
+of the lane (Celery's routing holds, whatever path a task takes). A worker that takes a
+doorbell *holds* it, unacked, while it pulls the lane, and acks it only once a pull begun at
+least :data:`RECHECK_AFTER` after the last doorbell of that lane found the lane empty and no
+message it pulled from the lane is unsettled. So while a lane holds parked tasks, its doorbell
+is in the task queue or held by a live worker: a worker that dies gives it back with the
+tasks it pulled (the broker restores both), and parked tasks are never stranded waiting for a
+new send. A worker that holds a doorbell but has no room for the lane rings it again (at most
+once every :data:`..waiting_room.RERING_EVERY`), so that another worker consuming the queue
+takes a share. Pulled messages go through Celery's own task strategy (received event, revoke
+and expiry checks, the gate), acked on the parking channel when Celery acks the request.
 
 Threads: the parking connection belongs to the I/O thread; the loop thread decides.
 """
 
 from __future__ import annotations
 
+import enum
 import heapq
 import logging
 import threading
 import time
 from collections import Counter, OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Deque, Dict, List, Optional, Set, Tuple
 
 from celery.worker.control import control_command
@@ -42,16 +49,17 @@ from vine import promise
 
 from ..exceptions import SemaphoreTimeout
 from ..waiting_room import (
-    ANNOUNCE_EVERY,
     DOORBELL_EVERY,
     DOORBELL_HEADER,
     FIRST_WAIT_HEADER,
     PARKED_BY_HEADER,
     PARKED_HEADER,
+    RERING_EVERY,
     ROUTE_HEADER,
     lane_of,
-    parked_counts,
     parking_queue,
+    queue_of,
+    ring,
     semaphore_of,
 )
 from . import celery_internals
@@ -73,6 +81,29 @@ SHARE_PER_PROCESS = 2
 MAX_TRACKED = 100_000
 #: Messages one pull takes at most.
 PULL_BATCH = 16
+#: Seconds a lane whose tasks this worker does not know is left to the other workers.
+REFUSE_FOR = 30.0
+
+
+class BellState(enum.Enum):
+    """A doorbell this worker holds (unacked on the consumer's channel) for one lane."""
+
+    PULLING = "pulling"  # the lane may hold parked tasks: pulled while there is room
+    DRAINED = "drained"  # found empty late enough; acked once its pulled tasks are settled
+
+
+@dataclass(eq=False)
+class Bell:
+    lane: str
+    message: Any  # the doorbell's message on the consumer channel
+    state: BellState = BellState.PULLING
+    #: Monotonic time of the last doorbell of this lane (held or not): a pull must begin
+    #: RECHECK_AFTER later to prove the lane empty.
+    rung: float = field(default_factory=time.monotonic)
+    rerung: float = 0.0
+    #: Monotonic time before which pulled tasks of this lane go back (a task this worker
+    #: does not know): the lane is left to the other workers meanwhile.
+    refused_until: float = 0.0
 
 
 @dataclass
@@ -93,11 +124,11 @@ class ParkingLot:
     def __init__(self, gate: "Gate") -> None:
         self.gate = gate
         # loop thread
-        self.known: Set[str] = set()  # lanes whose parking queue may hold requests
-        self.lanes: Dict[str, Deque[str]] = {}  # semaphore -> its known lanes, in turn
+        self.bells: Dict[str, Bell] = {}  # lane -> the doorbell this worker holds for it
+        self.lanes: Dict[str, Deque[str]] = {}  # semaphore -> its held lanes, in turn
         self.pulling: Dict[str, int] = {}  # lane -> gets on their way
-        self.parking: Dict[str, int] = {}  # name -> copies being published
-        self._announced: Dict[str, float] = {}
+        self.parking: Dict[str, int] = {}  # lane -> copies being published
+        self._rung: Dict[str, float] = {}  # lane -> when this worker last rang it
         self.tracked: "OrderedDict[str, ParkedTask]" = OrderedDict()  # task id -> parked task
         self._deadlines: List[Tuple[float, str]] = []  # heap of (deadline, task id)
         self._revocations: Tuple[int, int] = (0, 0)
@@ -106,7 +137,9 @@ class ParkingLot:
         # I/O thread
         self._connection: Any = None
         self._declared: Set[str] = set()
-        # name -> pulled messages not acked or rejected yet (loop and I/O threads)
+        self._producer_of: Optional[Tuple[Any, Producer]] = None
+        self._returned: List[Any] = []
+        # lane -> pulled messages not acked or rejected yet (loop and I/O threads)
         self._unsettled: Counter = Counter()
         self._unsettled_lock = threading.Lock()
 
@@ -126,106 +159,155 @@ class ParkingLot:
         return min(share, total)
 
     def park(self, waiter: Waiter, why: str) -> None:
-        """Take ``waiter`` out of this worker and park it (its message is acked once the
-        parked copy is published)."""
-        name = lane_of(waiter.guard.name, waiter.guard.fair)
+        """Take ``waiter`` out of this worker and park it in its lane (its message is acked
+        once the parked copy is published, and a doorbell rung for the lane)."""
+        queue = celery_internals.consumed_queue(self.gate.consumer, waiter.request)
+        if queue is None:  # no lane whose doorbell would reach the workers of its queue
+            self.gate.requeue.requeue(waiter)
+            return
+        lane = lane_of(waiter.guard.name, waiter.guard.fair, queue.name)
         self.gate.admission.drop(waiter)
         self.gate.admission.leave_backend(waiter)
-        self.parking[name] = self.parking.get(name, 0) + 1
+        self.parking[lane] = self.parking.get(lane, 0) + 1
         logger.debug("celery-semaphore: parking %s (%s)", waiter.request.id, why)
         # stored before the copy exists: never after it ran
         self.gate.reporting.waiting(waiter, None, waiter.guard.limit, parked=True)
-        self.gate.io.call(self._park, waiter, name)
+        self.gate.io.call(self._park, waiter, lane, queue)
 
     def give_back(self, waiter: Waiter) -> None:
         """The consumer stops with ``waiter``, pulled from the waiting room, still waiting:
         its message goes back to the parking queue (a reject on the parking channel; after a
         lost connection :meth:`reset` has put it back already, and the reject on the closed
-        channel does nothing), the other workers are told, and this worker pulls the lane
-        again once the consumer runs (loop thread)."""
+        channel does nothing). The lane's doorbell goes back with the consumer's channel."""
         waiter.request.acknowledged = True  # settled here, not on the consumer's channel
-        lane = lane_of(waiter.guard.name, waiter.guard.fair)
-        self.gate.io.call(self._reject, waiter.request.message)
-        # the others may have forgotten this lane (this worker may be leaving for good)
-        self.gate.io.call(self._announce, lane)
-        self._know(lane)
+        message = waiter.request.message
+        self.gate.io.call(self._reject, message, (message.headers or {}).get(PARKED_HEADER))
 
     def refill(self, name: str) -> None:
         """Pull parked requests of semaphore ``name`` (or of a lane's semaphore) while this
-        worker has room for them: from its lanes in turn (with ``semaphore_fair_by``, one per
-        fair key), an equal part of the room each, the next refill starting at the next lane,
-        so that the backend's fair queue sees every key that has parked requests."""
+        worker has room for them: from the lanes it holds a doorbell for, in turn (with
+        ``semaphore_fair_by``, one per fair key), an equal part of the room each, the next
+        refill starting at the next lane, so that the backend's fair queue sees every key
+        that has parked requests. A lane it has no room for is rung again for the others."""
         semaphore = semaphore_of(name)
         lanes = self.lanes.get(semaphore)
         if not lanes or not self.gate.open:
             return
         want = min(self.room(semaphore), PULL_BATCH)
+        if want <= 0:
+            for lane in lanes:
+                self._ring_again(self.bells[lane])
+            return
         part = max(1, want // len(lanes))
+        now = time.monotonic()
         for _ in range(len(lanes)):
             if want <= 0:
                 break
             lane = lanes[0]
             lanes.rotate(-1)
+            bell = self.bells[lane]
+            if bell.state is not BellState.PULLING or bell.refused_until > now:
+                continue
             take = min(part, want)
             want -= take
             self.pulling[lane] = self.pulling.get(lane, 0) + take
-            self.gate.io.call(self._pull, lane, take)
+            self.gate.io.call(self._pull, lane, take, now)
 
     def refill_all(self) -> None:
         for semaphore in list(self.lanes):
             self.refill(semaphore)
 
-    def _know(self, lane: str) -> None:
-        if lane not in self.known:
-            self.known.add(lane)
+    def doorbell(self, lane: str, message: Any) -> None:
+        """A doorbell of ``lane`` reached this worker (through a queue it consumes): hold it
+        (or, holding one already, ack this one) and pull; look again :data:`RECHECK_AFTER`
+        later, for what was parked after it was rung."""
+        bell = self.bells.get(lane)
+        if bell is None:
+            bell = self.bells[lane] = Bell(lane, message)
+            self.gate.consumer.qos.increment_eventually()  # held: the consumer fetches on
             self.lanes.setdefault(semaphore_of(lane), deque()).append(lane)
+        else:
+            message.ack_log_error(logger, self.gate.consumer.connection_errors)
+            bell.rung = time.monotonic()
+            bell.state = BellState.PULLING
+        self.refill(lane)
+        self.gate.io.call(self.gate.loop.post, self._recheck, bell, delay=RECHECK_AFTER)
 
-    def _forget(self, lane: str) -> None:
-        if lane in self.known:
-            self.known.discard(lane)
-            lanes = self.lanes[semaphore_of(lane)]
-            lanes.remove(lane)
-            if not lanes:
-                del self.lanes[semaphore_of(lane)]
+    def _recheck(self, bell: Bell) -> None:
+        if self.bells.get(bell.lane) is bell:
+            self.refill(bell.lane)
 
-    def learn(self, name: str) -> None:
-        """Another worker parked requests of lane ``name``."""
-        self._know(name)
-        self.refill(name)
+    def _drained(self, bell: Bell) -> None:
+        """A pull begun late enough found ``bell``'s lane empty: ack the doorbell once no task
+        pulled from the lane is unsettled (else when the last one is: :meth:`_settled`)."""
+        bell.state = BellState.DRAINED
+        with self._unsettled_lock:
+            if self._unsettled.get(bell.lane):
+                return
+        self._let_go(bell, ack=True)
 
-    def doorbell(self, name: str) -> None:
-        """A sender parked tasks of ``name`` (its doorbell reached this worker): pull them,
-        look again :data:`RECHECK_AFTER` later, and tell the other workers, every time (a
-        sender rings at most every :data:`DOORBELL_EVERY`; this worker may have no room for
-        them, and another that has may have found the queue empty since it last heard)."""
-        self.learn(name)
-        self.gate.io.call(self.gate.loop.post, self.learn, name, delay=RECHECK_AFTER)
-        self._announced[name] = time.monotonic()
-        self.gate.io.call(self._announce, name)
+    def _let_go(self, bell: Bell, ack: bool) -> None:
+        """Stop holding ``bell``: ack it (its lane is empty) or leave it to the broker (the
+        consumer's channel is gone or about to give it back)."""
+        if self.bells.get(bell.lane) is not bell:
+            return
+        del self.bells[bell.lane]
+        semaphore = semaphore_of(bell.lane)
+        lanes = self.lanes[semaphore]
+        lanes.remove(bell.lane)
+        if not lanes:
+            del self.lanes[semaphore]
+        if ack:
+            bell.message.ack_log_error(logger, self.gate.consumer.connection_errors)
+            self.gate.consumer.qos.decrement_eventually()
+            self.gate.io.call(self._delete_if_empty, bell.lane)
 
-    def parked(self, waiter: Waiter, name: str, published: bool) -> None:
-        self.parking[name] -= 1
-        if not self.parking[name]:
-            del self.parking[name]
+    def held_bells(self) -> List[Any]:
+        """The doorbell messages this worker holds."""
+        return [bell.message for bell in self.bells.values()]
+
+    def let_go_of_bells(self, reject: bool) -> None:
+        """The consumer stops: give back every doorbell it holds (a reject while the
+        connection is open; else the broker has them back already)."""
+        for bell in list(self.bells.values()):
+            self._let_go(bell, ack=False)
+            if reject:
+                try:
+                    bell.message.reject(requeue=True)
+                except Exception as exc:  # the broker redelivers it all the same
+                    logger.debug("celery-semaphore: giving back a doorbell failed: %s", exc)
+        self.pulling.clear()
+
+    def _ring_again(self, bell: Bell) -> None:
+        """This worker holds ``bell`` but has no room for its lane: ring it again (at most
+        once every :data:`RERING_EVERY`) for another worker that consumes the same queue."""
+        now = time.monotonic()
+        if bell.state is BellState.PULLING and now - bell.rerung >= RERING_EVERY:
+            bell.rerung = now
+            self._ring_soon(bell.lane, every=RERING_EVERY)
+
+    def _ring_soon(self, lane: str, every: float = DOORBELL_EVERY) -> None:
+        now = time.monotonic()
+        if now - self._rung.get(lane, -every) >= every:
+            self._rung[lane] = now
+            if len(self._rung) > 10_000:
+                self._rung = {k: t for k, t in self._rung.items() if now - t < RERING_EVERY}
+            self.gate.io.call(self._ring, lane)
+
+    def parked(self, waiter: Waiter, lane: str, published: bool) -> None:
+        self.parking[lane] -= 1
+        if not self.parking[lane]:
+            del self.parking[lane]
         request = waiter.request
         if not published:  # what the waiting room cannot take goes the requeue way
             self.gate.requeue.requeue(waiter)
             return
         request.acknowledge()
         celery_internals.task_ready(request)
-        self.parked_total[semaphore_of(name)] += 1
-        self.gate.tally.add(semaphore_of(name), "parked_worker")
+        self.parked_total[semaphore_of(lane)] += 1
+        self.gate.tally.add(semaphore_of(lane), "parked_worker")
         self._track(waiter)
         self.gate.admission.pump()
-        self._know(name)
-        self._announce_soon(name)
-
-    def _announce_soon(self, name: str) -> None:
-        """Broadcast that ``name`` has parked requests, at most once a second."""
-        now = time.monotonic()
-        if now - self._announced.get(name, 0.0) >= ANNOUNCE_EVERY:
-            self._announced[name] = now
-            self.gate.io.call(self._announce, name)
 
     # -- parked tasks revoked or past semaphore_max_wait (loop thread) ------------------------
 
@@ -261,69 +343,103 @@ class ParkingLot:
                 del self.tracked[task.task_id]
                 self.gate.reporting.revoked_parked(task.task_id, task.task_name)
 
-    def _pulled(self, name: str, asked: int, messages: List[Any], empty: bool) -> None:
-        self.pulling[name] -= asked
-        if not self.pulling[name]:
-            del self.pulling[name]
-        if empty:
-            self._forget(name)
+    def _pulled(self, lane: str, asked: int, messages: List[Any], empty: bool,
+                began: float) -> None:
+        self.pulling[lane] -= asked
+        if not self.pulling[lane]:
+            del self.pulling[lane]
+        bell = self.bells.get(lane)
         if not self.gate.open:  # the consumer stopped meanwhile: they wait for another pull
-            if messages:
-                self._know(name)
             for message in messages:
-                self.gate.io.call(message.reject_log_error, logger, (), True)
+                self.gate.io.call(self._reject, message)
             return
         if messages:
-            self.pulled_total[semaphore_of(name)] += len(messages)
+            self.pulled_total[semaphore_of(lane)] += len(messages)
             sent = sum(1 for m in messages if PARKED_BY_HEADER not in (m.headers or {}))
             if sent:  # parked on send: counted when first pulled
-                self.gate.tally.add(semaphore_of(name), "parked_send", sent)
+                self.gate.tally.add(semaphore_of(lane), "parked_send", sent)
         for message in messages:
-            self._deliver(message)
-        if (messages and not empty) or (empty and semaphore_of(name) in self.lanes):
-            self.refill(name)  # more of this lane, or the room it left to the others
+            self._deliver(message, lane)
+        if bell is None:
+            return
+        if empty and not messages and bell.state is BellState.PULLING:
+            if began >= bell.rung + RECHECK_AFTER:
+                self._drained(bell)
+            else:  # what was parked after the doorbell may not have been there yet
+                delay = bell.rung + RECHECK_AFTER - time.monotonic()
+                self.gate.io.call(self.gate.loop.post, self._recheck, bell,
+                                  delay=max(delay, 0.0))
+            return
+        self.refill(lane)  # more of this lane, or the room it left to the others
 
-    def _deliver(self, message: Any) -> None:
+    def _deliver(self, message: Any, lane: str) -> None:
         """Hand a pulled message to Celery's strategy for its task, as the consumer does for a
         delivery, with acks and rejects going to the parking channel on the I/O thread."""
-        self.tracked.pop(message.headers.get("id"), None)
-        route = message.headers.get(ROUTE_HEADER)
+        headers = message.headers or {}
+        self.tracked.pop(headers.get("id"), None)
+        route = headers.get(ROUTE_HEADER)
         if isinstance(route, (list, tuple)) and len(route) == 2:  # retries go where it was sent
             message.delivery_info.update(exchange=route[0], routing_key=route[1])
         consumer = self.gate.consumer
-        strategy = consumer.strategies.get(message.headers.get("task"))
-        if strategy is None:  # not a task this worker knows: leave it for one that does
-            self.gate.io.call(message.reject_log_error, logger, (), True)
+        strategy = consumer.strategies.get(headers.get("task"))
+        if strategy is None:  # not a task this worker knows: leave the lane to the others
+            logger.warning("celery-semaphore: parked task %s[%s] is not registered on this "
+                           "worker; leaving its lane to the other workers for %gs",
+                           headers.get("task"), headers.get("id"), REFUSE_FOR)
+            bell = self.bells.get(lane)
+            if bell is not None:
+                bell.refused_until = time.monotonic() + REFUSE_FOR
+                bell.rerung = 0.0
+                self._ring_again(bell)
+                self.gate.io.call(self.gate.loop.post, self._recheck, bell, delay=REFUSE_FOR)
+            self.gate.io.call(self._reject, message)
             return
-        name = message.headers.get(PARKED_HEADER)
         with self._unsettled_lock:
-            self._unsettled[name] += 1
+            self._unsettled[lane] += 1
         try:
             strategy(message, None,
-                     promise(self.gate.io.call, (self._settle, message, name, True)),
-                     promise(self.gate.io.call, (self._settle, message, name, False)),
+                     promise(self.gate.io.call, (self._settle, message, lane, True)),
+                     promise(self.gate.io.call, (self._settle, message, lane, False)),
                      consumer.on_task_message)
         except Exception:  # as the consumer does for a delivery: the rest of the pull goes on
             logger.exception("celery-semaphore: cannot take pulled %s; it goes back",
                              message.delivery_tag)
-            self.gate.io.call(self._reject, message)
+            self.gate.io.call(self._reject, message, lane)
 
     # -- broker calls (I/O thread) -----------------------------------------------------------
 
-    def _queue(self, name: str) -> Queue:
-        return parking_queue(self.gate.settings.key_prefix, name,
+    def _queue(self, lane: str) -> Queue:
+        return parking_queue(self.gate.settings.key_prefix, lane,
                              self._connection.transport.driver_type)
+
+    def _producer(self) -> Producer:
+        """A producer on the parking channel whose returned messages (AMQP, ``mandatory``)
+        land in ``_returned``."""
+        channel = self._channel()
+        if self._producer_of is None or self._producer_of[0] is not channel:
+            producer = Producer(channel, auto_declare=False,
+                                on_return=lambda exc, *rest: self._returned.append(exc))
+            self._producer_of = (channel, producer)
+        return self._producer_of[1]
 
     def _channel(self) -> Any:
         if self._connection is None:
-            self._connection = self.gate.app.connection_for_write()
+            # AMQP: publisher confirms, so that a parked copy the broker returns (its queue
+            # was deleted once empty) is published again (:meth:`_park`)
+            self._connection = self.gate.app.connection_for_write(
+                transport_options={"confirm_publish": True})
             self._declared.clear()
         self._connection.ensure_connection(max_retries=1, interval_start=0)
         return self._connection.default_channel
 
-    def _declared_queue(self, name: str) -> Queue:
+    def _declared_queue(self, lane: str) -> Queue:
+        """The lane's parking queue bound to the parking channel, declared once (on Redis
+        never: the default exchange publishes to the list by name and a get reads it, and a
+        declaration would leave a binding behind once the list is gone)."""
         channel = self._channel()
-        queue = self._queue(name)(channel)
+        queue = self._queue(lane)(channel)
+        if self._connection.transport.driver_type == "redis":
+            return queue
         if queue.name not in self._declared:
             queue.declare()
             self._declared.add(queue.name)
@@ -346,75 +462,146 @@ class ParkingLot:
                 waiter.request.acknowledged = True  # its message is back in the broker
                 celery_internals.task_ready(waiter.request)
 
-    def _park(self, waiter: Waiter, name: str) -> None:
+    def _park(self, waiter: Waiter, lane: str, queue: Queue) -> None:
         try:
-            queue = self._declared_queue(name)
             delivery = waiter.request.delivery_info or {}
             route = [delivery.get("exchange") or "", delivery.get("routing_key")]
-            publish_copy(Producer(queue.channel, auto_declare=False), waiter.request, "",
-                         queue.name, {PARKED_HEADER: name,
-                                      FIRST_WAIT_HEADER: waiter.first_wait,
-                                      PARKED_BY_HEADER: "worker",
-                                      ROUTE_HEADER: route,
-                                      "eta": None},  # it was due already
-                         delivery_mode=2)
+            for _ in range(3):
+                parking = self._declared_queue(lane)
+                self._returned.clear()
+                publish_copy(self._producer(), waiter.request, "", parking.name,
+                             {PARKED_HEADER: lane, FIRST_WAIT_HEADER: waiter.first_wait,
+                              PARKED_BY_HEADER: "worker", ROUTE_HEADER: route,
+                              "eta": None},  # it was due already
+                             delivery_mode=2, mandatory=True)
+                if not self._returned:
+                    break
+                self._declared.discard(parking.name)  # deleted once empty: declare it again
+            else:
+                raise RuntimeError(f"the broker returned the parked copy three times "
+                                   f"(parking queue {parking.name})")
         except Exception as exc:
             self._lost(exc, f"parking {waiter.request.id}, requeueing it")
-            self.gate.loop.post(self.parked, waiter, name, False)
+            self.gate.loop.post(self.parked, waiter, lane, False)
             return
-        self.gate.loop.post(self.parked, waiter, name, True)
+        self.gate.loop.post(self._parked_then_ring, waiter, lane, queue)
 
-    def _pull(self, name: str, want: int) -> None:
+    def _parked_then_ring(self, waiter: Waiter, lane: str, queue: Queue) -> None:
+        self.parked(waiter, lane, True)
+        bell = self.bells.get(lane)
+        if bell is not None:  # held here: a pull begun from now on must find the copy
+            bell.rung = time.monotonic()
+            bell.state = BellState.PULLING
+            self.gate.io.call(self.gate.loop.post, self._recheck, bell, delay=RECHECK_AFTER)
+        else:
+            self._ring_soon(lane)
+
+    def _ring(self, lane: str) -> None:
+        """Publish a doorbell of ``lane`` to its task queue (I/O thread)."""
+        queue = queue_of(lane)
+        consumed = {q.name: q for q in celery_internals.consumed_queues(self.gate.consumer)}
+        try:
+            self._channel()
+            ring(self.gate.app.send_task, lane,
+                 {"queue": consumed.get(queue, queue)} if queue else {},
+                 connection=self._connection)
+        except Exception as exc:
+            logger.warning("celery-semaphore: ringing the doorbell of %r failed (its parked "
+                           "tasks wait for the next one): %s", semaphore_of(lane), exc)
+            self.gate.loop.post(self._rung.pop, lane, None)
+
+    def _delete_if_empty(self, lane: str) -> None:
+        """The lane was found empty and its doorbell acked: on AMQP, delete its parking queue
+        if it is still empty (on its own channel: a refusal closes the channel it came on),
+        so that the broker keeps no queue per key past its backlog. A sender or worker that
+        parks into it afterwards has its message returned and declares the queue again
+        (publisher confirms, ``mandatory``). On Redis an empty list does not exist."""
+        if self._connection is None or self._connection.transport.driver_type != "amqp":
+            return
+        name = self._queue(lane).name
+        try:
+            channel = self._connection.channel()
+        except Exception as exc:
+            logger.debug("celery-semaphore: cannot delete parking queue %s: %s", name, exc)
+            return
+        try:
+            channel.queue_delete(queue=name, if_empty=True, if_unused=True)
+            self._declared.discard(name)
+        except Exception as exc:  # not empty (parked again meanwhile), or no such queue
+            logger.debug("celery-semaphore: parking queue %s not deleted: %s", name, exc)
+        finally:
+            try:
+                channel.close()
+            except Exception:
+                pass
+
+    def _pull(self, lane: str, want: int, began: float) -> None:
         messages: List[Any] = []
         empty = False
         try:
-            queue = self._declared_queue(name)
+            queue = self._declared_queue(lane)
             while len(messages) < want:
-                message = queue.get(no_ack=False)
+                try:
+                    message = queue.get(no_ack=False)
+                except (ValueError, TypeError, UnicodeDecodeError) as exc:
+                    # kombu took an entry it cannot decode (on Redis, out of the list):
+                    # it is set aside alone; the other messages stay as they are
+                    logger.error("celery-semaphore: dropped an undecodable entry of parking "
+                                 "queue %s: %s", queue.name, exc)
+                    continue
                 if message is None:
                     empty = True
                     break
                 messages.append(message)
         except Exception as exc:
-            self._lost(exc, f"pulling parked requests of {name!r}")
+            self._lost(exc, f"pulling parked requests of {semaphore_of(lane)!r}")
             messages, empty = [], False  # back in the broker with the connection
-        self.gate.loop.post(self._pulled, name, want, messages, empty)
+        self.gate.loop.post(self._pulled, lane, want, messages, empty, began)
 
-    def _settle(self, message: Any, name: str, ack: bool, log: Any, errors: Any,
+    def _settle(self, message: Any, lane: str, ack: bool, log: Any, errors: Any,
                 requeue: bool = False) -> None:
         """Ack or reject a pulled message as Celery asked (I/O thread)."""
         if ack:
             message.ack_log_error(log, errors)
         else:
             message.reject_log_error(log, errors, requeue)
-        self._settled(name)
-        if not ack and requeue:  # back in its parking queue, which workers may have forgotten
-            self.gate.loop.post(self.learn, name)
-            self._announce(name)
+        self._settled(lane)
 
-    def _settled(self, name: str) -> None:
+    def _settled(self, lane: str) -> None:
         with self._unsettled_lock:
-            self._unsettled[name] -= 1
-            if self._unsettled[name] <= 0:
-                del self._unsettled[name]
+            self._unsettled[lane] -= 1
+            if self._unsettled[lane] > 0:
+                return
+            del self._unsettled[lane]
+        self.gate.loop.post(self._last_settled, lane)
 
-    def _reject(self, message: Any) -> None:
+    def _last_settled(self, lane: str) -> None:
+        bell = self.bells.get(lane)
+        if bell is None:
+            return
+        if bell.state is BellState.DRAINED:
+            self._drained(bell)
+        else:
+            self.refill(lane)
+
+    def _reject(self, message: Any, lane: Optional[str] = None) -> None:
         try:
             message.reject(requeue=True)
         except Exception as exc:  # a closed channel's messages go back all the same
             logger.debug("celery-semaphore: giving back pulled %s failed: %s",
                          message.delivery_tag, exc)
-        self._settled(message.headers.get(PARKED_HEADER))
+        if lane is not None:
+            self._settled(lane)
 
     def reset(self) -> None:
         """The consumer lost its broker connection (I/O thread): every message pulled from
-        the waiting room and not settled yet goes back to its parking queue, and those
-        semaphores are pulled again. On a Redis broker the messages are taken out of the
-        parking channel's unacked set and restored once the broker answers (as the gate does
-        for its own channel); AMQP requeues a closed channel's unacked messages itself."""
+        the waiting room and not settled yet goes back to its parking queue. On a Redis
+        broker the messages are taken out of the parking channel's unacked set and restored
+        once the broker answers (as the gate does for its own channel); AMQP requeues a
+        closed channel's unacked messages itself. The lanes' doorbells come back with the
+        consumer's channel."""
         connection, self._connection = self._connection, None
         with self._unsettled_lock:
-            names = set(self._unsettled)
             self._unsettled.clear()
         if connection is None:
             return
@@ -424,29 +611,17 @@ class ParkingLot:
         except Exception:
             pass
         if tags:
-            self.gate.restore_detached(tags, names)
-        else:
-            for name in names:
-                self.gate.loop.post(self.learn, name)
+            self.gate.restore_detached(tags, then=self._rearm)
+        else:  # AMQP: back in their queues as the connection closed
+            self.gate.loop.post(self._rearm)
 
-    def _announce(self, name: str) -> None:
-        try:
-            self.gate.app.control.broadcast("semaphore_parked", arguments={"name": name},
-                                            connection=self._connection)
-        except Exception as exc:
-            logger.debug("celery-semaphore: announcing parked %r failed: %s", name, exc)
-
-    def discover(self, names: List[str]) -> None:  # I/O thread, at worker start
-        """Learn which of ``names`` have parked requests (a worker that starts after the
-        others parked a backlog, or after the whole cluster restarted)."""
-        try:
-            counts = parked_counts(self.gate.app, self.gate.settings.key_prefix, names)
-        except Exception as exc:
-            logger.warning("celery-semaphore: cannot look for parked tasks: broker: %s", exc)
-            return
-        for name, count in counts.items():
-            if count:
-                self.gate.loop.post(self.learn, name)
+    def _rearm(self) -> None:
+        """Messages pulled from the held lanes are back in their parking queues (loop
+        thread): pull every held lane again, proving it empty anew before its doorbell goes."""
+        now = time.monotonic()
+        for bell in self.bells.values():
+            bell.state, bell.rung = BellState.PULLING, now
+        self.refill_all()
 
     def close(self) -> None:  # I/O thread, at shutdown, after the last ack
         connection, self._connection = self._connection, None
@@ -459,24 +634,25 @@ class ParkingLot:
 
 def doorbell_strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Any:
     """Celery's task strategy for the doorbell task (``Task.Strategy``): the worker's main
-    process acks the message and learns that its semaphore has parked tasks; no request is
-    built, nothing runs in the pool, no task event is sent."""
+    process holds the message (:meth:`ParkingLot.doorbell`) and pulls its lane; no request is
+    built, nothing runs in the pool, no task event is sent. A doorbell this worker cannot use
+    (no gate, or a malformed lane) is acked: it carries nothing else."""
 
     def on_doorbell(message: Any, body: Any, ack: Any, reject: Any, callbacks: Any,
                     **options: Any) -> None:
-        ack(logger, consumer.connection_errors)  # as Request.acknowledge calls it
         gate: Optional["Gate"] = getattr(consumer, "semaphore_gate", None)
-        name = (message.headers or {}).get(DOORBELL_HEADER)
-        if gate is not None and isinstance(name, str):
-            gate.loop.post(gate.parking.doorbell, name)
+        lane = (message.headers or {}).get(DOORBELL_HEADER)
+        if gate is None or not isinstance(lane, str) or not semaphore_of(lane):
+            ack(logger, consumer.connection_errors)  # as Request.acknowledge calls it
+            return
+        gate.loop.post(gate.parking.doorbell, lane, message)
 
     return on_doorbell
 
 
 @control_command(args=[("name", str)], signature="<semaphore name>")
 def semaphore_parked(state: Any, name: str, **kwargs: Any) -> Any:
-    """A worker parked requests of semaphore ``name``: pull them when there is room."""
-    gate: Optional["Gate"] = getattr(state.consumer, "semaphore_gate", None)
-    if gate is not None:
-        gate.loop.post(gate.parking.learn, name)
-    return {"ok": "learned"}
+    """Sent by workers of earlier releases when they parked requests. Lanes are learned from
+    doorbells in the queues a worker consumes now (so that a task runs only where it was
+    routed): this command is accepted and ignored."""
+    return {"ok": "ignored"}

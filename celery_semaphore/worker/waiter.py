@@ -77,8 +77,12 @@ class Waiter:
     last_sent: float = 0.0
     backend_down: bool = False
     #: Pulled from the parking queue: its message is acked on the parking channel, and it
-    #: did not raise the consumer's prefetch.
+    #: never raises the consumer's prefetch.
     pulled: bool = False
+    #: It raised the consumer's prefetch (``qos.increment_eventually``) when the backend first
+    #: told it to wait, so that the consumer fetches other work meanwhile; lowered when it
+    #: leaves. Until then it counts against the prefetch like any request the consumer holds.
+    raised_prefetch: bool = False
     #: Taken out of the consumer channel's unacked set when the broker connection was lost:
     #: the gate puts its message back in its queue (``Gate.on_connection_lost``; a pulled one
     #: goes back with the parking connection, ``ParkingLot.reset``).

@@ -370,6 +370,12 @@ class RedisBackend(Backend):
     def status(self, name: str) -> Optional[SemaphoreStatus]:
         return self._status_of(name, self._call("status", name))
 
+    def waiting_count(self, name: str) -> int:
+        """One ZCARD of the semaphore's queue (waiters past their expiry included until a
+        script prunes them)."""
+        queue = self._keys(name)[KEY_SUFFIXES.index("queue")]
+        return int(self._riding(lambda: self.client.zcard(queue)))
+
     def _status_of(self, name: str, reply: Any) -> Optional[SemaphoreStatus]:
         if not reply:
             return None
