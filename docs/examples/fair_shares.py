@@ -19,6 +19,13 @@ def build_report(customer_id, report_id):
 # [task-end]
 
 
+# [recipe-start]
+@app.task(semaphore="exports", limit=8, semaphore_fair_by="{tenant_id}")
+def export(tenant_id, export_id):
+    ...
+# [recipe-end]
+
+
 def admission_order():
     """The order in which the backend admits queued waiters of two keys (client API)."""
     # [order-start]
@@ -49,4 +56,5 @@ def admission_order():
 
 if __name__ == "__main__":
     build_report.delay(7, 1).get()
+    export.delay("acme", 1).get()
     print(admission_order())

@@ -7,11 +7,10 @@ app = Celery("proj", broker="memory://")
 app.conf.semaphore_backend = "memory://several"
 app.conf.task_always_eager = True  # so that this file runs in one process
 celery_semaphore.install(app)
+
+
 # [several-start]
-app.conf.semaphore_limits = {"api": 20}  # or in the task, as for the per-customer one
-
-
-@app.task(semaphore=["api:{customer_id}", "api"], limit={"api:{customer_id}": 2})
+@app.task(semaphore=["api:{customer_id}", "api"], limit={"api:{customer_id}": 2, "api": 20})
 def call_api(customer_id, payload):
     leases = celery_semaphore.current_leases()  # {"api:7": <lease>, "api": <lease>}
     # each lease has its own fencing token, to pass to what the semaphore protects
