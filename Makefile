@@ -1,16 +1,16 @@
 # make test: the whole suite against real servers; make demo: the example, no server needed;
-# make bench: benchmarks/ into benchmarks/results/.
+# make bench: benchmarks/ into benchmarks/results/; make docs: the Sphinx site into docs/_build/html.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo bench lint servers clean
+.PHONY: test demo bench lint servers clean docs
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[all,test,bench]'
+	$(BIN)/python -m pip install -q -e '.[all,test,bench,docs]'
 	touch $(STAMP)
 
 servers:
@@ -20,7 +20,7 @@ servers:
 # processes; the few that stop or disconnect the shared broker (marked serial) run after them.
 PYTEST_JOBS ?= 3
 
-test: $(STAMP) servers
+test: $(STAMP) servers docs
 	$(BIN)/ruff check celery_semaphore tests benchmarks example_project
 	$(BIN)/python -m pytest -n $(PYTEST_JOBS) -m "not serial"
 	$(BIN)/python -m pytest -m serial
@@ -31,8 +31,13 @@ demo: $(STAMP)
 bench: $(STAMP) servers
 	$(BIN)/python -m benchmarks
 
+# The documentation site (docs/): warnings are errors. Its code examples live in docs/examples/
+# and run in the test suite (tests/test_docs.py).
+docs: $(STAMP)
+	$(BIN)/sphinx-build -q -W --keep-going -b html docs docs/_build/html
+
 lint: $(STAMP)
 	$(BIN)/ruff check celery_semaphore tests benchmarks example_project
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache docs/_build

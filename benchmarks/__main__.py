@@ -45,7 +45,7 @@ def markdown(data) -> str:
         "The last row divides a second by Redis's own time per acquire+release (two script "
         "calls): the server's capacity. The runs above it are bound by the Python clients, "
         "which share the machine's cores with Redis.",
-        "Celery workloads (`../shared/workloads.md`), Redis broker; the gate (Redis backend "
+        "Celery workloads (`docs/benchmarks.md`), Redis broker; the gate (Redis backend "
         "unless named) and diy on 2 workers x 4 prefork processes, the dedicated queue on one "
         "worker with concurrency = limit, prefetch 1, acks late; `vs_dedicated` = utilization / "
         "the dedicated queue's utilization in the same run:",

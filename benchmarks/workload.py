@@ -1,4 +1,4 @@
-"""The Celery workloads of ``../shared/workloads.md`` (W1 - W5), each beside its baseline in
+"""The Celery workloads of ``docs/benchmarks.md`` (W1 - W5), each beside its baseline in
 the same run, on one Redis broker, with real ``celery worker`` processes (prefork):
 
 * W1 burst: 120 x 50 ms, limit 4; also with the RabbitMQ backends, PostgreSQL, Redis Sentinel
