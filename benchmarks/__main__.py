@@ -10,7 +10,7 @@ import platform
 import sys
 from datetime import datetime, timezone
 
-from benchmarks import backends, backlog, workload
+from benchmarks import backends, backlog, keys, workload
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -61,6 +61,20 @@ def markdown(data) -> str:
         "`speed_vs_alone` = makespan alone / makespan:",
         table(fair, ["setup", "tasks", "limit", "small_makespan_s", "speed_vs_alone",
                      "deliveries_per_task", "max_concurrent"]),
+        "W6, many keys: one template `t:{key}` at limit 1 per key, K keys x M tasks x 20 ms "
+        "sent key after key in rounds, against the same tasks with no semaphore on the same "
+        "two workers (x 4 prefork) in the same run; `vs_unguarded` = unguarded makespan / "
+        "guarded makespan; CPU: the workers' main processes, seconds per 1,000 tasks:",
+        table([r for r in data.get("keys", []) if r["shape"] != "state"],
+              ["broker", "shape", "unguarded_s", "guarded_s", "vs_unguarded",
+               "unguarded_deliveries", "guarded_deliveries", "max_per_key",
+               "unguarded_cpu_s_per_1000", "guarded_cpu_s_per_1000"]),
+        "W6, what the run left: the broker's queues (RabbitMQ) or keys (Redis) and the "
+        "backend's keys with the run's prefix, before, right after the last shape, and 60 s "
+        "later:",
+        table([r for r in data.get("keys", []) if r["shape"] == "state"],
+              ["broker", "broker_before", "broker_after", "broker_60s_after",
+               "backend_before", "backend_after", "backend_60s_after"]),
         "The waiting room under a deep backlog: guarded tasks sent while their semaphore is "
         "full reach one worker (-c 4), parked on send (the default) or parked by the worker "
         "(`semaphore_park_on_send = False`). `parked_per_s`: on send, the sender's rate into "
@@ -142,6 +156,8 @@ def main(argv=None) -> int:
                     "machine": machine(), "backends": backends.run(url, rabbit, more)}
             print("celery workloads:", flush=True)
             data["workload"] = workload.run(url, rabbit, more)
+        print("many keys (W6):", flush=True)
+        data["keys"] = keys.run(url, rabbit, workload.broker_url(url))
         print("backlog:", flush=True)
         broker = workload.broker_url(url)
         data["backlog"] = []

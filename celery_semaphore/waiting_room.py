@@ -255,7 +255,7 @@ class ParkOnSend:
         confirms, ``mandatory``: a worker deletes a parking queue once it is empty, so the
         broker may return the message (no such queue any more); then the queue is declared
         again and the message published again. One parked send at a time per process."""
-        for key in ("producer", "connection"):
+        for key in ("producer", "connection", "mandatory"):
             options.pop(key, None)
         with self._confirm_lock:
             for _ in range(3):

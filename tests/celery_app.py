@@ -107,6 +107,12 @@ def create_app(env):
         body(f"numbered:{key}", 0.01)
         return key
 
+    @task(semaphore="routed", limit=1, bind=True)
+    def routed(self, key, hold=0.02):
+        """Returns the worker that ran it (routing: a task runs only where it was routed)."""
+        body(f"routed:{key}", hold)
+        return self.request.hostname
+
     @task(semaphore="rejecting", limit=1, acks_late=True)
     def rejects_once(key):
         """Rejected with requeue on its first run (``Reject(requeue=True)``), then runs."""

@@ -276,7 +276,6 @@ class ParkingLot:
                     bell.message.reject(requeue=True)
                 except Exception as exc:  # the broker redelivers it all the same
                     logger.debug("celery-semaphore: giving back a doorbell failed: %s", exc)
-        self.pulling.clear()
 
     def _ring_again(self, bell: Bell) -> None:
         """This worker holds ``bell`` but has no room for its lane: ring it again (at most
@@ -417,8 +416,9 @@ class ParkingLot:
         land in ``_returned``."""
         channel = self._channel()
         if self._producer_of is None or self._producer_of[0] is not channel:
-            producer = Producer(channel, auto_declare=False,
-                                on_return=lambda exc, *rest: self._returned.append(exc))
+            amqp = self._connection.transport.driver_type == "amqp"  # only it returns
+            producer = Producer(channel, auto_declare=False, on_return=(
+                (lambda exc, *rest: self._returned.append(exc)) if amqp else None))
             self._producer_of = (channel, producer)
         return self._producer_of[1]
 

@@ -1,0 +1,76 @@
+"""Per-key limits at the scale of tenants, with real workers: a semaphore with room costs one
+admission and nothing else (no parking queue, no doorbell), and the waiting room keeps
+Celery's routing (a task runs only on a worker that consumes the queue it was sent to)."""
+
+import json
+
+import pytest
+import redis
+
+from celery_semaphore import Semaphore
+from tests import servers
+from tests.test_worker import Cluster, _parked, _waiting_elsewhere
+from tests.workers import Worker
+
+pytestmark = pytest.mark.slow
+
+
+def test_keys_with_room_go_the_plain_way(redis_url, tmp_path):
+    """40 keys of a template, one task each, none ever waits: every task is delivered once,
+    nothing is parked, no doorbell is rung, and the broker holds nothing of the waiting room
+    afterwards."""
+    broker = servers.redis_broker(redis_url)
+    cluster = Cluster(str(tmp_path), redis_url, broker, redis_url, workers=2, names="plain")
+    try:
+        per_customer = cluster.task("per_customer")
+        results = [per_customer.delay(1000 + k, f"k{k}", 0.01) for k in range(40)]
+        assert sorted(r.get(timeout=60) for r in results) == sorted(f"k{k}" for k in range(40))
+        logs = "".join(worker.output() for worker in cluster.workers)
+        assert logs.count(" received") == 40  # one delivery each
+        assert "doorbell" not in logs and "parking" not in logs
+        client = redis.Redis.from_url(broker)
+        assert not list(client.scan_iter(f"{cluster.env['CS_KEY_PREFIX']}park*"))
+        assert not list(client.scan_iter(f"_kombu.binding.{cluster.env['CS_KEY_PREFIX']}*"))
+        client.close()
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.parametrize("broker_kind", ["redis", "amqp"])
+@pytest.mark.parametrize("park_on_send", [True, False])
+def test_a_task_runs_only_on_workers_that_consume_its_queue(broker_kind, park_on_send,
+                                                            redis_url, amqp_url, tmp_path):
+    """Worker "cpu" consumes only queue cpu, worker "gpu" only queue gpu; one semaphore (limit
+    1) guards tasks sent to both, with a backlog (its slot held, others waiting), so they go
+    through the waiting room (parked on send, or parked by the worker): each task runs on
+    the worker of its queue, never on the other, and never two at once."""
+    broker = servers.redis_broker(redis_url) if broker_kind == "redis" else amqp_url
+    settings = {} if park_on_send else {"semaphore_park_on_send": False}
+    cluster = Cluster(str(tmp_path), redis_url, broker, redis_url, workers=0,
+                      CS_SETTINGS=json.dumps(settings))
+    queue = cluster.env["CS_QUEUE"]
+    cpu, gpu = f"{queue}.cpu", f"{queue}.gpu"
+    blocker = Semaphore("routed", 1, redis_url, key_prefix=cluster.env["CS_KEY_PREFIX"], ttl=60)
+    lease = blocker.acquire(timeout=10)
+    try:
+        waiting = _waiting_elsewhere(cluster, "routed", 1)
+        for name, consumes in (("cpu", cpu), ("gpu", gpu)):
+            worker = Worker(dict(cluster.env, CS_QUEUE=consumes), f"route-{name}", 2)
+            cluster.workers.append(worker)
+        for worker in cluster.workers:
+            worker.wait_ready()
+        routed = cluster.task("routed")
+        sent = [(q, routed.apply_async((f"{q[-3:]}{i}",), queue=q))
+                for i in range(15) for q in (cpu, gpu)]
+        if park_on_send:
+            assert _parked(cluster, "routed", gpu) + _parked(cluster, "routed", cpu) > 0
+        lease.release()
+        waiting.join(30)
+        ran_on = [(q, r.get(timeout=90)) for q, r in sent]
+        wrong = [(q, host) for q, host in ran_on
+                 if not host.startswith(f"route-{q[-3:]}")]
+        assert not wrong, f"{len(wrong)} tasks ran on a worker that does not consume their queue"
+        assert cluster.probe.max_concurrent("routed:") == 1
+        assert all(n == 1 for n in cluster.probe.completed("routed:").values())
+    finally:
+        cluster.stop()
