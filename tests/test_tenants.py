@@ -10,7 +10,8 @@ import redis
 from celery_semaphore import Semaphore
 from tests import servers
 from tests.test_worker import Cluster, _parked, _waiting_elsewhere
-from tests.workers import Worker
+from tests.util import wait_until
+from tests.workers import Worker, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +28,10 @@ def test_keys_with_room_go_the_plain_way(redis_url, tmp_path):
         assert sorted(r.get(timeout=60) for r in results) == sorted(f"k{k}" for k in range(40))
         logs = "".join(worker.output() for worker in cluster.workers)
         assert logs.count(" received") == 40  # one delivery each
-        assert "doorbell" not in logs and "parking" not in logs
+        replies = json.loads(run_cli(cluster.env, "workers", "--json").stdout)
+        ours = [info for name, info in replies.items() if name.startswith("plain")]
+        assert len(ours) == 2
+        assert all(not info["parked"] and not info["pulled"] for info in ours)
         client = redis.Redis.from_url(broker)
         assert not list(client.scan_iter(f"{cluster.env['CS_KEY_PREFIX']}park*"))
         assert not list(client.scan_iter(f"_kombu.binding.{cluster.env['CS_KEY_PREFIX']}*"))
@@ -72,5 +76,40 @@ def test_a_task_runs_only_on_workers_that_consume_its_queue(broker_kind, park_on
         assert not wrong, f"{len(wrong)} tasks ran on a worker that does not consume their queue"
         assert cluster.probe.max_concurrent("routed:") == 1
         assert all(n == 1 for n in cluster.probe.completed("routed:").values())
+    finally:
+        cluster.stop()
+
+
+def test_parked_tasks_a_killed_worker_held_are_found_without_a_new_send(redis_url, tmp_path):
+    """Defect 2 of #27: a worker's main process is killed while it pulls a lane; the Redis
+    broker's visibility timeout puts the pulled tasks back in the parking queue. The surviving
+    worker, idle with room, runs them without any new send: the doorbell the killed worker
+    held comes back with them (before: they waited for the next send of their semaphore)."""
+    settings = {"broker_transport_options": {  # kombu restores unacked messages 4 s old
+        "visibility_timeout": 4, "polling_interval": 0.05, "unacked_restore_interval": 1,
+        "unacked_restore_throttle": 1}}
+    cluster = Cluster(str(tmp_path), redis_url, servers.redis_broker(redis_url), redis_url,
+                      workers=0, CS_LEASE_TTL="3", CS_SETTINGS=json.dumps(settings))
+    blocker = Semaphore("slow", 1, redis_url, key_prefix=cluster.env["CS_KEY_PREFIX"], ttl=60)
+    lease = blocker.acquire(timeout=10)
+    try:
+        waiting = _waiting_elsewhere(cluster, "slow", 1)
+        slow = cluster.task("slow")
+        results = [slow.delay(f"r{i}", 0.05) for i in range(4)]
+        assert _parked(cluster, "slow") == 4
+        first = Worker(cluster.env, "holder", 2)
+        cluster.workers.append(first)
+        first.wait_ready()
+        # it took the doorbell and pulled all four (its share): they wait for the slot
+        assert wait_until(lambda: _parked(cluster, "slow") == 0, timeout=20)
+        survivor = Worker(cluster.env, "survivor", 4)  # idle, with room, runs throughout
+        cluster.workers.append(survivor)
+        survivor.wait_ready()
+        first.kill()
+        lease.release()
+        waiting.join(30)
+        assert sorted(r.get(timeout=40) for r in results) == [f"r{i}" for i in range(4)]
+        assert cluster.probe.max_concurrent("slow:r") == 1
+        assert wait_until(lambda: _parked(cluster, "slow") == 0)
     finally:
         cluster.stop()

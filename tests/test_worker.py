@@ -467,6 +467,10 @@ def _parked(cluster, name, queue=None):
             return 0
 
 
+class _NONE:
+    waiting = 0
+
+
 def _waiting_elsewhere(cluster, name, limit):
     """A thread that waits in ``name``'s queue (so the semaphore has a backlog and sends of it
     are parked) until it gets a slot, which it gives back at once."""
@@ -475,7 +479,7 @@ def _waiting_elsewhere(cluster, name, limit):
     thread = threading.Thread(target=lambda: semaphore.acquire(timeout=120).release(),
                               daemon=True)
     thread.start()
-    assert wait_until(lambda: cluster.backend.waiting_count(name) >= 1)
+    assert wait_until(lambda: (cluster.backend.status(name) or _NONE).waiting >= 1)
     return thread
 
 
