@@ -124,6 +124,24 @@ def create_app(env):
         return {"name": lease.name, "limit": lease.limit, "slot": lease.token.slot,
                 "epoch": lease.token.epoch, "holder": lease.holder, "verified": lease.verify()}
 
+    def request_and_lease(request):
+        """The whole request as the task sees it (repr'd), and what its lease says."""
+        lease = celery_semaphore.current_lease()
+        seen = {"request": repr(vars(request)), "headers": repr(request.headers), "lease": None}
+        if lease is not None:
+            lease.ensure()  # raises LeaseLost unless the backend says it is held
+            seen["lease"] = {"name": lease.name, "verified": lease.verify(),
+                             "leases": sorted(celery_semaphore.current_leases())}
+        return seen
+
+    @task(semaphore="lease", limit=3, bind=True)
+    def guarded_request(self):
+        return request_and_lease(self.request)
+
+    @task(bind=True)
+    def unguarded_request(self):
+        return request_and_lease(self.request)
+
     @task(semaphore="once:{key}", limit=1, semaphore_on_full="skip")
     def run_once(key, run, hold=0.05):
         body(f"once:{key}:{run}", hold)

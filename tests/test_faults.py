@@ -5,10 +5,11 @@ Real ``celery worker`` subprocesses; concurrency and starts are read from the pr
 
 import subprocess
 import time
+import uuid
 
 import pytest
 
-from celery_semaphore import ConfigurationError
+from celery_semaphore import ConfigurationError, InvalidHeader
 from tests import servers
 from tests.test_worker import Cluster
 from tests.util import wait_until
@@ -166,5 +167,77 @@ def test_a_rabbitmq_reconnect_is_logged_once_and_loses_nothing(redis_url, amqp_u
                         "celery-semaphore test"], check=True, capture_output=True, timeout=60)
         assert wait_until(lambda: "re-establish" in worker.output(), timeout=10)
         all_ran_once_quietly(cluster, worker, results, "q")
+    finally:
+        cluster.stop()
+
+
+def raw_send(app, name, args=(), headers=None):
+    """Publish a task message as a process without celery-semaphore would: straight through
+    kombu (no parking on send, no header checks, no ``before_task_publish`` receivers), the
+    headers exactly as given."""
+    task_id = str(uuid.uuid4())
+    full = name if "." in name else f"tests.celery_app.{name}"
+    message_headers, properties, body, _ = app.amqp.create_task_message(task_id, full, args, {})
+    message_headers.update(headers or {})
+    with app.producer_or_acquire() as producer:
+        producer.publish(body, exchange="", routing_key=app.conf.task_default_queue,
+                         headers=message_headers, serializer="json", **properties)
+    return app.AsyncResult(task_id)
+
+
+BAD_GATE_HEADERS = [
+    # (headers, the header the error names)
+    ({"semaphore_first_wait": "abc"}, "semaphore_first_wait"),
+    ({"semaphore_first_wait": float("inf")}, "semaphore_first_wait"),
+    ({"semaphore_first_wait": -5}, "semaphore_first_wait"),
+    ({"semaphore_requeues": "x"}, "semaphore_requeues"),
+    ({"semaphore_requeues": -1}, "semaphore_requeues"),
+    ({"semaphore_requeues": 2.5}, "semaphore_requeues"),
+]
+#: Marks of a pulled message on a message that was not pulled: meaningless, removed.
+IGNORED_GATE_HEADERS = [
+    {"semaphore_parked": 123},
+    {"semaphore_parked": "images", "semaphore_route": "x", "semaphore_parked_by": ["?"]},
+    {"semaphore_requeues": 10**6, "semaphore_first_wait": time.time() + 10**6},
+]
+
+
+def test_malformed_internal_headers_fail_their_task_alone(redis_url, tmp_path):
+    """Headers the gate writes itself, sent malformed by a process without the library: each
+    bad one fails its own task, naming the header, and the worker runs the next good task
+    (before: a bad ``semaphore_first_wait`` left the task unacked and never failed, a bad
+    ``semaphore_requeues`` raised on the gate's threads, a ``semaphore_parked`` broadcast
+    with ``name=123`` raised on the loop thread); pulled-message marks on a message that was
+    not pulled are removed; a forged ``semaphore_lease`` is never shown to the task."""
+    cluster = Cluster(str(tmp_path), redis_url, servers.redis_broker(redis_url), redis_url,
+                      workers=1)
+    worker = cluster.workers[0]
+    try:
+        bad = [(raw_send(cluster.app, "guarded", (f"h{i}",), headers), says)
+               for i, (headers, says) in enumerate(BAD_GATE_HEADERS)]
+        ignored = [raw_send(cluster.app, "guarded", (f"i{i}",), headers)
+                   for i, headers in enumerate(IGNORED_GATE_HEADERS)]
+        forged = {"name": "lease", "limit": 3, "holder": "x:1", "slot": 0, "epoch": 1,
+                  "ttl": 60, "backend": "redis://:stolen@127.0.0.1:1/0", "key_prefix": "x"}
+        free = raw_send(cluster.app, "unguarded_request", (), {"semaphore_lease": forged})
+        for result, says in bad:
+            with pytest.raises(InvalidHeader) as err:
+                result.get(timeout=15)
+            assert says in str(err.value) and result.state == "FAILURE"
+        assert [r.get(timeout=15) for r in ignored] == [f"i{i}" for i in range(3)]
+        seen = free.get(timeout=15)
+        assert seen["lease"] is None and "stolen" not in seen["request"] + seen["headers"]
+        replies = cluster.app.control.broadcast("semaphore_parked", arguments={"name": 123},
+                                                reply=True, timeout=3)
+        assert replies and all("error" in r for reply in replies for r in reply.values())
+        raw_send(cluster.app, "celery_semaphore.doorbell", ("x",), {"semaphore_doorbell": ["x"]})
+        assert wait_until(lambda: "ignoring a doorbell" in worker.output())
+        assert cluster.task("guarded").delay("after", 0.01).get(timeout=15) == "after"
+        assert worker.proc.poll() is None, worker.output()[-3000:]
+        output = worker.output()
+        assert "Traceback" not in output and "failed on the loop thread" not in output, \
+            output[-3000:]
+        assert not any(key.startswith("guarded:h") for key in cluster.probe.intervals())
+        assert wait_until(lambda: cluster.held("images") == 0)
     finally:
         cluster.stop()

@@ -32,6 +32,7 @@ from ..states import SKIPPED_EVENT, SKIPPED_REASON
 from ..waiting_room import PARKED_HEADER
 from . import celery_internals
 from .admission import Admission
+from .headers import check_gate_headers
 from .parking import ParkingLot
 from .release import Releases
 from .reporting import Reporting
@@ -198,6 +199,7 @@ class Gate:
     def _admit(self, request: Any) -> None:
         try:
             guard = self.guards.resolve(request)
+            check_gate_headers(request, guard is not None, self.consumer)
         except SemaphoreError as exc:
             return self.fail(request, exc)
         except Exception as exc:  # a poison message fails its own task, never the worker

@@ -55,6 +55,7 @@ from ..waiting_room import (
     semaphore_of,
 )
 from . import celery_internals
+from .headers import lane_or_none
 from .requeue import publish_copy
 from .waiter import Waiter
 
@@ -279,13 +280,15 @@ class ParkingLot:
             if sent:  # parked on send: counted when first pulled
                 self.gate.tally.add(semaphore_of(name), "parked_send", sent)
         for message in messages:
-            self._deliver(message)
+            self._deliver(message, name)
         if (messages and not empty) or (empty and semaphore_of(name) in self.lanes):
             self.refill(name)  # more of this lane, or the room it left to the others
 
-    def _deliver(self, message: Any) -> None:
-        """Hand a pulled message to Celery's strategy for its task, as the consumer does for a
-        delivery, with acks and rejects going to the parking channel on the I/O thread."""
+    def _deliver(self, message: Any, name: str) -> None:
+        """Hand a message pulled from lane ``name`` to Celery's strategy for its task, as the
+        consumer does for a delivery, with acks and rejects going to the parking channel on
+        the I/O thread. (Counted under the lane it came from, never under its
+        ``semaphore_parked`` header, which the gate checks: :mod:`.headers`.)"""
         self.tracked.pop(message.headers.get("id"), None)
         route = message.headers.get(ROUTE_HEADER)
         if isinstance(route, (list, tuple)) and len(route) == 2:  # retries go where it was sent
@@ -295,7 +298,6 @@ class ParkingLot:
         if strategy is None:  # not a task this worker knows: leave it for one that does
             self.gate.io.call(message.reject_log_error, logger, (), True)
             return
-        name = message.headers.get(PARKED_HEADER)
         with self._unsettled_lock:
             self._unsettled[name] += 1
         try:
@@ -306,7 +308,7 @@ class ParkingLot:
         except Exception:  # as the consumer does for a delivery: the rest of the pull goes on
             logger.exception("celery-semaphore: cannot take pulled %s; it goes back",
                              message.delivery_tag)
-            self.gate.io.call(self._reject, message)
+            self.gate.io.call(self._reject, message, name)
 
     # -- broker calls (I/O thread) -----------------------------------------------------------
 
@@ -398,13 +400,13 @@ class ParkingLot:
             if self._unsettled[name] <= 0:
                 del self._unsettled[name]
 
-    def _reject(self, message: Any) -> None:
+    def _reject(self, message: Any, name: Optional[str] = None) -> None:
         try:
             message.reject(requeue=True)
         except Exception as exc:  # a closed channel's messages go back all the same
             logger.debug("celery-semaphore: giving back pulled %s failed: %s",
                          message.delivery_tag, exc)
-        self._settled(message.headers.get(PARKED_HEADER))
+        self._settled(name if name is not None else message.headers.get(PARKED_HEADER))
 
     def reset(self) -> None:
         """The consumer lost its broker connection (I/O thread): every message pulled from
@@ -466,8 +468,12 @@ def doorbell_strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Any:
                     **options: Any) -> None:
         ack(logger, consumer.connection_errors)  # as Request.acknowledge calls it
         gate: Optional["Gate"] = getattr(consumer, "semaphore_gate", None)
-        name = (message.headers or {}).get(DOORBELL_HEADER)
-        if gate is not None and isinstance(name, str):
+        raw = (message.headers or {}).get(DOORBELL_HEADER)
+        name = lane_or_none(raw)
+        if name is None:
+            logger.warning("celery-semaphore: ignoring a doorbell whose %s header is not a "
+                           "parking lane: %.80r", DOORBELL_HEADER, raw)
+        elif gate is not None:
             gate.loop.post(gate.parking.doorbell, name)
 
     return on_doorbell
@@ -476,6 +482,10 @@ def doorbell_strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Any:
 @control_command(args=[("name", str)], signature="<semaphore name>")
 def semaphore_parked(state: Any, name: str, **kwargs: Any) -> Any:
     """A worker parked requests of semaphore ``name``: pull them when there is room."""
+    if lane_or_none(name) is None:  # sent by hand, or by something else than a worker
+        logger.warning("celery-semaphore: ignoring a semaphore_parked broadcast whose name is "
+                       "not a semaphore name: %.80r", name)
+        return {"error": f"name must be a semaphore name, not {name!r:.80}"}
     gate: Optional["Gate"] = getattr(state.consumer, "semaphore_gate", None)
     if gate is not None:
         gate.loop.post(gate.parking.learn, name)
