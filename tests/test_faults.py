@@ -3,13 +3,16 @@
 Real ``celery worker`` subprocesses; concurrency and starts are read from the probe.
 """
 
+import json
 import subprocess
 import time
 import uuid
 
 import pytest
+import redis
 
-from celery_semaphore import ConfigurationError, InvalidHeader
+from celery_semaphore import ConfigurationError, InvalidHeader, Semaphore
+from celery_semaphore.backends.base import Attempt
 from tests import servers
 from tests.test_worker import Cluster
 from tests.util import wait_until
@@ -103,6 +106,44 @@ def test_a_release_that_fails_in_a_backend_outage_is_retried(redis_url, tmp_path
         started = cluster.probe.intervals()["slow:o2"][0][0]
         assert (started - back_at) / 1e9 < 5
         assert cluster.probe.max_concurrent("slow:") == 1
+    finally:
+        cluster.stop()
+        backend.kill()
+
+
+def test_a_waiter_is_woken_promptly_once_its_backend_is_back(redis_url, tmp_path):
+    """A task waits in the worker for a slot the test holds; the backend (Redis with an fsynced
+    AOF) is down 3.5 s and comes back; the waiter asks again; then the slot is released: the
+    worker's wake-up channel is subscribed again by then, so the task starts at once, not at
+    the waiter's next poll (before: the channel came back up to 5 s later, and the release's
+    wake-up went to nobody)."""
+    backend = PersistentRedis(tmp_path / "backend")
+    cluster = Cluster(str(tmp_path), redis_url, servers.redis_broker(redis_url), backend.url,
+                      workers=1, CS_SETTINGS=json.dumps({"semaphore_poll_interval": 3.0}))
+    worker = cluster.workers[0]
+    try:
+        held = Semaphore("slow", 1, backend.url, key_prefix=cluster.env["CS_KEY_PREFIX"],
+                         ttl=120).acquire()
+        result = cluster.task("slow").delay("w", 0.01)
+        assert wait_until(lambda: cluster.backend.status("slow").waiting == 1)
+        poll = cluster.backend.pause_after(Attempt(None), 3.0)  # the waiter's pause
+        backend.kill()
+        assert wait_until(lambda: "wake-up channel" in worker.output(), timeout=10)
+        time.sleep(3.5)  # the outage
+        backend.start()
+        server = redis.Redis(port=backend.port)
+
+        def asked_again():  # its scripts are gone with the restart: EVALSHA fails, then EVAL
+            return server.info("commandstats").get("cmdstat_eval", {}).get("calls", 0) > 0
+
+        assert wait_until(asked_again, timeout=10, interval=0.005)
+        released_at = time.monotonic_ns()
+        held.release()
+        assert result.get(timeout=20) == "w"
+        started_after = (cluster.probe.intervals()["slow:w"][0][0] - released_at) / 1e9
+        print(f"started {started_after:.3f}s after the release (poll every {poll:.2f}s)")
+        assert started_after < 0.5 < poll, started_after
+        assert "wake-up channel restored" in worker.output()
     finally:
         cluster.stop()
         backend.kill()
