@@ -73,6 +73,12 @@ def create_app(env):
         body(f"slow:{key}", hold)
         return key
 
+    @task(semaphore="slow", limit=1, acks_late=True)
+    def slow_late(key, hold=30.0):
+        """``slow``, acknowledged when it ends: its message is unacknowledged while it runs."""
+        body(f"slow:{key}", hold)
+        return key
+
     @task(semaphore="limited", limit=1, soft_time_limit=0.5, time_limit=1.0)
     def time_limited(key, hold=5.0, obey_soft_limit=True):
         probe.mark("start", f"limited:{key}")

@@ -149,12 +149,13 @@ def test_a_waiter_is_woken_promptly_once_its_backend_is_back(redis_url, tmp_path
         backend.kill()
 
 
-def one_running_five_waiting(cluster, key):
-    """One slow task holds the slot, five wait in the worker's gate; every message has been
-    delivered (kombu's Redis transport loses one it has popped but not yet recorded as
-    unacked when the server dies: the transport's own window, not the gate's)."""
+def one_running_five_waiting(cluster, key, first="slow"):
+    """One slow task (of task ``first``) holds the slot, five wait in the worker's gate; every
+    message has been delivered (kombu's Redis transport loses one it has popped but not yet
+    recorded as unacked when the server dies: the transport's own window, not the gate's)."""
     slow = cluster.task("slow")
-    results = [slow.delay(f"{key}0", 4.0)]  # outlasts rabbitmqctl's start (1.5 s or more)
+    # 4 s: outlasts rabbitmqctl's start (1.5 s or more)
+    results = [cluster.task(first).delay(f"{key}0", 4.0)]
     assert wait_until(lambda: cluster.started(f"slow:{key}0"))
     results += [slow.delay(f"{key}{i}", 0.05) for i in range(1, 6)]
     worker = cluster.workers[0]
@@ -191,6 +192,34 @@ def test_a_redis_broker_outage_loses_no_worker_and_no_task(redis_url, tmp_path):
         broker.start()
         output = all_ran_once_quietly(cluster, worker, results, "r")
         assert "5 tasks that were waiting when the broker connection was lost" in output
+    finally:
+        cluster.stop()
+        broker.kill()
+
+
+def test_a_redis_broker_outage_counts_waiting_and_running_tasks_apart(redis_url, tmp_path):
+    """As above, with the running task acknowledged late (its message, pulled from the waiting
+    room, is unacknowledged while it runs): the worker says 5 tasks waited when the broker
+    was lost, and after the outage that those 5 are back and, apart, that 1 task that had
+    left the gate for the pool is delivered again (before: "6 tasks that were waiting ...
+    are back", after "5 tasks waiting")."""
+    broker = PersistentRedis(tmp_path / "broker")
+    cluster = Cluster(str(tmp_path), redis_url, broker.url, redis_url, workers=1)
+    try:
+        worker, results = one_running_five_waiting(cluster, "a", first="slow_late")
+        broker.kill()
+        assert wait_until(lambda: "Cannot connect to redis" in worker.output()
+                          or "re-establish" in worker.output(), timeout=10)
+        time.sleep(2)
+        broker.start()
+        assert [r.get(timeout=60) for r in results] == [f"a{i}" for i in range(6)]
+        assert wait_until(lambda: "delivered again" in worker.output(), timeout=10)
+        output = worker.output()
+        assert output.count("closed with 5 tasks waiting for a slot") == 1, output[-3000:]
+        assert "5 tasks that were waiting when the broker connection was lost" in output
+        assert "1 tasks that had left the gate for the pool" in output
+        assert worker.proc.poll() is None
+        assert cluster.probe.max_concurrent("slow:a") == 1
     finally:
         cluster.stop()
         broker.kill()

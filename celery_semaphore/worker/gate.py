@@ -72,6 +72,9 @@ class Gate:
         self.parking = ParkingLot(self)
         self.reporting = Reporting(self)
         self.tally = Tally(self)
+        #: Delivery tags of the pulled requests that waited when the broker connection was
+        #: last lost (their count in :meth:`restore_detached`'s log line).
+        self.pulled_waiting_at_loss: Set[str] = set()
         self.original: Callable[[Any], Any] = consumer.on_task_request
         consumer.on_task_request = self.on_task_request
         self._on_connection_lost = consumer.on_connection_error_after_connected
@@ -147,34 +150,53 @@ class Gate:
         pool's flush with no callback) go back to their parking queues the same way
         (:meth:`.ParkingLot.reset`)."""
         with self.lock:
-            detached = [w for w in self.admission.waiters.values()
+            waiters = list(self.admission.waiters.values())
+            detached = [w for w in waiters
                         if not w.pulled and celery_internals.detach_unacked(w.request.message)]
             for waiter in detached:
                 waiter.detached = True
+            # the parking lot restores these (ParkingLot.reset), maybe after stop() let go
+            self.pulled_waiting_at_loss = {w.request.message.delivery_tag
+                                           for w in waiters if w.pulled}
         if detached:
             self.io.call(self.restore_detached,
-                         [w.request.message.delivery_tag for w in detached], set())
+                         [w.request.message.delivery_tag for w in detached], set(),
+                         RETRY_FIRST, len(detached))
         self.io.call(self.parking.reset)
         return self._on_connection_lost(exc)
 
     def restore_detached(self, tags: List[str], parked: Set[str],
-                          retry: float = RETRY_FIRST) -> None:  # I/O
+                         retry: float = RETRY_FIRST,
+                         waiting: Optional[int] = None) -> None:  # I/O
         """Put messages detached by :meth:`on_connection_lost` back in their queue (the
         parking queues of the semaphores ``parked``, which are then pulled again), retrying
         until the broker answers (or the worker stops: then the transport's visibility
-        timeout restores them)."""
+        timeout restores them). ``waiting``: how many of them were requests waiting for a
+        slot (None: counted here, for messages pulled from the waiting room; the others had
+        left the gate for the pool, unacknowledged). The log line counts both, so that it
+        agrees with :meth:`stop`'s count of waiting requests."""
+        if waiting is None:
+            pulled_waiting = self.pulled_waiting_at_loss | {
+                w.request.message.delivery_tag for w in list(self.admission.waiters.values())
+                if w.pulled}
+            waiting = sum(1 for tag in tags if tag in pulled_waiting)
         try:
             celery_internals.restore_unacked(self.app, tags)
         except Exception as exc:
             if self.running:
                 self.io.call(self.restore_detached, tags, parked, min(retry * 2, RETRY_MAX),
-                             delay=retry)
+                             waiting, delay=retry)
             else:
-                logger.warning("celery-semaphore: %d waiting tasks stay unacked in the broker "
+                logger.warning("celery-semaphore: %d tasks stay unacknowledged in the broker "
                                "until its visibility_timeout restores them: %s", len(tags), exc)
             return
-        logger.info("celery-semaphore: %d tasks that were waiting when the broker connection "
-                    "was lost are back in their queue", len(tags))
+        if waiting:
+            logger.info("celery-semaphore: %d tasks that were waiting when the broker "
+                        "connection was lost are back in their queue", waiting)
+        if len(tags) > waiting:
+            logger.info("celery-semaphore: %d tasks that had left the gate for the pool, not "
+                        "acknowledged when the broker connection was lost, are back in their "
+                        "queue (delivered again)", len(tags) - waiting)
         for name in parked:
             self.loop.post(self.parking.learn, name)
 
