@@ -4,6 +4,7 @@ Real ``celery worker`` subprocesses; concurrency and starts are read from the pr
 """
 
 import json
+import socket
 import subprocess
 import time
 import uuid
@@ -16,6 +17,7 @@ from celery_semaphore.backends.base import Attempt
 from tests import servers
 from tests.test_worker import Cluster
 from tests.util import wait_until
+from tests.workers import NAME_SUFFIX
 
 pytestmark = pytest.mark.slow
 
@@ -279,8 +281,9 @@ def test_malformed_internal_headers_fail_their_task_alone(redis_url, tmp_path):
     ``semaphore_requeues`` raised on the gate's threads, a ``semaphore_parked`` broadcast
     with ``name=123`` raised on the loop thread); pulled-message marks on a message that was
     not pulled are removed; a forged ``semaphore_lease`` is never shown to the task."""
+    names = f"hdr{uuid.uuid4().hex[:6]}"  # the broadcast goes to this worker alone
     cluster = Cluster(str(tmp_path), redis_url, servers.redis_broker(redis_url), redis_url,
-                      workers=1)
+                      workers=1, names=names)
     worker = cluster.workers[0]
     try:
         bad = [(raw_send(cluster.app, "guarded", (f"h{i}",), headers), says)
@@ -297,9 +300,10 @@ def test_malformed_internal_headers_fail_their_task_alone(redis_url, tmp_path):
         assert [r.get(timeout=15) for r in ignored] == [f"i{i}" for i in range(3)]
         seen = free.get(timeout=15)
         assert seen["lease"] is None and "stolen" not in seen["request"] + seen["headers"]
-        replies = cluster.app.control.broadcast("semaphore_parked", arguments={"name": 123},
-                                                reply=True, timeout=3)
-        assert replies and all("error" in r for reply in replies for r in reply.values())
+        replies = cluster.app.control.broadcast(
+            "semaphore_parked", arguments={"name": 123}, reply=True, timeout=3,
+            destination=[f"{names}0{NAME_SUFFIX}@{socket.gethostname()}"])
+        assert len(replies) == 1 and "error" in list(replies[0].values())[0], replies
         raw_send(cluster.app, "celery_semaphore.doorbell", ("x",), {"semaphore_doorbell": ["x"]})
         assert wait_until(lambda: "ignoring a doorbell" in worker.output())
         assert cluster.task("guarded").delay("after", 0.01).get(timeout=15) == "after"
