@@ -58,6 +58,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import uuid
 import weakref
 from dataclasses import dataclass, field
@@ -506,8 +507,12 @@ class Backend(abc.ABC):
         """Wait before the listener's next reconnection try: ``backoff`` seconds, ended early by
         :meth:`_server_answered` or a close; returns the next backoff (doubling up to
         :data:`LISTENER_RETRY_MAX`, so the listener is back within that long of the server)."""
+        started = time.monotonic()
         self._listener_kick.wait(backoff)
         self._listener_kick.clear()
+        rest = LISTENER_RETRY_FIRST - (time.monotonic() - started)
+        if rest > 0:  # at most one try per LISTENER_RETRY_FIRST, however often it is kicked
+            time.sleep(rest)
         return min(backoff * 2, LISTENER_RETRY_MAX)
 
     def __repr__(self) -> str:
