@@ -17,6 +17,12 @@ class InvalidLimit(ConfigurationError):
     """A limit is not a positive integer."""
 
 
+class InvalidHeader(ConfigurationError):
+    """A header celery-semaphore writes itself (``semaphore_requeues``,
+    ``semaphore_first_wait``, ``semaphore_parked``, ``semaphore_route``) has a value it never
+    writes: the message was made by another producer. The task fails; nothing else changes."""
+
+
 class UnknownBackend(ConfigurationError):
     """No backend is registered for a URL scheme."""
 

@@ -1,31 +1,39 @@
 """The lease a running task holds: one record, written by the worker into the request's
 headers when it grants the slot, read back inside the task by :func:`current_lease` (and, for a
 task under several semaphores, :func:`current_leases`: one lease per semaphore, each with its
-own fencing token, all under one holder id)."""
+own fencing token, all under one holder id).
+
+The record carries no credential: the task reads its request (and may log it), so it holds the
+backend's URL only with its password and tokens masked, for display. The lease reaches the
+backend through the configuration of the task's own app (``semaphore_backend``, or the
+broker or result backend it defaults to), as the worker does.
+"""
 
 from __future__ import annotations
 
+import threading
+import weakref
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Dict, List, Optional, Tuple, Union
 
-from celery import current_task
+from celery import current_app, current_task
 
 from .backends import get_backend
-from .backends.base import FencingToken
-from .exceptions import LeaseLost
+from .backends.base import Backend, FencingToken
+from .exceptions import ConfigurationError, LeaseLost
 from .semaphore import Lease, LeaseGroup
+from .urls import mask_url
 
 #: The request header that carries the :class:`LeaseRecord`.
 LEASE_KEY = "semaphore_lease"
 
-
 @dataclass(frozen=True)
 class LeaseRecord:
     """What a task needs to know of its lease: the semaphore, the holder id the backend
-    knows it by, the fencing token, and where the backend is (``backend`` is the URL with
-    its password: the record never leaves the worker's own messages, see
-    ``worker._strip_gate_headers``). ``waited``: the task had to wait, so WAITING was stored
-    for it and it stores STARTED when it runs."""
+    knows it by, the fencing token, the key prefix, and which backend granted it
+    (``backend``: its URL with the password and any token masked, :func:`.urls.mask_url`;
+    never a credential, since task code can read and log its request). ``waited``: the task
+    had to wait, so WAITING was stored for it and it stores STARTED when it runs."""
 
     name: str
     limit: Optional[int]
@@ -60,12 +68,13 @@ class LeaseRecord:
 
 def lease_record_of(lease: Union[Lease, LeaseGroup], backend_url: str, key_prefix: str,
                     waited: bool = False) -> LeaseRecord:
-    """The :class:`.LeaseRecord` a task reads its lease(s) from (``current_lease(s)``)."""
+    """The :class:`.LeaseRecord` a task reads its lease(s) from (``current_lease(s)``);
+    ``backend_url`` is kept masked (:func:`.urls.mask_url`)."""
     leases = list(lease.leases.values()) if isinstance(lease, LeaseGroup) else [lease]
     first = leases[0]
     return LeaseRecord(
         first.name, first.limit, first.holder, first.token.slot, first.token.epoch, first.ttl,
-        backend_url, key_prefix, waited=waited,
+        mask_url(backend_url), key_prefix, waited=waited,
         others=tuple({"name": other.name, "limit": other.limit, "slot": other.token.slot,
                       "epoch": other.token.epoch} for other in leases[1:]))
 
@@ -76,22 +85,52 @@ def lease_record(request: Any) -> Optional[LeaseRecord]:
     return LeaseRecord.from_header(header) if header else None
 
 
+#: app -> its semaphore backend URL (with its password), read from its configuration once.
+_backend_urls: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
+_backend_urls_lock = threading.Lock()
+
+
+def configured_backend_url(app: Any) -> str:
+    """The semaphore backend URL ``app``'s configuration names (the worker's own setting, as
+    :class:`.worker.step.SemaphoreStep` reads it), read once per app."""
+    with _backend_urls_lock:
+        url = _backend_urls.get(app)
+    if url is None:
+        from .settings import Settings
+
+        url = Settings.from_app(app).backend_url(app)
+        with _backend_urls_lock:
+            _backend_urls[app] = url
+    return url
+
+
 class TaskLease:
     """The slot the running task holds, as seen from inside the task body: ``name``,
-    ``limit``, ``holder``, ``token`` (the fencing token), ``ttl``."""
+    ``limit``, ``holder``, ``token`` (the fencing token), ``ttl``. It reaches the backend
+    through ``app``'s configuration (the task's app), never through anything in the request."""
 
-    def __init__(self, record: LeaseRecord) -> None:
+    def __init__(self, record: LeaseRecord, app: Any = None) -> None:
         self.name = record.name
         self.limit = record.limit
         self.holder = record.holder
         self.token = record.token
         self.ttl = record.ttl
         self._record = record
+        self._app = app
+
+    def _backend(self) -> Backend:
+        app = self._app if self._app is not None else current_app
+        url = configured_backend_url(app)
+        if self._record.backend and mask_url(url) != mask_url(self._record.backend):
+            raise ConfigurationError(
+                f"the lease of semaphore {self.name!r} was granted by backend "
+                f"{self._record.backend}, but this process's app is configured for "
+                f"{mask_url(url)}: the worker and its pool must share one configuration")
+        return get_backend(url, key_prefix=self._record.key_prefix)
 
     def verify(self) -> bool:
         """Ask the backend (one round trip) whether the slot is still held."""
-        backend = get_backend(self._record.backend, key_prefix=self._record.key_prefix)
-        return backend.verify(self.name, self.holder)
+        return self._backend().verify(self.name, self.holder)
 
     def ensure(self) -> None:
         """Raise LeaseLost unless the slot is still held: call before a protected action."""
@@ -102,6 +141,11 @@ class TaskLease:
         return f"<TaskLease {self.name!r} token={self.token} limit={self.limit}>"
 
 
+def _task_app() -> Any:
+    task = current_task
+    return getattr(task, "app", None) if task is not None else None
+
+
 def current_lease(name: Optional[str] = None) -> Optional[TaskLease]:
     """The lease of the task running in this process, or None outside a guarded task. A task
     under several semaphores: the lease of the first one listed, or of semaphore ``name``
@@ -110,7 +154,7 @@ def current_lease(name: Optional[str] = None) -> Optional[TaskLease]:
     if record is None:
         return None
     if name is None:
-        return TaskLease(record)
+        return TaskLease(record, _task_app())
     return current_leases().get(name)
 
 
@@ -120,4 +164,5 @@ def current_leases() -> Dict[str, TaskLease]:
     record = lease_record(getattr(current_task, "request", None))
     if record is None:
         return {}
-    return {r.name: TaskLease(r) for r in record.records()}
+    app = _task_app()
+    return {r.name: TaskLease(r, app) for r in record.records()}

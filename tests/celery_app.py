@@ -73,6 +73,12 @@ def create_app(env):
         body(f"slow:{key}", hold)
         return key
 
+    @task(semaphore="slow", limit=1, acks_late=True)
+    def slow_late(key, hold=30.0):
+        """``slow``, acknowledged when it ends: its message is unacknowledged while it runs."""
+        body(f"slow:{key}", hold)
+        return key
+
     @task(semaphore="limited", limit=1, soft_time_limit=0.5, time_limit=1.0)
     def time_limited(key, hold=5.0, obey_soft_limit=True):
         probe.mark("start", f"limited:{key}")
@@ -129,6 +135,24 @@ def create_app(env):
         lease = celery_semaphore.current_lease()
         return {"name": lease.name, "limit": lease.limit, "slot": lease.token.slot,
                 "epoch": lease.token.epoch, "holder": lease.holder, "verified": lease.verify()}
+
+    def request_and_lease(request):
+        """The whole request as the task sees it (repr'd), and what its lease says."""
+        lease = celery_semaphore.current_lease()
+        seen = {"request": repr(vars(request)), "headers": repr(request.headers), "lease": None}
+        if lease is not None:
+            lease.ensure()  # raises LeaseLost unless the backend says it is held
+            seen["lease"] = {"name": lease.name, "verified": lease.verify(),
+                             "leases": sorted(celery_semaphore.current_leases())}
+        return seen
+
+    @task(semaphore="lease", limit=3, bind=True)
+    def guarded_request(self):
+        return request_and_lease(self.request)
+
+    @task(bind=True)
+    def unguarded_request(self):
+        return request_and_lease(self.request)
 
     @task(semaphore="once:{key}", limit=1, semaphore_on_full="skip")
     def run_once(key, run, hold=0.05):

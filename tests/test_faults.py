@@ -3,15 +3,21 @@
 Real ``celery worker`` subprocesses; concurrency and starts are read from the probe.
 """
 
+import json
+import socket
 import subprocess
 import time
+import uuid
 
 import pytest
+import redis
 
-from celery_semaphore import ConfigurationError
+from celery_semaphore import ConfigurationError, InvalidHeader, Semaphore
+from celery_semaphore.backends.base import Attempt
 from tests import servers
 from tests.test_worker import Cluster
 from tests.util import wait_until
+from tests.workers import NAME_SUFFIX
 
 pytestmark = pytest.mark.slow
 
@@ -107,12 +113,51 @@ def test_a_release_that_fails_in_a_backend_outage_is_retried(redis_url, tmp_path
         backend.kill()
 
 
-def one_running_five_waiting(cluster, key):
-    """One slow task holds the slot, five wait in the worker's gate; every message has been
-    delivered (kombu's Redis transport loses one it has popped but not yet recorded as
-    unacked when the server dies: the transport's own window, not the gate's)."""
+def test_a_waiter_is_woken_promptly_once_its_backend_is_back(redis_url, tmp_path):
+    """A task waits in the worker for a slot the test holds; the backend (Redis with an fsynced
+    AOF) is down 3.5 s and comes back; the waiter asks again; then the slot is released: the
+    worker's wake-up channel is subscribed again by then, so the task starts at once, not at
+    the waiter's next poll (before: the channel came back up to 5 s later, and the release's
+    wake-up went to nobody)."""
+    backend = PersistentRedis(tmp_path / "backend")
+    cluster = Cluster(str(tmp_path), redis_url, servers.redis_broker(redis_url), backend.url,
+                      workers=1, CS_SETTINGS=json.dumps({"semaphore_poll_interval": 3.0}))
+    worker = cluster.workers[0]
+    try:
+        held = Semaphore("slow", 1, backend.url, key_prefix=cluster.env["CS_KEY_PREFIX"],
+                         ttl=120).acquire()
+        result = cluster.task("slow").delay("w", 0.01)
+        assert wait_until(lambda: cluster.backend.status("slow").waiting == 1)
+        poll = cluster.backend.pause_after(Attempt(None), 3.0)  # the waiter's pause
+        backend.kill()
+        assert wait_until(lambda: "wake-up channel" in worker.output(), timeout=10)
+        time.sleep(3.5)  # the outage
+        backend.start()
+        server = redis.Redis(port=backend.port)
+
+        def asked_again():  # its scripts are gone with the restart: EVALSHA fails, then EVAL
+            return server.info("commandstats").get("cmdstat_eval", {}).get("calls", 0) > 0
+
+        assert wait_until(asked_again, timeout=10, interval=0.005)
+        released_at = time.monotonic_ns()
+        held.release()
+        assert result.get(timeout=20) == "w"
+        started_after = (cluster.probe.intervals()["slow:w"][0][0] - released_at) / 1e9
+        print(f"started {started_after:.3f}s after the release (poll every {poll:.2f}s)")
+        assert started_after < 0.5 < poll, started_after
+        assert "wake-up channel restored" in worker.output()
+    finally:
+        cluster.stop()
+        backend.kill()
+
+
+def one_running_five_waiting(cluster, key, first="slow"):
+    """One slow task (of task ``first``) holds the slot, five wait in the worker's gate; every
+    message has been delivered (kombu's Redis transport loses one it has popped but not yet
+    recorded as unacked when the server dies: the transport's own window, not the gate's)."""
     slow = cluster.task("slow")
-    results = [slow.delay(f"{key}0", 4.0)]  # outlasts rabbitmqctl's start (1.5 s or more)
+    # 4 s: outlasts rabbitmqctl's start (1.5 s or more)
+    results = [cluster.task(first).delay(f"{key}0", 4.0)]
     assert wait_until(lambda: cluster.started(f"slow:{key}0"))
     results += [slow.delay(f"{key}{i}", 0.05) for i in range(1, 6)]
     worker = cluster.workers[0]
@@ -148,7 +193,35 @@ def test_a_redis_broker_outage_loses_no_worker_and_no_task(redis_url, tmp_path):
         time.sleep(2)  # an outage, not a blip: the worker retries its connection meanwhile
         broker.start()
         output = all_ran_once_quietly(cluster, worker, results, "r")
-        assert "lost with 5 tasks waiting for a slot" in output
+        assert "5 tasks that were waiting when the broker connection was lost" in output
+    finally:
+        cluster.stop()
+        broker.kill()
+
+
+def test_a_redis_broker_outage_counts_waiting_and_running_tasks_apart(redis_url, tmp_path):
+    """As above, with the running task acknowledged late (its message, pulled from the waiting
+    room, is unacknowledged while it runs): the worker says 5 tasks waited when the broker
+    was lost, and after the outage that those 5 are back and, apart, that 1 task that had
+    left the gate for the pool is delivered again (before: "6 tasks that were waiting ...
+    are back", after "5 tasks waiting")."""
+    broker = PersistentRedis(tmp_path / "broker")
+    cluster = Cluster(str(tmp_path), redis_url, broker.url, redis_url, workers=1)
+    try:
+        worker, results = one_running_five_waiting(cluster, "a", first="slow_late")
+        broker.kill()
+        assert wait_until(lambda: "Cannot connect to redis" in worker.output()
+                          or "re-establish" in worker.output(), timeout=10)
+        time.sleep(2)
+        broker.start()
+        assert [r.get(timeout=60) for r in results] == [f"a{i}" for i in range(6)]
+        assert wait_until(lambda: "delivered again" in worker.output(), timeout=10)
+        output = worker.output()
+        assert output.count("closed with 5 tasks waiting for a slot") == 1, output[-3000:]
+        assert "5 tasks that were waiting when the broker connection was lost" in output
+        assert "1 tasks that had left the gate for the pool" in output
+        assert worker.proc.poll() is None
+        assert cluster.probe.max_concurrent("slow:a") == 1
     finally:
         cluster.stop()
         broker.kill()
@@ -166,5 +239,79 @@ def test_a_rabbitmq_reconnect_is_logged_once_and_loses_nothing(redis_url, amqp_u
                         "celery-semaphore test"], check=True, capture_output=True, timeout=60)
         assert wait_until(lambda: "re-establish" in worker.output(), timeout=10)
         all_ran_once_quietly(cluster, worker, results, "q")
+    finally:
+        cluster.stop()
+
+
+def raw_send(app, name, args=(), headers=None):
+    """Publish a task message as a process without celery-semaphore would: straight through
+    kombu (no parking on send, no header checks, no ``before_task_publish`` receivers), the
+    headers exactly as given."""
+    task_id = str(uuid.uuid4())
+    full = name if "." in name else f"tests.celery_app.{name}"
+    message_headers, properties, body, _ = app.amqp.create_task_message(task_id, full, args, {})
+    message_headers.update(headers or {})
+    with app.producer_or_acquire() as producer:
+        producer.publish(body, exchange="", routing_key=app.conf.task_default_queue,
+                         headers=message_headers, serializer="json", **properties)
+    return app.AsyncResult(task_id)
+
+
+BAD_GATE_HEADERS = [
+    # (headers, the header the error names)
+    ({"semaphore_first_wait": "abc"}, "semaphore_first_wait"),
+    ({"semaphore_first_wait": float("inf")}, "semaphore_first_wait"),
+    ({"semaphore_first_wait": -5}, "semaphore_first_wait"),
+    ({"semaphore_requeues": "x"}, "semaphore_requeues"),
+    ({"semaphore_requeues": -1}, "semaphore_requeues"),
+    ({"semaphore_requeues": 2.5}, "semaphore_requeues"),
+]
+#: Marks of a pulled message on a message that was not pulled: meaningless, removed.
+IGNORED_GATE_HEADERS = [
+    {"semaphore_parked": 123},
+    {"semaphore_parked": "images", "semaphore_route": "x", "semaphore_parked_by": ["?"]},
+    {"semaphore_requeues": 10**6, "semaphore_first_wait": time.time() + 10**6},
+]
+
+
+def test_malformed_internal_headers_fail_their_task_alone(redis_url, tmp_path):
+    """Headers the gate writes itself, sent malformed by a process without the library: each
+    bad one fails its own task, naming the header, and the worker runs the next good task
+    (before: a bad ``semaphore_first_wait`` left the task unacked and never failed, a bad
+    ``semaphore_requeues`` raised on the gate's threads, a ``semaphore_parked`` broadcast
+    with ``name=123`` raised on the loop thread); pulled-message marks on a message that was
+    not pulled are removed; a forged ``semaphore_lease`` is never shown to the task."""
+    names = f"hdr{uuid.uuid4().hex[:6]}"  # the broadcast goes to this worker alone
+    cluster = Cluster(str(tmp_path), redis_url, servers.redis_broker(redis_url), redis_url,
+                      workers=1, names=names)
+    worker = cluster.workers[0]
+    try:
+        bad = [(raw_send(cluster.app, "guarded", (f"h{i}",), headers), says)
+               for i, (headers, says) in enumerate(BAD_GATE_HEADERS)]
+        ignored = [raw_send(cluster.app, "guarded", (f"i{i}",), headers)
+                   for i, headers in enumerate(IGNORED_GATE_HEADERS)]
+        forged = {"name": "lease", "limit": 3, "holder": "x:1", "slot": 0, "epoch": 1,
+                  "ttl": 60, "backend": "redis://:stolen@127.0.0.1:1/0", "key_prefix": "x"}
+        free = raw_send(cluster.app, "unguarded_request", (), {"semaphore_lease": forged})
+        for result, says in bad:
+            with pytest.raises(InvalidHeader) as err:
+                result.get(timeout=15)
+            assert says in str(err.value) and result.state == "FAILURE"
+        assert [r.get(timeout=15) for r in ignored] == [f"i{i}" for i in range(3)]
+        seen = free.get(timeout=15)
+        assert seen["lease"] is None and "stolen" not in seen["request"] + seen["headers"]
+        replies = cluster.app.control.broadcast(
+            "semaphore_parked", arguments={"name": 123}, reply=True, timeout=3,
+            destination=[f"{names}0{NAME_SUFFIX}@{socket.gethostname()}"])
+        assert len(replies) == 1 and "error" in list(replies[0].values())[0], replies
+        raw_send(cluster.app, "celery_semaphore.doorbell", ("x",), {"semaphore_doorbell": ["x"]})
+        assert wait_until(lambda: "ignoring a doorbell" in worker.output())
+        assert cluster.task("guarded").delay("after", 0.01).get(timeout=15) == "after"
+        assert worker.proc.poll() is None, worker.output()[-3000:]
+        output = worker.output()
+        assert "Traceback" not in output and "failed on the loop thread" not in output, \
+            output[-3000:]
+        assert not any(key.startswith("guarded:h") for key in cluster.probe.intervals())
+        assert wait_until(lambda: cluster.held("images") == 0)
     finally:
         cluster.stop()

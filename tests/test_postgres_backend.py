@@ -6,6 +6,7 @@ gives. The backend contract itself runs in test_contract.py."""
 import logging
 import multiprocessing
 import sys
+import threading
 import time
 
 import psycopg
@@ -194,6 +195,33 @@ def test_waiters_poll_while_the_listener_is_down_and_are_woken_once_it_is_back(
     released_at = hand_over(patient, patient.acquire(), got, join_timeout=10)
     assert got and got[0].release()
     assert time.monotonic() - released_at < 5  # woken: the next poll was 30 s away
+
+
+def test_the_listener_is_back_promptly_after_an_outage_and_wakes_every_waiter(
+        postgres_url, admin, monkeypatch):
+    """The listener's connection is killed and its reconnection refused for 3.5 s (its pause
+    between tries reaches its longest): once the server takes it again, it is back within a
+    fraction of a second (before: its backoff grew to 5 s) and wakes every watcher once."""
+    backend = PostgresBackend(postgres_url, key_prefix=f"{servers.unique_tag()}:")
+    try:
+        backend.watch("outage", "first", lambda: None)
+        assert wait_until(lambda: backend.listening)
+        refused = BackendUnavailable("the test refuses the listener's reconnection")
+        connect = backend._connect_listener
+        monkeypatch.setattr(backend, "_connect_listener", lambda: (_ for _ in ()).throw(refused))
+        _terminate(admin, backend.listener_pid)
+        assert wait_until(lambda: not backend.listening)
+        woken = {holder: threading.Event() for holder in ("a", "b")}
+        for holder, event in woken.items():
+            backend.watch("outage", holder, event.set)
+        time.sleep(3.5)  # the outage: the listener keeps trying meanwhile
+        monkeypatch.setattr(backend, "_connect_listener", connect)
+        back_at = time.monotonic()
+        assert all(event.wait(5) for event in woken.values()), "not every waiter was woken"
+        woken_after = time.monotonic() - back_at
+        assert backend.listening and woken_after < 0.6, woken_after
+    finally:
+        backend.close()
 
 
 def test_a_killed_connection_is_replaced_by_the_next_operation(postgres_url, admin):

@@ -285,6 +285,34 @@ def test_current_lease_inside_the_task(cluster):
 # -- scenarios with a cluster of their own ------------------------------------------------
 
 
+def test_the_task_never_sees_the_backend_password_and_its_lease_still_works(redis_url,
+                                                                            tmp_path):
+    """The semaphore backend is a password-protected private redis-server: nothing the task can
+    read of its request holds the password (before: ``request.headers["semaphore_lease"]
+    ["backend"]`` was the URL in clear), and its lease still reaches the backend, through the
+    worker's own configuration (``verify``, ``ensure``). The worker's log holds no password
+    either."""
+    password = f"pw{uuid.uuid4().hex[:12]}"
+    port = servers.free_port()
+    url = f"redis://:{password}@127.0.0.1:{port}/0"
+    proc, client = servers.start_redis(port, tmp_path, "--requirepass", password,
+                                       client_url=url)
+    cluster = Cluster(str(tmp_path), redis_url, servers.redis_broker(redis_url), url,
+                      workers=1)
+    try:
+        seen = cluster.task("guarded_request").delay().get(timeout=20)
+        assert seen["lease"] == {"name": "lease", "verified": True, "leases": ["lease"]}
+        assert "semaphore_lease" in seen["headers"]  # the record is there, masked
+        assert password not in json.dumps(seen), seen
+        assert password not in cluster.workers[0].output()
+        assert client.keys("*{lease}*")  # the lease went to the protected server
+        assert wait_until(lambda: cluster.held("lease") == 0)
+    finally:
+        cluster.stop()
+        proc.terminate()
+        proc.wait(10)
+
+
 def test_sigkilled_worker_frees_its_slot_within_the_lease_ttl(redis_url, tmp_path):
     ttl = 3.0
     cluster = Cluster(str(tmp_path), redis_url, servers.redis_broker(redis_url), redis_url,

@@ -54,15 +54,19 @@ from __future__ import annotations
 
 import abc
 import functools
+import logging
 import os
 import socket
 import threading
+import time
 import uuid
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from ..stats import SemaphoreStats
+
+logger = logging.getLogger(__name__)
 
 Meta = Dict[str, Any]
 WakeCallback = Callable[[], None]
@@ -232,6 +236,12 @@ def new_holder_id(task_id: Optional[str] = None) -> str:
     return f"{task_id}:{unique}" if task_id else unique
 
 
+#: First and longest pause between two tries of a lost wake-up listener to reconnect: a try
+#: costs one connection attempt, and waiters fall back to their poll interval until it is back.
+LISTENER_RETRY_FIRST = 0.05
+LISTENER_RETRY_MAX = 0.25
+
+
 def task_of(holder: str) -> Optional[str]:
     """The task a holder id names (:func:`new_holder_id`), or None."""
     return holder.rpartition(":")[0] or None
@@ -276,6 +286,11 @@ class Backend(abc.ABC):
         self.client_id = f"{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
         self._watch_lock = threading.Lock()
         self._watchers: Dict[Tuple[str, str], WakeCallback] = {}
+        #: The wake-up listener lost its connection and has not got it back yet.
+        self._listener_lost = False
+        #: Set to end the listener's pause between two reconnection tries at once (an
+        #: operation reached the server: it is back; or the backend closes).
+        self._listener_kick = threading.Event()
 
     def _forked(self) -> None:
         """In a forked child: a wake-up identity of its own, no inherited waiters. Subclasses
@@ -465,6 +480,48 @@ class Backend(abc.ABC):
 
     def _start_listening(self) -> None:  # noqa: B027 - optional hook
         """Start receiving this process's wake-ups (idempotent). Default: nothing to start."""
+
+    # -- the wake-up listener's reconnection (for backends that have one) --------------------
+
+    def _wake_everyone(self) -> None:
+        """Call every watcher's callback once: the listener is back, and what was sent to it
+        while it was away is lost (each waiter tries again; one that cannot go on waits)."""
+        with self._watch_lock:
+            callbacks = list(self._watchers.values())
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:  # a broken callback must not stop everyone's wake-ups
+                logger.exception("celery-semaphore: wake-up callback failed")
+
+    def _listener_went(self) -> None:
+        """The listener lost its connection (listener thread)."""
+        self._listener_lost = True
+
+    def _listener_back(self) -> None:
+        """The listener got its connection back after losing it (listener thread): wake every
+        waiter once."""
+        self._listener_lost = False
+        self._listener_kick.clear()
+        self._wake_everyone()
+
+    def _server_answered(self) -> None:
+        """An operation just reached the server: a lost listener tries again at once instead
+        of at the end of its pause (any thread; cheap when the listener is up)."""
+        if self._listener_lost:
+            self._listener_kick.set()
+
+    def _listener_pause(self, backoff: float) -> float:
+        """Wait before the listener's next reconnection try: ``backoff`` seconds, ended early by
+        :meth:`_server_answered` or a close; returns the next backoff (doubling up to
+        :data:`LISTENER_RETRY_MAX`, so the listener is back within that long of the server)."""
+        started = time.monotonic()
+        self._listener_kick.wait(backoff)
+        self._listener_kick.clear()
+        rest = LISTENER_RETRY_FIRST - (time.monotonic() - started)
+        if rest > 0:  # at most one try per LISTENER_RETRY_FIRST, however often it is kicked
+            time.sleep(rest)
+        return min(backoff * 2, LISTENER_RETRY_MAX)
 
     def __repr__(self) -> str:
         from ..urls import mask_url

@@ -21,8 +21,9 @@ Guarantees:
   skipping rows another transaction holds): nothing is left behind once the semaphores are
   idle and any client still runs.
 * Wake-ups: ``NOTIFY`` (after the state's ``COMMIT``) on a channel per waiting process, which
-  one daemon thread ``LISTEN``\\s to on a connection of its own, reconnecting with backoff when
-  it is lost (and then waking every local waiter, since notifications sent meanwhile are gone).
+  one daemon thread ``LISTEN``\\s to on a connection of its own, reconnecting when it is lost
+  (within a quarter of a second of the server's return) and then waking every local waiter,
+  since notifications sent meanwhile are gone.
   A wake-up is a hint: waiters also poll, so a dead listener only slows them to their poll
   interval. Notifications do not pass a PgBouncer in transaction mode: use session mode, or
   connect to PostgreSQL directly.
@@ -81,6 +82,7 @@ from psycopg.pq import TransactionStatus
 
 from ..exceptions import BackendUnavailable, ConfigurationError
 from ..urls import mask_url
+from .base import LISTENER_RETRY_FIRST
 from .engine import DocumentBackend, Rule, Transaction
 from .model import State
 
@@ -277,6 +279,7 @@ class PostgresBackend(DocumentBackend):
                 f"{exc}") from exc
         with self._connections_lock:
             self._connections.add(conn)
+        self._server_answered()
         return conn
 
     def _connection(self) -> Tuple[psycopg.Connection, bool]:
@@ -530,6 +533,7 @@ class PostgresBackend(DocumentBackend):
                 logger.warning("celery-semaphore: cannot listen for wake-ups yet, waiters "
                                "poll: %s", exc)
                 self._listen_conn = None
+                self._listener_went()
             self._listener = threading.Thread(
                 target=self._listen, name="celery-semaphore-postgres-wake", daemon=True)
             self._listener.start()
@@ -544,16 +548,18 @@ class PostgresBackend(DocumentBackend):
         return conn
 
     def _listen(self) -> None:
-        """Deliver wake-ups until close(). Connection lost: reconnect with backoff, forever;
-        once back, wake every local waiter (what was notified meanwhile is lost)."""
-        backoff, lost = 0.1, self._listen_conn is None
+        """Deliver wake-ups until close(). Connection lost: reconnect, forever, within
+        :data:`.LISTENER_RETRY_MAX` of the server's return (at once when an operation of this
+        process reaches it first); once back, wake every local waiter (what was notified
+        meanwhile is lost)."""
+        backoff, lost = LISTENER_RETRY_FIRST, self._listen_conn is None
         while not self._closed.is_set():
             try:
                 if self._listen_conn is None:
                     self._listen_conn = self._connect_listener()
                     logger.info("celery-semaphore: wake-up listener connected")
-                    self._wake_everyone()
-                    backoff, lost = 0.1, False
+                    self._listener_back()
+                    backoff, lost = LISTENER_RETRY_FIRST, False
                 for notify in self._listen_conn.notifies(timeout=1.0):
                     if self._closed.is_set():  # close() notified us to stop waiting
                         break
@@ -566,11 +572,11 @@ class PostgresBackend(DocumentBackend):
                         "celery-semaphore: wake-up listener of %s lost (%s); reconnecting, "
                         "waiters poll meanwhile", mask_url(self.url), exc)
                 lost = True
+                self._listener_went()
                 conn, self._listen_conn = self._listen_conn, None
                 if conn is not None:
                     conn.close()
-                self._closed.wait(backoff)
-                backoff = min(backoff * 2, 5.0)
+                backoff = self._listener_pause(backoff)
         conn, self._listen_conn = self._listen_conn, None
         if conn is not None:
             conn.close()
@@ -584,15 +590,6 @@ class PostgresBackend(DocumentBackend):
             self._notify(name, holder)
         except Exception:  # a broken callback must not stop everyone's wake-ups
             logger.exception("celery-semaphore: wake-up callback failed")
-
-    def _wake_everyone(self) -> None:
-        with self._watch_lock:
-            callbacks = list(self._watchers.values())
-        for callback in callbacks:
-            try:
-                callback()
-            except Exception:
-                logger.exception("celery-semaphore: wake-up callback failed")
 
     # -- life cycle ------------------------------------------------------------------------------
 
@@ -612,6 +609,7 @@ class PostgresBackend(DocumentBackend):
     def close(self) -> None:
         """Stop the listener and close every connection this process opened."""
         self._closed.set()
+        self._listener_kick.set()  # end a pause between reconnection tries
         listener = self._listener
         if listener is not None and listener is not threading.current_thread():
             if listener.is_alive() and self.listening:  # end its wait for notifications now

@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Deque, List, Optional
+from typing import Any, Callable, Deque, List, Optional, Set
 
 from ..backends import close_all
 from ..backends.base import Backend
@@ -32,6 +32,7 @@ from ..states import SKIPPED_EVENT, SKIPPED_REASON
 from ..waiting_room import PARKED_HEADER
 from . import celery_internals
 from .admission import Admission
+from .headers import check_gate_headers
 from .parking import ParkingLot
 from .release import Releases
 from .reporting import Reporting
@@ -71,6 +72,9 @@ class Gate:
         self.parking = ParkingLot(self)
         self.reporting = Reporting(self)
         self.tally = Tally(self)
+        #: Delivery tags of the pulled requests that waited when the broker connection was
+        #: last lost (their count in :meth:`restore_detached`'s log line).
+        self.pulled_waiting_at_loss: Set[str] = set()
         self.original: Callable[[Any], Any] = consumer.on_task_request
         consumer.on_task_request = self.on_task_request
         self._on_connection_lost = consumer.on_connection_error_after_connected
@@ -146,39 +150,61 @@ class Gate:
         pool's flush with no callback) go back to their parking queues the same way
         (:meth:`.ParkingLot.reset`)."""
         with self.lock:
-            detached = [w for w in self.admission.waiters.values()
+            waiters = list(self.admission.waiters.values())
+            detached = [w for w in waiters
                         if not w.pulled and celery_internals.detach_unacked(w.request.message)]
             for waiter in detached:
                 waiter.detached = True
             bells = [m for m in self.parking.held_bells() if celery_internals.detach_unacked(m)]
-        tags = [w.request.message.delivery_tag for w in detached] + [
-            m.delivery_tag for m in bells]
-        if tags:
-            logger.info("celery-semaphore: the broker connection is lost with %d tasks "
-                        "waiting for a slot and %d doorbells held; they go back to their "
-                        "queues once the broker answers", len(detached), len(bells))
-            self.io.call(self.restore_detached, tags)
+            # the parking lot restores these (ParkingLot.reset), maybe after stop() let go
+            self.pulled_waiting_at_loss = {w.request.message.delivery_tag
+                                           for w in waiters if w.pulled}
+        if detached:
+            self.io.call(self.restore_detached,
+                         [w.request.message.delivery_tag for w in detached], None,
+                         RETRY_FIRST, len(detached))
+        if bells:
+            self.io.call(self.restore_detached, [m.delivery_tag for m in bells], None,
+                         RETRY_FIRST, 0, len(bells))
         self.io.call(self.parking.reset)
         return self._on_connection_lost(exc)
 
     def restore_detached(self, tags: List[str], then: Optional[Callable[[], None]] = None,
-                         retry: float = RETRY_FIRST) -> None:  # I/O
+                         retry: float = RETRY_FIRST, waiting: Optional[int] = None,
+                         doorbells: int = 0) -> None:  # I/O
         """Put messages detached by :meth:`on_connection_lost` (or by the parking lot's
         reset) back in their queue, retrying until the broker answers (or the worker stops:
         then the transport's visibility timeout restores them); then post ``then`` to the
-        loop."""
+        loop. ``waiting``: how many of them were requests waiting for a slot (None: counted
+        here, for messages pulled from the waiting room; the others had left the gate for
+        the pool, unacknowledged), ``doorbells``: how many were doorbells this worker held.
+        The log lines count each kind, so that they agree with :meth:`stop`'s count of
+        waiting requests."""
+        if waiting is None:
+            pulled_waiting = self.pulled_waiting_at_loss | {
+                w.request.message.delivery_tag for w in list(self.admission.waiters.values())
+                if w.pulled}
+            waiting = sum(1 for tag in tags if tag in pulled_waiting)
         try:
             celery_internals.restore_unacked(self.app, tags)
         except Exception as exc:
             if self.running:
                 self.io.call(self.restore_detached, tags, then, min(retry * 2, RETRY_MAX),
-                             delay=retry)
+                             waiting, doorbells, delay=retry)
             else:
-                logger.warning("celery-semaphore: %d waiting tasks stay unacked in the broker "
+                logger.warning("celery-semaphore: %d tasks stay unacknowledged in the broker "
                                "until its visibility_timeout restores them: %s", len(tags), exc)
             return
-        logger.info("celery-semaphore: %d messages held when the broker connection was lost "
-                    "are back in their queue", len(tags))
+        if waiting:
+            logger.info("celery-semaphore: %d tasks that were waiting when the broker "
+                        "connection was lost are back in their queue", waiting)
+        if doorbells:
+            logger.info("celery-semaphore: %d doorbells held when the broker connection was "
+                        "lost are back in their queue", doorbells)
+        if len(tags) > waiting + doorbells:
+            logger.info("celery-semaphore: %d tasks that had left the gate for the pool, not "
+                        "acknowledged when the broker connection was lost, are back in their "
+                        "queue (delivered again)", len(tags) - waiting - doorbells)
         if then is not None:
             self.loop.post(then)
 
@@ -203,6 +229,7 @@ class Gate:
     def _admit(self, request: Any) -> None:
         try:
             guard = self.guards.resolve(request)
+            check_gate_headers(request, guard is not None, self.consumer)
         except SemaphoreError as exc:
             return self.fail(request, exc)
         except Exception as exc:  # a poison message fails its own task, never the worker

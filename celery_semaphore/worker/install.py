@@ -92,9 +92,9 @@ def _store_started(sender: Any = None, task: Any = None, task_id: str = "",
 
 def _strip_gate_headers(headers: Optional[dict] = None, **kwargs: Any) -> None:
     """Keep what the gate adds to a running request out of messages it publishes: a retry
-    copies the request's custom headers, and would carry the lease (the backend URL with its
-    password) and the requeue count and first-wait time (so ``semaphore_max_wait`` would count
-    from the first run's wait). A send parked on send keeps the marks it was just given."""
+    copies the request's custom headers, and would carry the lease record and the requeue
+    count and first-wait time (so ``semaphore_max_wait`` would count from the first run's
+    wait). A send parked on send keeps the marks it was just given."""
     if headers:
         parking = parking_now.get()
         for key in GATE_HEADERS:

@@ -63,6 +63,7 @@ from ..waiting_room import (
     semaphore_of,
 )
 from . import celery_internals
+from .headers import lane_or_none
 from .requeue import publish_copy
 from .waiter import Waiter
 
@@ -641,8 +642,12 @@ def doorbell_strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Any:
     def on_doorbell(message: Any, body: Any, ack: Any, reject: Any, callbacks: Any,
                     **options: Any) -> None:
         gate: Optional["Gate"] = getattr(consumer, "semaphore_gate", None)
-        lane = (message.headers or {}).get(DOORBELL_HEADER)
-        if gate is None or not isinstance(lane, str) or not semaphore_of(lane):
+        raw = (message.headers or {}).get(DOORBELL_HEADER)
+        lane = lane_or_none(raw)
+        if lane is None:
+            logger.warning("celery-semaphore: ignoring a doorbell whose %s header is not a "
+                           "parking lane: %.80r", DOORBELL_HEADER, raw)
+        if gate is None or lane is None:
             ack(logger, consumer.connection_errors)  # as Request.acknowledge calls it
             return
         gate.loop.post(gate.parking.doorbell, lane, message)
@@ -654,5 +659,10 @@ def doorbell_strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Any:
 def semaphore_parked(state: Any, name: str, **kwargs: Any) -> Any:
     """Sent by workers of earlier releases when they parked requests. Lanes are learned from
     doorbells in the queues a worker consumes now (so that a task runs only where it was
-    routed): this command is accepted and ignored."""
+    routed): this command is accepted and ignored (one that names no semaphore is refused,
+    naming why)."""
+    if lane_or_none(name) is None:  # sent by hand, or by something else than a worker
+        logger.warning("celery-semaphore: ignoring a semaphore_parked broadcast whose name is "
+                       "not a semaphore name: %.80r", name)
+        return {"error": f"name must be a semaphore name, not {name!r:.80}"}
     return {"ok": "ignored"}

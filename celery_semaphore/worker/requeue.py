@@ -24,7 +24,7 @@ def backoff(waiter: Waiter) -> float:
     """Seconds until the requeued copy is due: ``semaphore_retry_backoff`` doubling per
     requeue up to ``semaphore_retry_backoff_max``, with jitter if ``semaphore_retry_jitter``."""
     settings = waiter.guard.settings
-    delay = min(settings.retry_backoff * 2 ** waiter.requeues, settings.retry_backoff_max)
+    delay = min(settings.retry_backoff * 2 ** min(waiter.requeues, 64), settings.retry_backoff_max)
     if settings.retry_jitter:
         delay = random.uniform(delay / 2, delay)
     return delay

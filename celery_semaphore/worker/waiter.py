@@ -23,10 +23,8 @@ from ..guards import Guard
 from ..scheduler import Timer
 from ..task_lease import LEASE_KEY
 from ..waiting_room import FIRST_WAIT_HEADER, PARKED_BY_HEADER, PARKED_HEADER, ROUTE_HEADER
+from .headers import REQUEUES_HEADER, first_wait_of, requeues_of
 
-#: Message header the gate writes when it requeues a request (see :mod:`..waiting_room` for
-#: the first-wait time and the parked mark).
-REQUEUES_HEADER = "semaphore_requeues"
 #: What the gate adds to a request; kept out of messages the task publishes (``self.retry``).
 GATE_HEADERS = (REQUEUES_HEADER, FIRST_WAIT_HEADER, PARKED_HEADER, PARKED_BY_HEADER,
                 ROUTE_HEADER, LEASE_KEY)
@@ -105,9 +103,13 @@ class Waiter:
 
     @property
     def requeues(self) -> int:
-        return int(self.request.request_dict.get(REQUEUES_HEADER) or 0)
+        """Times the gate requeued this task (``semaphore_requeues``, checked where the
+        request entered the gate: :func:`.headers.check_gate_headers`)."""
+        return requeues_of(self.request.request_dict, self.request)
 
     @property
     def first_wait(self) -> float:
-        """Unix time this task first waited for a slot, across requeues."""
-        return float(self.request.request_dict.get(FIRST_WAIT_HEADER) or self.entered_wall)
+        """Unix time this task first waited for a slot, across requeues and parking; never
+        later than its arrival here (a sender's clock may run ahead of this worker's)."""
+        first = first_wait_of(self.request.request_dict, self.request)
+        return self.entered_wall if first is None else min(first, self.entered_wall)

@@ -18,7 +18,9 @@ Guarantees:
   leaves nothing behind after ``idle_ttl``.
 * Wake-ups: a script that makes waiters admissible publishes ``name\\nholder`` on the channel
   ``<prefix>wake:<client id>`` of each waiter's process; one daemon thread per backend instance
-  listens, resubscribing after connection loss (with Sentinel, to the current master). On a
+  listens, resubscribing after connection loss (with Sentinel, to the current master) within
+  a quarter of a second of the server's return, then waking every local waiter once (what was
+  published meanwhile is lost). On a
   Redis Cluster a classic ``PUBLISH`` reaches the subscribers of every node (the cluster bus
   broadcasts it), so the listener subscribes on any one node and moves to another when that
   node fails; sharded pub/sub would need one subscription per waiter's slot, kept on the
@@ -68,6 +70,7 @@ from ...urls import check_url, mask_url
 from ..base import (
     DEFAULT_IDLE_TTL,
     DEFAULT_WAITER_TTL,
+    LISTENER_RETRY_FIRST,
     Attempt,
     Backend,
     Grant,
@@ -240,7 +243,7 @@ class RedisBackend(Backend):
         pause = 0.05
         while True:
             try:
-                return operation()
+                result = operation()
             except (redis.RedisError, redis.exceptions.RedisClusterException) as exc:
                 if not (self.failover_timeout and isinstance(exc, _FAILOVER)
                         and not isinstance(exc, redis.exceptions.ClusterCrossSlotError)
@@ -251,6 +254,9 @@ class RedisBackend(Backend):
                              mask_url(self.url), exc, pause)
                 time.sleep(pause)
                 pause = min(pause * 2, 1.0)
+                continue
+            self._server_answered()
+            return result
 
     def _script(self, script: str, keys: List[str], argv: List[Any]) -> Any:
         """EVALSHA, or EVAL when the server does not have the script (yet: a new connection,
@@ -425,6 +431,7 @@ class RedisBackend(Backend):
 
     def close(self) -> None:
         self._closed.set()
+        self._listener_kick.set()  # end a pause between reconnection tries
         listener = self._listener
         if listener is not None and listener is not threading.current_thread():
             self._interrupt_listener()
@@ -460,6 +467,7 @@ class RedisBackend(Backend):
             except Exception as exc:  # waiters poll meanwhile; the thread keeps trying
                 logger.warning("celery-semaphore: cannot subscribe to wake-ups yet: %s", exc)
                 self._pubsub = None
+                self._listener_went()
             self._listener = threading.Thread(
                 target=self._listen, name="celery-semaphore-redis-wake", daemon=True
             )
@@ -481,15 +489,19 @@ class RedisBackend(Backend):
             raise
 
     def _listen(self) -> None:
-        """Deliver wake-ups until close(). Connection loss: resubscribe with backoff, forever."""
-        backoff, lost = 0.1, False
+        """Deliver wake-ups until close(). Connection lost: resubscribe, forever, within
+        :data:`.LISTENER_RETRY_MAX` of the server's return (at once when an operation of
+        this process reaches it first), then wake every watcher once: wake-ups published
+        while the channel was down are lost."""
+        backoff, lost = LISTENER_RETRY_FIRST, self._pubsub is None
         while not self._closed.is_set():
             try:
                 if self._pubsub is None:
                     self._pubsub = self._subscribe()
                     if lost:
                         logger.info("celery-semaphore: wake-up channel restored")
-                    backoff, lost = 0.1, False
+                        self._listener_back()
+                    backoff, lost = LISTENER_RETRY_FIRST, False
                 message = self._pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
             except Exception as exc:
                 if self._closed.is_set():
@@ -500,9 +512,9 @@ class RedisBackend(Backend):
                         "waiters poll meanwhile", mask_url(self.url), exc,
                     )
                 lost = True
+                self._listener_went()
                 self._drop_pubsub()
-                self._closed.wait(backoff)
-                backoff = min(backoff * 2, 5.0)
+                backoff = self._listener_pause(backoff)
                 continue
             if message and message["type"] == "message":
                 name, _, holder = message["data"].partition("\n")
