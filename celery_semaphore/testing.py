@@ -228,12 +228,13 @@ TEST_POLL_INTERVAL = 0.05
 
 
 @contextmanager
-def use_backend(app: Any, backend_url: str) -> Iterator[Any]:
+def use_backend(app: Any, backend_url: str, **settings: Any) -> Iterator[Any]:
     """Point ``app`` at ``backend_url`` while the block runs (``semaphore_backend``; also
     ``semaphore_poll_interval = 0.05`` unless the app sets it, so that a waiting task sees a
-    freed slot quickly), and install celery-semaphore into it; yields ``app``. The settings
-    are given back on exit (the install stays: it is idempotent). For the tests of your own
-    app in eager mode::
+    freed slot quickly), with any other ``semaphore_*`` ``settings`` given, and install
+    celery-semaphore into it; yields ``app``. The settings are given back on exit (the
+    install stays: it is idempotent). An unknown setting name raises ConfigurationError.
+    For the tests of your own app in eager mode::
 
         @pytest.fixture(autouse=True)
         def semaphores(semaphore_backend):
@@ -241,10 +242,16 @@ def use_backend(app: Any, backend_url: str) -> Iterator[Any]:
                 yield
     """
     from . import install
+    from .exceptions import ConfigurationError
+    from .settings import known_settings
 
+    unknown = sorted(set(settings) - set(known_settings()))
+    if unknown:
+        raise ConfigurationError(f"use_backend: unknown setting(s) {', '.join(unknown)}")
     missing = object()
-    wanted = {"semaphore_backend": backend_url}
-    if app.conf.get("semaphore_poll_interval") is None:
+    wanted = {"semaphore_backend": backend_url, **settings}
+    if app.conf.get("semaphore_poll_interval") is None and "semaphore_poll_interval" not in \
+            settings:
         wanted["semaphore_poll_interval"] = TEST_POLL_INTERVAL
     previous = {key: app.conf.changes.get(key, missing) for key in wanted}
     app.conf.update(wanted)

@@ -66,6 +66,7 @@ TESTS = """
 
     import pytest
 
+    from celery_semaphore import Semaphore, SemaphoreFull
     from celery_semaphore.testing import use_backend
     from shop_app import app
     from shop_tasks import build_report, export
@@ -99,6 +100,13 @@ TESTS = """
         for thread in threads:
             thread.join(30)
         semaphore_recorder.assert_max_concurrent("reports:7", 1)
+
+
+    def test_a_full_semaphore_fails_an_eager_call(semaphore_backend):
+        with use_backend(app, semaphore_backend, semaphore_on_full="fail"):
+            with Semaphore("reports:7", 1, semaphore_backend).acquire():
+                assert isinstance(build_report.apply(args=(7,)).result, SemaphoreFull)
+            assert build_report.apply(args=(7,)).result == 7
 """
 
 PYTEST_INI = """
@@ -133,9 +141,9 @@ def test_a_fresh_project_checks_its_limits_with_the_plugin(tmp_path):
     with ThreadPoolExecutor(2) as pool:
         kept, broken = pool.map(run_pytest, [keeps, breaks])
     assert kept.returncode == 0, kept.stdout[-4000:] + kept.stderr[-2000:]
-    assert "2 passed" in kept.stdout
+    assert "3 passed" in kept.stdout
     assert broken.returncode == 1, broken.stdout[-4000:] + broken.stderr[-2000:]
-    assert "2 failed" in broken.stdout, broken.stdout[-4000:]
+    assert "2 failed, 1 passed" in broken.stdout, broken.stdout[-4000:]
     assert "runs under semaphore 'exports' ran at once, more than 2" in broken.stdout
     assert "runs under semaphore 'reports:7' ran at once, more than 1" in broken.stdout
 
@@ -155,7 +163,7 @@ def test_the_in_process_worker_runs_the_gate(celery_app, celery_worker, semaphor
     """A task defined in the test after the worker started: the gate holds it to its limit,
     and a slot held from outside keeps the task waiting until it is released."""
 
-    @celery_app.task(semaphore="plugin-images", limit=2, name="plugin.resize")
+    @celery_app.task(semaphore="plugin-images", limit=2, name="plugin.resize", shared=False)
     def resize(n):
         time.sleep(0.1)
         return n
