@@ -97,12 +97,9 @@ def _task_class_made(cls: Any) -> None:
     app = cls.__dict__.get("app") or getattr(cls, "_app", None)
     if app is None or getattr(app, INSTALLED, False) or not hasattr(app, "steps"):
         return
-    from .guards import check_options, check_task_class
+    from .guards import check_task_definition
 
-    name = cls.__dict__.get("name") or cls.__name__
-    check_options({k: v for k, v in vars(cls).items()
-                   if k in ("semaphore", "limit") or k.startswith("semaphore_")}, name)
-    check_task_class(cls, name)
+    check_task_definition(cls, cls.__dict__.get("name") or cls.__name__)
     _install(app, "process")
 
 

@@ -166,10 +166,7 @@ def check_definitions_and_sends(app: Any) -> None:
 
     def __init_subclass__(cls: Any, **kwargs: Any) -> None:
         super(base, cls).__init_subclass__(**kwargs)
-        options = {k: v for k, v in vars(cls).items()
-                   if k in ("semaphore", "limit") or k.startswith("semaphore_")}
-        check_options(options, getattr(cls, "name", None) or cls.__name__)
-        check_task_class(cls)
+        check_task_definition(cls)
 
     def apply_async(self: Any, *args: Any, **options: Any) -> Any:
         check_call_headers(options.get("headers"))
@@ -228,6 +225,15 @@ def check_template_arguments(task_name: str, options: Dict[str, Any], run: Any,
                 raise ConfigurationError(
                     f"task {task_name}: {what} {template!r} names {{{wanted}}}, which is "
                     f"not a parameter of the task ({shown}){hint}")
+
+
+def check_task_definition(cls: Any, name: str = "") -> None:
+    """:func:`check_options` on the options a task class being made declares, and
+    :func:`check_task_class`."""
+    name = name or getattr(cls, "name", None) or cls.__name__
+    check_options({k: v for k, v in vars(cls).items()
+                   if k in ("semaphore", "limit") or k.startswith("semaphore_")}, name)
+    check_task_class(cls, name)
 
 
 def check_task_class(cls: Any, name: str = "") -> None:

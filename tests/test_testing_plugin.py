@@ -19,7 +19,7 @@ from celery_semaphore import Semaphore
 from celery_semaphore.testing import ConcurrencyRecorder
 from tests.util import wait_until
 
-pytest_plugins = ("celery.contrib.pytest",)
+pytest_plugins = ("celery.contrib.pytest", "pytester")
 
 SHOP_APP = """
     from celery import Celery
@@ -210,3 +210,26 @@ def test_the_recorder_sees_overlaps_and_refuses_an_empty_check():
     with recorder.running("y"):
         pass
     assert recorder.max_concurrent("y") == 1
+
+
+def test_the_backend_fixture_follows_the_ini_option(pytester):
+    pytester.makepyfile(textwrap.dedent("""
+        from celery_semaphore import Semaphore
+
+        def test_backend(semaphore_backend, tmp_path):
+            assert semaphore_backend == "sqlite:///" + str(tmp_path / "celery-semaphore.db")
+            with Semaphore("x", 1, semaphore_backend).acquire():
+                assert Semaphore("x", 1, semaphore_backend).try_acquire() is None
+    """))
+    pytester.makeini("[pytest]\nsemaphore_test_backend = sqlite\n")
+    pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=1)
+    pytester.makeini("[pytest]\nsemaphore_test_backend = redis\n")
+    refused = pytester.runpytest("-p", "no:cacheprovider")
+    refused.assert_outcomes(errors=1)
+    assert ("semaphore_test_backend must be one of memory, sqlite, not 'redis'"
+            in refused.stdout.str())
+
+
+def test_each_test_gets_an_empty_memory_backend(semaphore_backend):
+    assert semaphore_backend.startswith("memory://test-")
+    assert Semaphore("fresh", 1, semaphore_backend).status().holders == ()
