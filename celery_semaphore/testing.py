@@ -170,8 +170,8 @@ class ConcurrencyRecorder:
         if getattr(cls, "semaphore", None) is None or any(c is cls for c, _, _ in self._patched):
             return
         raw = inspect.getattr_static(cls, "run", None)
-        if raw is None:
-            return
+        if raw is None or getattr(getattr(raw, "__func__", raw), _RECORDS, False):
+            return  # no body, or one this recorder already records (a guarded base's)
         had_own = "run" in cls.__dict__
         recorder = self
         if isinstance(raw, staticmethod):
@@ -183,6 +183,7 @@ class ConcurrencyRecorder:
                                       label=_label(cls, None)):
                     return body(*args, **kwargs)
 
+            setattr(run, _RECORDS, True)
             cls.run = staticmethod(run)
         elif inspect.isfunction(raw):
             method = raw
@@ -193,6 +194,7 @@ class ConcurrencyRecorder:
                                       label=_label(cls, self)):
                     return method(self, *args, **kwargs)
 
+            setattr(run, _RECORDS, True)
             cls.run = run
         else:
             return
@@ -223,6 +225,8 @@ class ConcurrencyRecorder:
         return list(guard.names) if guard is not None else []
 
 
+#: Marks the ``run`` wrappers of a :class:`ConcurrencyRecorder`.
+_RECORDS = "_celery_semaphore_records"
 #: ``semaphore_poll_interval`` of an app :func:`use_backend` points at a test's backend.
 TEST_POLL_INTERVAL = 0.05
 
@@ -287,5 +291,6 @@ def _current_task(cls: Any) -> Any:
 def _label(cls: Any, task: Any) -> str:
     task = task if task is not None else _current_task(cls)
     request = getattr(task, "request", None)
-    return f"{getattr(cls, 'name', cls.__name__)}[{getattr(request, 'id', None) or '?'}]"
+    name = getattr(task, "name", None) or getattr(cls, "name", None) or cls.__name__
+    return f"{name}[{getattr(request, 'id', None) or '?'}]"
 
