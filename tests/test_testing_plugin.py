@@ -34,13 +34,13 @@ SHOP_TASKS = """
 
 
     @shared_task(semaphore="exports", limit={exports})
-    def export(n, seconds=0.15):
+    def export(n, seconds=0.3):
         time.sleep(seconds)
         return n
 
 
     @shared_task(semaphore="reports:{{customer_id}}", limit={reports})
-    def build_report(customer_id, seconds=0.15):
+    def build_report(customer_id, seconds=0.3):
         time.sleep(seconds)
         return customer_id
 """
