@@ -36,17 +36,23 @@ from .task_lease import LEASE_KEY, lease_record_of
 
 logger = logging.getLogger(__name__)
 
-_guards: "weakref.WeakKeyDictionary[Any, Tuple[Guards, str]]" = weakref.WeakKeyDictionary()
+_guards: "weakref.WeakKeyDictionary[Any, Tuple[str, Guards, str]]" = weakref.WeakKeyDictionary()
 _LEASE_ATTR = "_celery_semaphore_lease"
 _GUARD_ATTR = "_celery_semaphore_eager_guard"
 
 
 def _guards_for(app: Any) -> Tuple[Guards, str]:
+    """The app's guards and backend URL, read again when a setting they come from was
+    changed on ``app.conf`` (``app.conf.semaphore_backend = ...`` in a test, as
+    :mod:`celery_semaphore.testing` does); settings read from a configuration object are
+    read once."""
+    key = repr([(k, v) for k, v in app.conf.changes.items() if isinstance(k, str) and (
+        "semaphore_" in k.lower() or k in ("broker_url", "result_backend"))])
     cached = _guards.get(app)
-    if cached is None:
+    if cached is None or cached[0] != key:
         settings = Settings.from_app(app)
-        cached = _guards[app] = (Guards(settings), settings.backend_url(app))
-    return cached
+        cached = _guards[app] = (key, Guards(settings), settings.backend_url(app))
+    return cached[1], cached[2]
 
 
 def guard_eager_calls(app: Any) -> None:

@@ -99,7 +99,21 @@ def task(*args: Any, **options: Any) -> Any:
     :func:`celery_semaphore.install`; the options are checked here, at decoration time.
     """
     check_options(options)
-    return shared_task(*args, **options)
+
+    def check(fun: Any) -> None:
+        check_template_arguments(getattr(fun, "__name__", repr(fun)), options, fun,
+                                 skip_first=bool(options.get("bind")))
+
+    if len(args) == 1 and callable(args[0]):  # @task without parentheses, or task(fun, ...)
+        check(args[0])
+        return shared_task(*args, **options)
+    decorate = shared_task(*args, **options)
+
+    def checked(fun: Any) -> Any:
+        check(fun)
+        return decorate(fun)
+
+    return checked
 
 
 def check_options(options: Dict[str, Any], task_name: str = "") -> None:
@@ -152,9 +166,7 @@ def check_definitions_and_sends(app: Any) -> None:
 
     def __init_subclass__(cls: Any, **kwargs: Any) -> None:
         super(base, cls).__init_subclass__(**kwargs)
-        check_options({k: v for k, v in vars(cls).items()
-                       if k in ("semaphore", "limit") or k.startswith("semaphore_")},
-                      getattr(cls, "name", None) or cls.__name__)
+        check_task_definition(cls)
 
     def apply_async(self: Any, *args: Any, **options: Any) -> Any:
         check_call_headers(options.get("headers"))
@@ -166,6 +178,83 @@ def check_definitions_and_sends(app: Any) -> None:
     for name, existing in list(app._tasks.items()):
         check_options({k: getattr(existing, k) for k in dir(type(existing))
                        if k in ("semaphore", "limit") or k.startswith("semaphore_")}, name)
+        check_task_class(type(existing), name)
+
+
+def template_parameters(template: str) -> List[str]:
+    """The parameter each field of a template names: ``{customer_id}``, and the base of a
+    subscript or attribute (``{p[c]}`` and ``{p.c}`` name ``p``)."""
+    import re
+    import string
+
+    return [re.split(r"[.\[]", field, maxsplit=1)[0]
+            for _, field, _, _ in string.Formatter().parse(template) if field]
+
+
+def check_template_arguments(task_name: str, options: Dict[str, Any], run: Any,
+                             skip_first: bool = False) -> None:
+    """Refuse, where a task is defined, a ``semaphore`` template (or ``semaphore_fair_by``
+    option) that names a parameter ``run`` cannot take: every call would fail at its first
+    run. A ``**kwargs`` parameter can take any name, and ``*args`` is reachable by its own
+    name (``{args[0]}``). ``skip_first``: ``run`` is the plain function of a bound task
+    (``bind=True``, or a class's ``run``), whose first parameter is the task itself.
+    ConfigurationError naming the task, the template and the parameters it has."""
+    templates = [("semaphore template", t) for t in templates_of(options.get("semaphore"))
+                 if isinstance(t, str) and "{" in t]
+    if isinstance(options.get("semaphore_fair_by"), str):
+        templates.append(("semaphore_fair_by", options["semaphore_fair_by"]))
+    if not templates:
+        return
+    try:
+        parameters = list(inspect.signature(run).parameters.values())
+    except (TypeError, ValueError):  # a callable whose signature Python cannot tell
+        return
+    if skip_first and parameters and parameters[0].kind in (
+            inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
+        parameters = parameters[1:]
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return
+    names = [p.name for p in parameters]
+    shown = ", ".join(("*" if p.kind is inspect.Parameter.VAR_POSITIONAL else "") + p.name
+                      for p in parameters) or "it takes none"
+    for what, template in templates:
+        for wanted in template_parameters(template):
+            if wanted not in names:
+                close = difflib.get_close_matches(wanted, names, n=1)
+                hint = f"; did you mean {{{close[0]}}}?" if close else ""
+                raise ConfigurationError(
+                    f"task {task_name}: {what} {template!r} names {{{wanted}}}, which is "
+                    f"not a parameter of the task ({shown}){hint}")
+
+
+def check_task_definition(cls: Any, name: str = "") -> None:
+    """:func:`check_options` on the options a task class being made declares, and
+    :func:`check_task_class`."""
+    name = name or getattr(cls, "name", None) or cls.__name__
+    check_options({k: v for k, v in vars(cls).items()
+                   if k in ("semaphore", "limit") or k.startswith("semaphore_")}, name)
+    check_task_class(cls, name)
+
+
+def check_task_class(cls: Any, name: str = "") -> None:
+    """:func:`check_template_arguments` for a task class: Celery's ``app.task`` stores the
+    function as a ``staticmethod`` ``run``, or as a plain function (taking the task first)
+    for ``bind=True``, as a class-based task's ``run`` does."""
+    if not getattr(cls, "semaphore", None) and not getattr(cls, "semaphore_fair_by", None):
+        return
+    raw = inspect.getattr_static(cls, "run", None)
+    if raw is None:
+        return
+    if isinstance(raw, staticmethod):
+        run, bound = raw.__func__, False
+    elif inspect.isfunction(raw):
+        run, bound = raw, True
+    else:
+        run, bound = cls.run, False
+    options = {"semaphore": getattr(cls, "semaphore", None),
+               "semaphore_fair_by": getattr(cls, "semaphore_fair_by", None)}
+    check_template_arguments(name or getattr(cls, "name", None) or cls.__name__, options,
+                             run, skip_first=bound)
 
 
 class Guards:
@@ -243,8 +332,12 @@ class Guards:
             raise ConfigurationError(f"task {task.name}: cannot fill {what} "
                                      f"{template!r}: {exc}") from None
         bound.apply_defaults()
+        arguments = dict(bound.arguments)
+        for parameter in signature.parameters.values():
+            if parameter.kind is inspect.Parameter.VAR_KEYWORD:  # the names **kwargs took
+                arguments.update(arguments.pop(parameter.name, {}))
         try:
-            return template.format_map(bound.arguments)
+            return template.format_map(arguments)
         except KeyError as exc:
             raise ConfigurationError(
                 f"task {task.name}: {what} {template!r} needs argument {exc}, "

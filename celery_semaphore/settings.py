@@ -8,9 +8,10 @@ may override any of them with a task option of the same name:
 
 from __future__ import annotations
 
+import difflib
 import math
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
 from urllib.parse import quote, urlencode, urlsplit
 
 from .exceptions import ConfigurationError, InvalidLimit, InvalidName
@@ -56,7 +57,9 @@ class Settings:
 
     @classmethod
     def from_app(cls, app: Any) -> "Settings":
-        """Read and validate every ``semaphore_*`` setting of ``app``; raise naming the bad one."""
+        """Read and validate every ``semaphore_*`` setting of ``app``; raise naming the bad one,
+        and refuse a setting of that prefix that does not exist (:func:`check_unknown`)."""
+        check_unknown(app)
         values = {}
         for f in fields(cls):
             found, key, value = lookup(app, f"semaphore_{f.name}")
@@ -174,6 +177,53 @@ def _scheme(url: str) -> str:
         return urlsplit(url).scheme.lower()
     except ValueError:
         return ""
+
+
+#: ``semaphore_*`` settings that are not fields of :class:`Settings` but are read elsewhere:
+#: ``CELERY_SEMAPHORE_APP``, the Django management command's app.
+EXTRA_SETTINGS = ("app",)
+
+
+def known_settings() -> Tuple[str, ...]:
+    """Every setting name this package reads, lowercase (``semaphore_backend``, ...)."""
+    return tuple(f"semaphore_{name}" for name in
+                 [f.name for f in fields(Settings)] + list(EXTRA_SETTINGS))
+
+
+def unknown_settings(app: Any) -> List[Tuple[str, Optional[str]]]:
+    """``(key as written, the known key it is closest to or None)`` for every setting of
+    ``app`` that starts with ``semaphore_`` (or ``CELERY_SEMAPHORE_``, ``CELERY`` being the
+    app's namespace) but names no setting of this package: a misspelling Celery ignores."""
+    upper = f"{getattr(app, 'namespace', None) or 'CELERY'}_SEMAPHORE_"
+    known = [name[len("semaphore_"):] for name in known_settings()]
+    out = []
+    for key in list(app.conf.keys()):
+        if not isinstance(key, str):
+            continue
+        if key.startswith("semaphore_"):
+            prefix, rest, spell = "semaphore_", key[len("semaphore_"):], str.lower
+        elif key.startswith(upper):
+            prefix, rest, spell = upper, key[len(upper):].lower(), str.upper
+        else:
+            continue
+        if rest not in known:
+            close = difflib.get_close_matches(rest, known, n=1)
+            out.append((key, prefix + spell(close[0]) if close else None))
+    return sorted(out)
+
+
+def check_unknown(app: Any) -> None:
+    """Refuse a ``semaphore_*`` setting this package does not know (``semaphore_backends``,
+    Django's ``CELERY_SEMAPHORE_BACKENDS``): ConfigurationError naming each, with the closest
+    known setting ("did you mean ..."). Celery ignores unknown settings, so a misspelt one
+    would otherwise leave its default in force in silence."""
+    unknown = unknown_settings(app)
+    if unknown:
+        problems = [f"{key} (did you mean {hint}?)" if hint else
+                    f"{key} (the known ones: {', '.join(known_settings())})"
+                    for key, hint in unknown]
+        raise ConfigurationError(
+            f"unknown setting{'s' if len(problems) > 1 else ''}: {'; '.join(problems)}")
 
 
 def lookup(app: Any, name: str):

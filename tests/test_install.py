@@ -94,3 +94,16 @@ def test_each_extra_alone_starts_a_worker(wheel, tmp_path, redis_url, amqp_url):
         assert exited is None and " ready." in output, (extra, output[-3000:])
         assert "gate on" in output and shown in output, (extra, output[-3000:])
         assert "extra_app.guarded (semaphore 'extra', limit 1)" in output
+
+
+def test_the_wheel_ships_py_typed_and_the_pytest_plugin(wheel):
+    """Type checkers read the package's hints (PEP 561), and pytest finds the plugin."""
+    import zipfile
+
+    with zipfile.ZipFile(wheel) as built:
+        names = built.namelist()
+        entry_points = next(built.read(n).decode() for n in names
+                            if n.endswith(".dist-info/entry_points.txt"))
+    assert "celery_semaphore/py.typed" in names
+    assert "celery_semaphore/pytest_plugin.py" in names
+    assert "[pytest11]\ncelery_semaphore = celery_semaphore.pytest_plugin" in entry_points

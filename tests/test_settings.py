@@ -241,16 +241,18 @@ def test_app_task_refuses_bad_options_where_they_are_written(options, message):
     assert message in str(err.value) and "bad" in str(err.value)
 
 
-def test_tasks_defined_before_install_are_checked_by_install():
+def test_tasks_of_an_app_never_installed_are_checked_when_celery_makes_them():
+    """The app never calls install: the task is refused when Celery makes its class (as the
+    app finalizes), and nothing is registered (before: only ``install`` checked)."""
     app = make_app()
 
     @app.task(shared=False, semaphore="s", limit=0)
     def early():
         pass
 
-    app.tasks  # noqa: B018
     with pytest.raises(ConfigurationError, match="early: limit"):
-        install(app)
+        app.tasks  # noqa: B018
+    assert not any(name.endswith(".early") for name in app._tasks)
 
 
 @pytest.mark.parametrize("headers, message", [

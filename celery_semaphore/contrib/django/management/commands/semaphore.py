@@ -11,10 +11,8 @@ too: it writes to the command's stdout/stderr and raises ``CommandError`` (with 
 import os
 import sys
 from contextlib import redirect_stderr, redirect_stdout
-from importlib import import_module
 from types import SimpleNamespace
 
-from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
 #: Django's options that take a value and that ``manage.py`` has already applied.
@@ -22,16 +20,12 @@ DJANGO_OPTIONS = ("--settings", "--pythonpath")
 
 
 def find_app():
-    path = getattr(settings, "CELERY_SEMAPHORE_APP", None)
-    if path:
-        module, _, attr = path.partition(":")
-        try:
-            return getattr(import_module(module), attr or "app")
-        except (ImportError, AttributeError) as exc:
-            raise CommandError(f"CELERY_SEMAPHORE_APP {path!r}: {exc}") from None
-    from celery import current_app
+    from celery_semaphore.contrib.django.apps import find_app as find
 
-    return current_app._get_current_object()
+    try:
+        return find(required=True)
+    except (ImportError, AttributeError) as exc:
+        raise CommandError(str(exc)) from None
 
 
 def click_args(args):
