@@ -1,11 +1,12 @@
 # make test: the whole suite against real servers; make demo: the example, no server needed;
-# make bench: benchmarks/ into benchmarks/results/.
+# make bench: benchmarks/ into benchmarks/results/; make chaos: the nemesis soak (chaos/),
+# CHAOS_SECONDS long (300 by default), on private servers it starts and stops itself.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo bench lint servers clean
+.PHONY: test demo bench chaos lint servers clean
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -21,7 +22,7 @@ servers:
 PYTEST_JOBS ?= 3
 
 test: $(STAMP) servers
-	$(BIN)/ruff check celery_semaphore tests benchmarks example_project
+	$(BIN)/ruff check celery_semaphore tests benchmarks chaos example_project
 	$(BIN)/python -m pytest -n $(PYTEST_JOBS) -m "not serial"
 	$(BIN)/python -m pytest -m serial
 
@@ -31,8 +32,13 @@ demo: $(STAMP)
 bench: $(STAMP) servers
 	$(BIN)/python -m benchmarks
 
+# CHAOS_SEED (printed at the start) replays a run's faults; CHAOS_FAULTS picks among them.
+CHAOS_SECONDS ?= 300
+chaos: $(STAMP)
+	CHAOS_SECONDS=$(CHAOS_SECONDS) $(BIN)/python -m chaos
+
 lint: $(STAMP)
-	$(BIN)/ruff check celery_semaphore tests benchmarks example_project
+	$(BIN)/ruff check celery_semaphore tests benchmarks chaos example_project
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache
