@@ -2,23 +2,28 @@
 
 What runs, all on loopback, all started and stopped by the run: a private redis-server as the
 broker and another as the semaphore backend (both with ``appendfsync always``, so a restart
-loses nothing they acknowledged); a TCP proxy in front of each, through which the workers (and
-only they) reach them; three real ``celery worker`` processes (two prefork ``-c 3``, one
-``threads -c 3``) running :mod:`chaos.app` with ``task_acks_late`` and
+loses nothing they acknowledged; ``CHAOS_BACKEND=sentinel``: the backend is a private Sentinel
+group instead); a TCP proxy in front of the broker and the plain Redis backend, through which
+the workers (and only they) reach them; three real ``celery worker`` processes (two prefork
+``-c 3``, one ``threads -c 3``) running :mod:`chaos.app` with ``task_acks_late`` and
 ``task_reject_on_worker_lost`` (at-least-once) and a 5 s lease TTL; a sender publishing a
 steady mix of guarded tasks (a plain semaphore, a template over 20 keys, a task under two
-semaphores, a fair semaphore) at ``CHAOS_RATE`` a second; and a nemesis that, after a random
-pause of 1.5-5 s, injects one fault at a time, drawn from ``CHAOS_FAULTS``:
+semaphores, a fair semaphore) at ``CHAOS_RATE`` (10) a second; and a nemesis that, after a
+random pause of 1.5-5 s, injects one fault at a time, drawn from ``CHAOS_FAULTS`` (default:
+every fault the backend allows):
 
 ``child_kill``      SIGKILL of a pool process of a prefork worker (one running a body if any)
 ``worker_kill``     SIGKILL of a worker's main process and its pool, restarted 0.5-3 s later
 ``worker_freeze``   SIGSTOP of a worker and its pool for lease TTL + 1-4 s, then SIGCONT
 ``broker_restart``  SIGKILL of the broker, restarted (with its AOF) 1-3 s later
+``broker_cut``      the broker's proxy resets every connection and refuses new ones for 1-4 s
 ``backend_restart`` SIGKILL of the backend, restarted with its AOF 1-3 s later
 ``backend_wipe``    SIGKILL of the backend, its files deleted, restarted empty 1-3 s later
 ``backend_freeze``  SIGSTOP of the backend for 1 s to lease TTL + 3 s, then SIGCONT
+``backend_cut``     the backend's proxy resets every connection and refuses new ones 1-4 s
+``failover``        (sentinel) SIGKILL of the master; once a replica is promoted, the old
+                    master comes back as a replica
 ``resize``          a live resize of a semaphore down to 1, and 2-5 s later back up
-``cut``             both proxies, or one, reset every connection and refuse new ones 1-4 s
 
 ``CHAOS_SECONDS`` (default 300) later the sender and the nemesis stop, a worker that is down
 is started again, and the run drains: it waits (at most ``CHAOS_DRAIN``, 120 s) until every
@@ -56,7 +61,8 @@ and returned), and at the very end the backend's ``status`` of every semaphore. 
 ``over_limit_outside_documented_windows`` those moments outside the windows the README's
               guarantees leave open: from a backend restarted empty (``backend_wipe``: the
               README's "state survives a restart only if Redis persists it") until one lease TTL
-              after it is back; an asynchronous-replica failover; and a moment one of whose
+              after it is back; an asynchronous-replica failover (``failover``: from the kill
+              of the master until one lease TTL after the promotion); and a moment one of whose
               bodies ran in a process paused (``worker_freeze``) past the lease TTL (the README:
               no backend can stop a holder "paused by GC, or swapped out" from running on after
               its lease expired; fencing tokens are the defence).

@@ -26,7 +26,7 @@ import celery_semaphore
 PLAIN = "chaos-plain"
 MULTI = "chaos-m"
 FAIR = "chaos-f"
-LIMITS: Dict[str, int] = {PLAIN: 3, MULTI: 3, FAIR: 2}
+LIMITS: Dict[str, int] = {PLAIN: 2, MULTI: 2, FAIR: 2}
 KEYED_LIMIT = 1  # "chaos-k:{k}"
 TENANT_LIMIT = 1  # "chaos-m:{tenant}"
 KEYS = 20  # keys of the keyed template

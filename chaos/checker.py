@@ -99,7 +99,7 @@ def parse_probe(lines: Iterable[str]) -> List[Run]:
     for line in lines:
         parts = line.split()
         if len(parts) != 8:
-            continue  # a line cut by a killed process cannot be (O_APPEND, one write), but
+            continue  # not a mark (a mark is one write with O_APPEND: never cut short)
         kind, task_id, mono, _wall, pid, tid, node, names = parts
         key = (task_id, int(pid), int(tid))
         if kind == "start":

@@ -26,8 +26,13 @@ from chaos.checker import NS, Fault, Report, check
 from chaos.proxy import Proxy
 
 #: Every fault the nemesis knows, in the order the docs list them.
-FAULTS = ("child_kill", "worker_kill", "worker_freeze", "broker_restart", "backend_restart",
-          "backend_wipe", "backend_freeze", "resize", "cut")
+FAULTS = ("child_kill", "worker_kill", "worker_freeze", "broker_restart", "broker_cut",
+          "backend_restart", "backend_wipe", "backend_freeze", "backend_cut", "failover",
+          "resize")
+#: The faults that need one kind of semaphore backend (``CHAOS_BACKEND``).
+ONLY_ON = {"backend_restart": "redis", "backend_wipe": "redis", "backend_freeze": "redis",
+           "backend_cut": "redis", "failover": "sentinel"}
+BACKENDS = ("redis", "sentinel")
 
 
 class SettingsError(ValueError):
@@ -38,8 +43,9 @@ class SettingsError(ValueError):
 class Settings:
     seconds: float = 300.0
     seed: int = 0
-    faults: tuple = FAULTS
-    rate: float = 8.0  # tasks sent per second
+    backend: str = "redis"
+    faults: tuple = tuple(f for f in FAULTS if ONLY_ON.get(f, "redis") == "redis")
+    rate: float = 10.0  # tasks sent per second
     lease_ttl: float = 5.0
     drain: float = 120.0  # the longest wait for the last tasks after the faults stop
     pause: tuple = (1.5, 5.0)  # seconds between two faults, drawn uniformly
@@ -66,15 +72,24 @@ class Settings:
             seed = int(seed_raw)
         else:
             raise SettingsError(f"CHAOS_SEED={seed_raw!r}: not a non-negative integer")
-        faults: tuple = FAULTS
+        backend = env.get("CHAOS_BACKEND", "") or "redis"
+        if backend not in BACKENDS:
+            raise SettingsError(f"CHAOS_BACKEND={backend!r}: one of {', '.join(BACKENDS)}")
+        faults = tuple(f for f in FAULTS if ONLY_ON.get(f, backend) == backend)
         if env.get("CHAOS_FAULTS", "").strip():
-            faults = tuple(f.strip() for f in env["CHAOS_FAULTS"].split(",") if f.strip())
-            unknown = [f for f in faults if f not in FAULTS]
+            chosen = tuple(f.strip() for f in env["CHAOS_FAULTS"].split(",") if f.strip())
+            unknown = [f for f in chosen if f not in FAULTS]
             if unknown:
                 raise SettingsError(f"CHAOS_FAULTS: unknown fault {', '.join(unknown)} "
                                     f"(known: {', '.join(FAULTS)})")
-        return cls(seconds=number("CHAOS_SECONDS", 300.0, 1.0), seed=seed, faults=faults,
-                   rate=number("CHAOS_RATE", 8.0, 0.1),
+            elsewhere = [f for f in chosen if f not in faults]
+            if elsewhere:
+                raise SettingsError(f"CHAOS_FAULTS: {', '.join(elsewhere)} needs "
+                                    f"CHAOS_BACKEND={ONLY_ON[elsewhere[0]]}")
+            faults = chosen
+        return cls(seconds=number("CHAOS_SECONDS", 300.0, 1.0), seed=seed, backend=backend,
+                   faults=faults,
+                   rate=number("CHAOS_RATE", 10.0, 0.1),
                    lease_ttl=number("CHAOS_LEASE_TTL", 5.0, 1.0),
                    drain=number("CHAOS_DRAIN", 120.0, 1.0),
                    directory=env.get("CHAOS_DIR", ""))
@@ -185,7 +200,9 @@ class Chaos:
         self.stop_faults = threading.Event()
         self._send_log = open(os.path.join(self.dir, "sent.log"), "a")
         self._fault_log = open(os.path.join(self.dir, "faults.jsonl"), "a")
-        self.broker = self.backend_server = None
+        self.broker: Optional[RedisServer] = None
+        self.backend_server: Optional[RedisServer] = None
+        self.sentinel = None
         self.proxies: List[Proxy] = []
         self.slots: List[WorkerSlot] = []
 
@@ -195,18 +212,27 @@ class Chaos:
         from celery_semaphore.backends import get_backend
 
         self.broker = RedisServer(os.path.join(self.dir, "broker"))
-        self.backend_server = RedisServer(os.path.join(self.dir, "backend"))
         self.broker_proxy = Proxy(self.broker.port)
-        self.backend_proxy = Proxy(self.backend_server.port)
-        self.proxies = [self.broker_proxy, self.backend_proxy]
-        direct = {"CHAOS_BROKER_URL": f"redis://127.0.0.1:{self.broker.port}/0",
-                  "CHAOS_BACKEND_URL": f"redis://127.0.0.1:{self.backend_server.port}/0"}
+        self.proxies = [self.broker_proxy]
+        direct = {"CHAOS_BROKER_URL": f"redis://127.0.0.1:{self.broker.port}/0"}
+        if self.settings.backend == "sentinel":
+            from tests.servers import SentinelGroup
+
+            # the workers find the master through the sentinels: no proxy for the backend
+            self.sentinel = SentinelGroup(os.path.join(self.dir, "sentinel"))
+            direct["CHAOS_BACKEND_URL"] = backend_url = self.sentinel.url
+        else:
+            self.backend_server = RedisServer(os.path.join(self.dir, "backend"))
+            self.backend_proxy = Proxy(self.backend_server.port)
+            self.proxies.append(self.backend_proxy)
+            direct["CHAOS_BACKEND_URL"] = f"redis://127.0.0.1:{self.backend_server.port}/0"
+            backend_url = f"redis://127.0.0.1:{self.backend_proxy.port}/0"
         common = {"CHAOS_LEASE_TTL": str(self.settings.lease_ttl), "CHAOS_PROBE": self.probe_path,
                   "CHAOS_QUEUE": "chaos"}
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         worker_env = dict(os.environ)
         worker_env.update(common, CHAOS_BROKER_URL=f"redis://127.0.0.1:{self.broker_proxy.port}/0",
-                          CHAOS_BACKEND_URL=f"redis://127.0.0.1:{self.backend_proxy.port}/0",
+                          CHAOS_BACKEND_URL=backend_url,
                           CS_DIR=self.dir, CS_QUEUE="chaos", CS_LOGLEVEL="info",
                           PYTHONPATH=root)
         self.app = chaos_app.create_app({**common, **direct})
@@ -231,6 +257,8 @@ class Chaos:
         for server in (self.broker, self.backend_server):
             if server is not None:
                 server.stop()
+        if self.sentinel is not None:
+            self.sentinel.stop()
         self._send_log.close()
         self._fault_log.close()
 
@@ -239,7 +267,7 @@ class Chaos:
     def send_one(self) -> None:
         rng = self.send_rng
         kind = rng.choices(("plain", "keyed", "multi", "fair"), (25, 30, 25, 20))[0]
-        hold = round(rng.uniform(0.02, 0.3), 3)
+        hold = round(rng.uniform(0.05, 0.75), 3)
         if kind == "plain":
             args: list = [hold]
         elif kind == "keyed":
@@ -405,16 +433,34 @@ class Chaos:
         return Fault("resize", changes[0][3], changes[-1][4], resizes=changes,
                      note=f"{name} {declared} -> 1 -> {declared}")
 
-    def fault_cut(self) -> Fault:
-        which = self.rng.choice(("broker", "backend", "both"))
+    def fault_failover(self) -> Fault:
+        """Kill the Sentinel group's master; once a replica is promoted, bring the old one
+        back as a replica. Replication is asynchronous: the README's documented window lasts
+        from the kill until a lease TTL after the promotion."""
+        group = self.sentinel
+        at = time.monotonic_ns()
+        old = group.kill_master()
+        new = group.wait_promoted(old)
+        promoted = time.monotonic_ns()
+        group.restart(old)
+        group.wait_healthy()
+        return Fault("failover", at, promoted, window_ns=int(self.settings.lease_ttl * NS),
+                     note=f"master {old} -> {new}, promoted in {(promoted - at) / NS:.1f} s")
+
+    def _cut(self, kind: str, proxy: Proxy) -> Fault:
         seconds = self.rng.uniform(1.0, 4.0)
         at = time.monotonic_ns()
-        if which in ("broker", "both"):
-            self.broker_proxy.cut(seconds)
-        if which in ("backend", "both"):
-            self.backend_proxy.cut(seconds)
+        proxy.cut(seconds)
         time.sleep(seconds)
-        return Fault("cut", at, time.monotonic_ns(), note=f"{which} {seconds:.1f} s")
+        return Fault(kind, at, time.monotonic_ns(), note=f"{seconds:.1f} s")
+
+    def fault_broker_cut(self) -> Fault:
+        """Every worker's broker connections reset, and new ones refused for 1-4 s."""
+        return self._cut("broker_cut", self.broker_proxy)
+
+    def fault_backend_cut(self) -> Fault:
+        """Every worker's backend connections reset, and new ones refused for 1-4 s."""
+        return self._cut("backend_cut", self.backend_proxy)
 
     # -- the run -------------------------------------------------------------------------
 
@@ -436,7 +482,8 @@ class Chaos:
     def run(self) -> Report:
         s = self.settings
         say(f"seed {s.seed} (replay: CHAOS_SEED={s.seed} CHAOS_SECONDS={s.seconds:g}"
-            f"{' CHAOS_FAULTS=' + ','.join(s.faults) if s.faults != FAULTS else ''} make chaos)")
+            f"{' CHAOS_BACKEND=' + s.backend if s.backend != 'redis' else ''}"
+            f" CHAOS_FAULTS={','.join(s.faults)} make chaos)")
         say(f"directory {self.dir}; faults: {', '.join(s.faults)}")
         self.start()
         began = time.monotonic()
@@ -519,6 +566,10 @@ def main(env: Optional[Dict[str, str]] = None) -> int:
     except SettingsError as exc:
         print(f"chaos: {exc}", file=sys.stderr)
         return 2
+    def interrupted(signum: int, frame: object) -> None:
+        raise SystemExit(f"chaos: interrupted by signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupted)  # stop what the run started, then exit
     chaos = Chaos(settings)
     try:
         report = chaos.run()
