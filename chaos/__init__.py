@@ -8,7 +8,7 @@ the workers (and only they) reach them; three real ``celery worker`` processes (
 ``-c 3``, one ``threads -c 3``) running :mod:`chaos.app` with ``task_acks_late`` and
 ``task_reject_on_worker_lost`` (at-least-once) and a 5 s lease TTL; a sender publishing a
 steady mix of guarded tasks (a plain semaphore, a template over 20 keys, a task under two
-semaphores, a fair semaphore) at ``CHAOS_RATE`` (10) a second; and a nemesis that, after a
+semaphores, a fair semaphore) at ``CHAOS_RATE`` (8) a second; and a nemesis that, after a
 random pause of 1.5-5 s, injects one fault at a time, drawn from ``CHAOS_FAULTS`` (default:
 every fault the backend allows):
 
@@ -26,11 +26,13 @@ every fault the backend allows):
 ``resize``          a live resize of a semaphore down to 1, and 2-5 s later back up
 
 ``CHAOS_SECONDS`` (default 300) later the sender and the nemesis stop, a worker that is down
-is started again, and the run drains: it waits (at most ``CHAOS_DRAIN``, 120 s) until every
-sent task has completed a run, then (at most 3 lease TTLs + 5 s) until the backend says no
-slot is held. The checker then prints one JSON line. ``CHAOS_SEED`` (printed at the start;
-random when unset) fixes the nemesis's choices and the sender's mix, so a failure can be
-replayed with the same faults in the same order (the timing of processes is not replayed).
+is started again, and the run drains: it waits until every sent task has completed a run, or
+no task has completed for 45 s (longer than the broker's 30 s visibility timeout, after which a
+killed worker's unacknowledged messages are back), or ``CHAOS_DRAIN`` (600 s) passed; then
+(at most 3 lease TTLs + 5 s) until the backend says no slot is held. The checker then prints
+one JSON line. ``CHAOS_SEED`` (printed at the start; random when unset) fixes the nemesis's
+choices and the sender's mix, so a failure can be replayed with the same faults in the same
+order (the timing of processes is not replayed).
 
 The checker reads only what the run wrote outside the library: the sender's log (a task is
 *sent* when ``apply_async`` returned; a send that raised is not counted), the probe (each body

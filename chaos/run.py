@@ -45,9 +45,12 @@ class Settings:
     seed: int = 0
     backend: str = "redis"
     faults: tuple = tuple(f for f in FAULTS if ONLY_ON.get(f, "redis") == "redis")
-    rate: float = 10.0  # tasks sent per second
+    rate: float = 8.0  # tasks sent per second
     lease_ttl: float = 5.0
-    drain: float = 120.0  # the longest wait for the last tasks after the faults stop
+    drain: float = 600.0  # the longest wait for the last tasks after the faults stop
+    #: the drain also ends when no task has completed for this long: longer than the broker's
+    #: visibility timeout (30 s), after which a killed worker's messages are back
+    stall: float = 45.0
     pause: tuple = (1.5, 5.0)  # seconds between two faults, drawn uniformly
     directory: str = ""
 
@@ -89,9 +92,9 @@ class Settings:
             faults = chosen
         return cls(seconds=number("CHAOS_SECONDS", 300.0, 1.0), seed=seed, backend=backend,
                    faults=faults,
-                   rate=number("CHAOS_RATE", 10.0, 0.1),
+                   rate=number("CHAOS_RATE", 8.0, 0.1),
                    lease_ttl=number("CHAOS_LEASE_TTL", 5.0, 1.0),
-                   drain=number("CHAOS_DRAIN", 120.0, 1.0),
+                   drain=number("CHAOS_DRAIN", 600.0, 1.0),
                    directory=env.get("CHAOS_DIR", ""))
 
 
@@ -499,7 +502,13 @@ class Chaos:
         say(f"{soak:.0f} s of faults and load: {len(self.faults)} faults, {len(self.sends)} "
             f"tasks sent ({self.send_failures} sends refused); draining")
         deadline = time.monotonic() + s.drain
-        while time.monotonic() < deadline and set(self.sends) - self.completed():
+        progress, done = time.monotonic(), 0
+        while time.monotonic() < min(deadline, progress + s.stall):
+            completed = self.completed()
+            if not set(self.sends) - completed:
+                break
+            if len(completed) > done:
+                progress, done = time.monotonic(), len(completed)
             self.check_workers()
             time.sleep(0.5)
         deadline = time.monotonic() + 3 * s.lease_ttl + 5
