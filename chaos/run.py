@@ -222,6 +222,7 @@ class Chaos:
             from tests.servers import SentinelGroup
 
             # the workers find the master through the sentinels: no proxy for the backend
+            os.makedirs(os.path.join(self.dir, "sentinel"), exist_ok=True)
             self.sentinel = SentinelGroup(os.path.join(self.dir, "sentinel"))
             direct["CHAOS_BACKEND_URL"] = backend_url = self.sentinel.url
         else:
