@@ -190,7 +190,11 @@ class WorkerSlot:
 class Chaos:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.rng = random.Random(settings.seed)
+        #: the order of the faults and the pauses between them: exactly replayed by a seed
+        self.plan = random.Random(settings.seed)
+        #: each fault's victim and length (a victim is drawn among the processes running a
+        #: body at that moment, so this sequence is replayed only as far as timing allows)
+        self.rng = random.Random(settings.seed + 2)
         self.send_rng = random.Random(settings.seed + 1)
         self.dir = settings.directory or tempfile.mkdtemp(prefix="chaos-")
         os.makedirs(self.dir, exist_ok=True)
@@ -315,11 +319,11 @@ class Chaos:
         low, high = self.settings.pause
         while not self.stop_faults.is_set():
             self.check_workers()
-            pause = self.rng.uniform(low, high)
+            pause = self.plan.uniform(low, high)
             if time.monotonic() + pause >= until:
                 break
             self.stop_faults.wait(pause)
-            kind = self.rng.choice(self.settings.faults)
+            kind = self.plan.choice(self.settings.faults)
             self.record(getattr(self, f"fault_{kind}")())
         self.check_workers()
 
