@@ -58,12 +58,6 @@ class Fault:
     def as_dict(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if v not in (None, [], 0, "")}
 
-    @classmethod
-    def from_dict(cls, raw: dict) -> "Fault":
-        raw = dict(raw)
-        raw["resizes"] = [tuple(r) for r in raw.get("resizes", [])]
-        return cls(**raw)
-
 
 @dataclass
 class Report:
