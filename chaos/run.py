@@ -363,8 +363,10 @@ class Chaos:
         slot = self.rng.choice(prefork)
         children = slot.worker.pool_pids()
         busy = sorted(self.running_pids() & set(children))
-        victim = self.rng.choice(busy or children)
         at = time.monotonic_ns()
+        if not children:  # its pool is being replaced: nothing to kill this time
+            return Fault("child_kill", at, at, node=slot.node, note="no pool process")
+        victim = self.rng.choice(busy or children)
         _signal(victim, signal.SIGKILL)
         return Fault("child_kill", at, at, node=slot.node, killed=[victim],
                      note=f"pid {victim} {'in a body' if busy else 'idle'}")
