@@ -241,7 +241,8 @@ class Chaos:
         worker_env = dict(os.environ)
         worker_env.update(common, CHAOS_BROKER_URL=f"redis://127.0.0.1:{self.broker_proxy.port}/0",
                           CHAOS_BACKEND_URL=backend_url,
-                          CS_DIR=self.dir, CS_QUEUE="chaos", CS_LOGLEVEL="info",
+                          CS_DIR=self.dir, CS_QUEUE="chaos",
+                          CS_LOGLEVEL=os.environ.get("CHAOS_LOGLEVEL", "info"),
                           PYTHONPATH=root)
         self.app = chaos_app.create_app({**common, **direct})
         self.backend = get_backend(direct["CHAOS_BACKEND_URL"], key_prefix="chaos:")
