@@ -32,7 +32,9 @@ killed worker's unacknowledged messages are back), or ``CHAOS_DRAIN`` (600 s) pa
 (at most 3 lease TTLs + 5 s) until the backend says no slot is held. The checker then prints
 one JSON line. ``CHAOS_SEED`` (printed at the start; random when unset) fixes the nemesis's
 choices and the sender's mix, so a failure can be replayed with the same faults in the same
-order (the timing of processes is not replayed).
+order (the timing of processes is not replayed). Also: ``CHAOS_RATE`` (tasks a second),
+``CHAOS_LEASE_TTL`` (5 s), ``CHAOS_DIR`` (where the run keeps its files; a new temporary
+directory by default), ``CHAOS_LOGLEVEL`` (the workers', ``info``).
 
 The checker reads only what the run wrote outside the library: the sender's log (a task is
 *sent* when ``apply_async`` returned; a send that raised is not counted), the probe (each body
