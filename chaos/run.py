@@ -19,11 +19,12 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional
 
 from chaos import app as chaos_app
 from chaos.checker import NS, Fault, Report, check
 from chaos.proxy import Proxy
+from tests.util import retrying
 
 #: Every fault the nemesis knows, in the order the docs list them.
 FAULTS = ("child_kill", "worker_kill", "worker_freeze", "broker_restart", "broker_cut",
@@ -439,7 +440,7 @@ class Chaos:
             if changes:
                 self._sleep(2.0, 5.0)
             t0 = time.monotonic_ns()
-            _retry(lambda new=new: self.backend.resize(name, new))
+            retrying(lambda new=new: self.backend.resize(name, new))
             changes.append((name, old, new, t0, time.monotonic_ns()))
         return Fault("resize", changes[0][3], changes[-1][4], resizes=changes,
                      note=f"{name} {declared} -> 1 -> {declared}")
@@ -487,7 +488,7 @@ class Chaos:
         return done
 
     def held(self) -> Dict[str, int]:
-        statuses = _retry(lambda: self.backend.statuses(chaos_app.all_names()))
+        statuses = retrying(lambda: self.backend.statuses(chaos_app.all_names()))
         return {name: status.held for name, status in statuses.items()}
 
     def run(self) -> Report:
@@ -562,19 +563,6 @@ def _signal(pid: int, sig: int) -> None:
         os.kill(pid, sig)
     except ProcessLookupError:
         pass
-
-
-def _retry(call: Callable, seconds: float = 60.0):
-    """``call()`` until it does not raise, for up to ``seconds`` (the harness's own backend
-    calls ride through the faults it made itself)."""
-    deadline = time.monotonic() + seconds
-    while True:
-        try:
-            return call()
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)
 
 
 def main(env: Optional[Dict[str, str]] = None) -> int:
