@@ -191,7 +191,7 @@ class WorkerSlot:
 class Chaos:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        #: the order of the faults and the pauses between them: exactly replayed by a seed
+        #: the order of the faults and the pauses between them: replayed exactly by a seed
         self.plan = random.Random(settings.seed)
         #: each fault's victim and length (a victim is drawn among the processes running a
         #: body at that moment, so this sequence is replayed only as far as timing allows)
@@ -205,7 +205,6 @@ class Chaos:
         self.send_failures = 0
         self.unexpected_exits: List[str] = []
         self.stop_sending = threading.Event()
-        self.stop_faults = threading.Event()
         self._send_log = open(os.path.join(self.dir, "sent.log"), "a")
         self._fault_log = open(os.path.join(self.dir, "faults.jsonl"), "a")
         self.broker: Optional[RedisServer] = None
@@ -319,12 +318,12 @@ class Chaos:
 
     def nemesis_loop(self, until: float) -> None:
         low, high = self.settings.pause
-        while not self.stop_faults.is_set():
+        while True:
             self.check_workers()
             pause = self.plan.uniform(low, high)
             if time.monotonic() + pause >= until:
                 break
-            self.stop_faults.wait(pause)
+            time.sleep(pause)
             kind = self.plan.choice(self.settings.faults)
             self.record(getattr(self, f"fault_{kind}")())
         self.check_workers()
