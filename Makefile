@@ -1,11 +1,13 @@
 # make test: the whole suite against real servers; make demo: the example, no server needed;
-# make bench: benchmarks/ into benchmarks/results/; make docs: the Sphinx site into docs/_build/html.
+# make bench: benchmarks/ into benchmarks/results/; make docs: the Sphinx site into docs/_build/html;
+# make chaos: the nemesis soak (chaos/), CHAOS_SECONDS long (300 by default), on private servers
+# it starts and stops itself.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo bench lint servers clean docs
+.PHONY: test demo bench chaos lint servers clean docs
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -21,7 +23,7 @@ servers:
 PYTEST_JOBS ?= 3
 
 test: $(STAMP) servers docs
-	$(BIN)/ruff check celery_semaphore tests benchmarks example_project
+	$(BIN)/ruff check celery_semaphore tests benchmarks chaos example_project
 	$(BIN)/python -m pytest -n $(PYTEST_JOBS) -m "not serial"
 	$(BIN)/python -m pytest -m serial
 
@@ -36,8 +38,13 @@ bench: $(STAMP) servers
 docs: $(STAMP)
 	$(BIN)/sphinx-build -q -W --keep-going -b html docs docs/_build/html
 
+# CHAOS_SEED (printed at the start) replays a run's faults; CHAOS_FAULTS picks among them.
+CHAOS_SECONDS ?= 300
+chaos: $(STAMP)
+	CHAOS_SECONDS=$(CHAOS_SECONDS) $(BIN)/python -m chaos
+
 lint: $(STAMP)
-	$(BIN)/ruff check celery_semaphore tests benchmarks example_project
+	$(BIN)/ruff check celery_semaphore tests benchmarks chaos example_project
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache docs/_build

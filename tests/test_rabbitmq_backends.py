@@ -18,7 +18,7 @@ from celery_semaphore import BackendUnavailable, Semaphore
 from celery_semaphore.backends import close_all, get_backend
 from tests import servers
 from tests.test_contract import Probe
-from tests.util import wait_until
+from tests.util import retrying, wait_until
 
 FORK = multiprocessing.get_context("fork")
 
@@ -88,18 +88,6 @@ def assert_exactly_limit_slots(url, options, name, limit, tokens, amqp_url):
         assert tokens.numbers(queue) == list(range(limit))
     else:
         assert slot_queues_present(amqp_url, options, name, 6 + 8) == list(range(limit))
-
-
-def retrying(fn, seconds=60):
-    """Call ``fn`` until it stops raising (the broker is coming back)."""
-    deadline = time.monotonic() + seconds
-    while True:
-        try:
-            return fn()
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)
 
 
 # -- broker restart -----------------------------------------------------------------------

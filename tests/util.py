@@ -15,6 +15,19 @@ def wait_until(predicate, timeout=10.0, interval=0.01):
     return predicate()
 
 
+def retrying(fn, seconds=60.0, interval=0.5):
+    """Call ``fn`` until it stops raising (a server is coming back), for up to ``seconds``;
+    its result, or its last exception."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            return fn()
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(interval)
+
+
 def hand_over(sem, holder, got, join_timeout, acquire_timeout=30.0):
     """Queue one waiter on ``sem`` in a thread (its lease goes to the list ``got``), release
     ``holder`` once the waiter is in line, and wait up to ``join_timeout`` seconds for it.

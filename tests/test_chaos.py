@@ -1,0 +1,190 @@
+"""The chaos soak (``chaos/``): its checker on made-up histories, and a 60 s run of it.
+
+The checker tests feed :func:`chaos.checker.check` histories with a known defect in them (a
+lost task, two completed runs, one body too many, a slot left held) and without, so each
+figure is shown to count what it claims and to excuse only the documented cases. The run
+itself (``test_a_minute_of_chaos``) starts its own private servers and workers and is marked
+``serial``: its CPU load would disturb the timing of the parallel tests.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from chaos.checker import NS, Fault, check
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LIMITS = {"a": 2, "b": 1}
+
+
+def line(kind, task, t, pid=100, names="a", node="w0-1@h", tid=1):
+    return f"{kind} {task} {int(t * NS)} 0 {pid} {tid} {node} {names}"
+
+
+def body(task, start, end, **kw):
+    return [line("start", task, start, **kw)] + ([line("end", task, end, **kw)]
+                                                  if end is not None else [])
+
+
+def run_check(lines, sends=None, faults=(), held=None, horizon=100.0):
+    if sends is None:
+        sends = {ln.split()[1]: 0 for ln in lines}
+    ordered = sorted(lines, key=lambda x: int(x.split()[2]))
+    return check(seconds=60, sends=sends, probe_lines=ordered,
+                 faults=list(faults), ttl=5.0, declared=LIMITS.__getitem__,
+                 held_at_end=held or {}, horizon=int(horizon * NS))
+
+
+def test_a_clean_history_passes():
+    lines = body("t1", 1, 2, pid=1) + body("t2", 1.5, 3, pid=2) + body("t3", 2.5, 4, pid=3)
+    report = run_check(lines)
+    assert report.ok, report.summary()
+    assert (report.tasks_sent, report.tasks_run, report.over_limit) == (3, 3, 0)
+
+
+def test_a_task_sent_and_never_completed_is_lost():
+    report = run_check(body("t1", 1, 2) + body("t2", 3, None, pid=2),
+                       sends={"t1": 0, "t2": 0, "t3": 0})
+    assert report.lost == 2 and not report.ok
+    assert report.details["lost_tasks"] == ["t2", "t3"]
+
+
+def test_a_third_body_of_a_limit_two_semaphore_is_over_the_limit():
+    lines = body("t1", 1, 5, pid=1) + body("t2", 2, 5, pid=2) + body("t3", 3, 4, pid=3)
+    report = run_check(lines)
+    assert (report.over_limit, report.over_limit_outside_documented_windows) == (1, 1)
+    assert not report.ok
+    assert report.details["over_limit_moments"][0]["tasks"] == ["t1", "t2", "t3"]
+
+
+def test_a_body_killed_with_its_process_stops_counting_at_the_kill():
+    """t1 never ends: killed at 2.0, it does not overlap t3; without the kill it would."""
+    lines = body("t1", 1, None, pid=1) + body("t2", 1.5, 5, pid=2) + body("t3", 3, 4, pid=3)
+    kill = Fault("child_kill", int(2 * NS), int(2 * NS), killed=[1])
+    assert run_check(lines, faults=[kill]).over_limit == 0
+    assert run_check(lines).over_limit == 1  # ran on until the horizon
+
+
+def test_an_overlap_in_a_documented_window_is_counted_but_excused():
+    lines = body("t1", 1, 5, pid=1) + body("t2", 2, 5, pid=2) + body("t3", 3, 4, pid=3)
+    wipe = Fault("backend_wipe", int(2.5 * NS), int(2.6 * NS), window_ns=5 * NS)
+    report = run_check(lines, faults=[wipe])
+    assert (report.over_limit, report.over_limit_outside_documented_windows) == (1, 0)
+    late = Fault("backend_wipe", int(10 * NS), int(11 * NS), window_ns=5 * NS)
+    assert run_check(lines, faults=[late]).over_limit_outside_documented_windows == 1
+
+
+def test_a_holder_paused_past_its_lease_is_excused_only_then():
+    lines = body("t1", 1, 12, pid=1) + body("t2", 2, 12, pid=2) + body("t3", 9, 10, pid=3)
+    long_freeze = Fault("worker_freeze", int(2 * NS), int(8 * NS), frozen=[1])
+    short_freeze = Fault("worker_freeze", int(2 * NS), int(4 * NS), frozen=[1])
+    assert run_check(lines, faults=[long_freeze]).over_limit_outside_documented_windows == 0
+    assert run_check(lines, faults=[short_freeze]).over_limit_outside_documented_windows == 1
+
+
+def test_the_limit_in_force_follows_a_resize_after_its_grace():
+    resize = Fault("resize", int(10 * NS), int(20 * NS),
+                   resizes=[("a", 2, 1, int(10 * NS), int(10.1 * NS)),
+                            ("a", 1, 2, int(19.9 * NS), int(20 * NS))])
+    in_grace = body("t1", 11, 13, pid=1) + body("t2", 11.5, 13, pid=2)
+    after_grace = body("t1", 13, 15, pid=1) + body("t2", 13.5, 15, pid=2)
+    grown = body("t1", 23, 25, pid=1) + body("t2", 23.5, 25, pid=2)
+    assert run_check(in_grace, faults=[resize]).over_limit == 0
+    assert run_check(after_grace, faults=[resize]).over_limit == 1
+    assert run_check(grown, faults=[resize]).over_limit == 0
+
+
+def test_two_completed_runs_are_a_duplicate_unless_the_first_ones_process_was_killed():
+    lines = body("t1", 1, 2, pid=1) + body("t1", 40, 41, pid=2)
+    report = run_check(lines)
+    assert report.duplicates == 1 and not report.ok
+    killed_after = Fault("worker_kill", int(2.5 * NS), int(3 * NS), node="w0-1@h",
+                         killed=[1, 99])
+    assert run_check(lines, faults=[killed_after]).duplicates == 0
+    killed_later = Fault("worker_kill", int(9 * NS), int(10 * NS), node="w0-1@h", killed=[1])
+    assert run_check(lines, faults=[killed_later]).duplicates == 1
+
+
+def test_a_body_killed_mid_run_and_run_again_is_not_a_duplicate():
+    lines = body("t1", 1, None, pid=1) + body("t1", 40, 41, pid=2)
+    kill = Fault("child_kill", int(1.5 * NS), int(1.5 * NS), killed=[1])
+    report = run_check(lines, faults=[kill])
+    assert report.ok and report.duplicates == 0 and report.details["runs_cut_short"] == 1
+
+
+def test_slots_held_after_the_drain_with_no_body_running_are_stuck():
+    lines = body("t1", 1, 2)
+    assert run_check(lines, held={"a": 1}).stuck_slots_at_end == 1
+    assert not run_check(lines, held={"a": 1}).ok
+    still_running = body("t1", 1, 2) + body("t2", 3, None, pid=2, names="b")
+    report = run_check(still_running, held={"b": 1}, sends={"t1": 0})
+    assert report.stuck_slots_at_end == 0
+
+
+def test_recovery_is_the_wait_for_the_next_start_after_a_fault_with_work_waiting():
+    lines = body("t1", 1, 2) + body("t2", 14, 15)
+    sends = {"t1": 0, "t2": int(5 * NS)}
+    fault = Fault("broker_restart", int(8 * NS), int(10 * NS))
+    assert run_check(lines, sends=sends, faults=[fault]).max_recovery_s == pytest.approx(4.0)
+    idle = Fault("broker_restart", int(20 * NS), int(21 * NS))  # nothing was waiting
+    assert run_check(lines, sends=sends, faults=[idle]).max_recovery_s == 0
+
+
+@pytest.mark.parametrize("env, says", [
+    ({"CHAOS_FAULTS": "child_kill,meteor"}, "CHAOS_FAULTS: unknown fault meteor"),
+    ({"CHAOS_FAULTS": "failover"}, "failover needs CHAOS_BACKEND=sentinel"),
+    ({"CHAOS_BACKEND": "sentinel", "CHAOS_FAULTS": "backend_wipe"},
+     "backend_wipe needs CHAOS_BACKEND=redis"),
+    ({"CHAOS_BACKEND": "consul"}, "CHAOS_BACKEND='consul'"),
+    ({"CHAOS_SECONDS": "soon"}, "CHAOS_SECONDS='soon': not a number"),
+    ({"CHAOS_SEED": "-3"}, "CHAOS_SEED='-3'"),
+])
+def test_bad_settings_are_refused_before_anything_starts(env, says):
+    from chaos.run import Settings, SettingsError
+
+    with pytest.raises(SettingsError, match=re.escape(says)):
+        Settings.from_env(env)
+
+
+def test_the_command_exits_2_on_bad_settings_and_starts_nothing():
+    done = subprocess.run([sys.executable, "-m", "chaos"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60,
+                          env={**os.environ, "CHAOS_FAULTS": "child_kill,meteor"})
+    assert done.returncode == 2
+    assert "CHAOS_FAULTS: unknown fault meteor" in done.stderr
+    assert done.stdout == ""
+
+
+#: The faults the 60 s run of ``make test`` injects, and the seed it replays. Left out until
+#: the defects they trip are fixed (#27, see notes/chaos-harness.md): worker_kill (parked tasks
+#: a killed worker had pulled come back to their parking queue and wait for a doorbell that
+#: never comes: lost), broker_restart and broker_cut (tasks run twice; a worker exits).
+CI_FAULTS = ("child_kill,worker_freeze,backend_restart,backend_wipe,backend_freeze,backend_cut,"
+             "resize")
+CI_SEED = "449"  # its first seven faults are the seven kinds above, each once
+
+
+@pytest.mark.serial
+@pytest.mark.timeout(600)
+def test_a_minute_of_chaos(tmp_path):
+    """60 s of faults under load on private servers: nothing lost, nothing run twice, no
+    limit exceeded outside the documented windows, no slot left held."""
+    env = {**os.environ, "CHAOS_SECONDS": "60", "CHAOS_SEED": CI_SEED,
+           "CHAOS_FAULTS": CI_FAULTS, "CHAOS_DIR": str(tmp_path),
+           "CHAOS_DRAIN": "300"}  # a drain cut short by the time limit would read as lost
+    done = subprocess.run([sys.executable, "-m", "chaos"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=560)
+    print(done.stdout[-20000:], done.stderr[-5000:])
+    assert f"seed {CI_SEED}" in done.stdout
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    with open(tmp_path / "report.json") as f:
+        assert set(json.load(f)["details"]["faults_by_kind"]) == set(CI_FAULTS.split(","))
+    assert result["tasks_sent"] >= 300, result
+    zeros = ("lost", "duplicates", "over_limit_outside_documented_windows",
+             "stuck_slots_at_end")
+    assert {k: result[k] for k in zeros} == dict.fromkeys(zeros, 0), done.stdout[-20000:]
+    assert done.returncode == 0
