@@ -37,6 +37,7 @@ import time
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from kombu import Exchange, Producer, Queue
+from kombu.utils.uuid import uuid
 
 logger = logging.getLogger(__name__)
 
@@ -404,7 +405,7 @@ class ParkOnSend:
                               if now - t < DOORBELL_EVERY}
         routing = {k: v for k, v in destination.items() if k in _ROUTING}
         try:
-            ring(self.send_original, lane, routing, producer=options.get("producer"),
+            ring(self.app, lane, routing, producer=options.get("producer"),
                  connection=options.get("connection"))
         except Exception as exc:  # the task is parked: the next send of it rings again
             with self._lock:
@@ -413,11 +414,20 @@ class ParkOnSend:
                            "tasks wait for the next one): %s", semaphore_of(lane), exc)
 
 
-def ring(send_task: Any, lane: str, routing: Dict[str, Any], **options: Any) -> None:
+def ring(app: Any, lane: str, routing: Dict[str, Any], producer: Any = None,
+         connection: Any = None) -> None:
     """Publish the doorbell of ``lane`` (a small persistent internal task) with ``routing``
-    (to the queue its parked tasks were routed to)."""
-    send_task(DOORBELL_TASK, (lane,), None, ignore_result=True,
-              headers={DOORBELL_HEADER: lane}, **routing, **options)
+    (to the queue its parked tasks were routed to). It is published as Celery publishes a
+    task but never announced: no ``task-sent`` event even with ``task_send_sent_event`` (an
+    internal message never shows as a task in Flower), and no routing of the app's own
+    applies (it goes exactly where ``routing`` says)."""
+    message = app.amqp.create_task_message(uuid(), DOORBELL_TASK, (lane,), {},
+                                           ignore_result=True)
+    if producer is None and connection is not None:
+        producer = app.amqp.Producer(connection, auto_declare=False)
+    with app.producer_or_acquire(producer) as publisher:
+        app.amqp.send_task_message(publisher, DOORBELL_TASK, message,
+                                   headers={DOORBELL_HEADER: lane}, **routing)
 
 
 def park_on_send(app: Any) -> None:

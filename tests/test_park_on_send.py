@@ -1,6 +1,7 @@
 """Parking on send (``celery_semaphore.waiting_room.ParkOnSend``): where a send lands, read
 back from a real Redis broker (no worker runs here; `tests/test_worker.py` runs them)."""
 
+import base64
 import json
 import time
 from datetime import datetime, timedelta, timezone
@@ -280,3 +281,38 @@ def test_hostile_template_keys_never_name_a_queue_outside_the_prefix():
         name = parking_queue_name(f"{tag}:", lane_of(f"api:{key}", key, f"{tag}.q"))
         assert name.startswith(f"{tag}:park.") and len(name.encode()) <= 200
         assert key not in name
+
+
+def test_a_doorbell_is_never_announced_as_a_task(broker):
+    """With ``task_send_sent_event`` on (common where Flower runs), the guarded task parked on
+    send is announced (task-sent), its doorbell never is: no internal message of ours shows
+    as a task in Flower."""
+    url, client, tag = broker
+    app = make_app(url, tag, task_send_sent_event=True)
+    events = client.pubsub()
+    events.psubscribe("*celeryev*")
+    assert wait_for_subscription(events)
+    result = app.tasks["t.guarded"].delay("a")
+    ours, doorbells = [], []
+    deadline = time.monotonic() + 3  # the doorbell was published right after the task
+    while time.monotonic() < deadline:
+        message = events.get_message(timeout=0.2)
+        if not message or message["type"] != "pmessage":
+            continue
+        body = json.loads(base64.b64decode(json.loads(message["data"])["body"]))
+        for event in body if isinstance(body, list) else [body]:  # a batch, or one
+            if not isinstance(event, dict):
+                continue
+            if event.get("type") == "task-sent" and event.get("uuid") == result.id:
+                ours.append(event)
+            if event.get("name") == DOORBELL_TASK:
+                doorbells.append(event)
+    events.close()
+    assert len(ours) == 1 and ours[0]["name"] == "t.guarded"
+    assert doorbells == []
+    assert [m[0] for m in messages(client, f"{tag}.q")] == [DOORBELL_TASK]
+
+
+def wait_for_subscription(pubsub):
+    message = pubsub.get_message(timeout=2)
+    return message is not None and message["type"] == "psubscribe"

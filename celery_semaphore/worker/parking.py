@@ -503,7 +503,7 @@ class ParkingLot:
         consumed = {q.name: q for q in celery_internals.consumed_queues(self.gate.consumer)}
         try:
             self._channel()
-            ring(self.gate.app.send_task, lane,
+            ring(self.gate.app, lane,
                  {"queue": consumed.get(queue, queue)} if queue else {},
                  connection=self._connection)
         except Exception as exc:
