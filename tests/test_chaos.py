@@ -160,9 +160,10 @@ def test_the_command_exits_2_on_bad_settings_and_starts_nothing():
 
 
 #: The faults the 60 s run of ``make test`` injects, and the seed it replays. Left out until
-#: the defects they trip are fixed (#27, see notes/chaos-harness.md): worker_kill (parked tasks
-#: a killed worker had pulled come back to their parking queue and wait for a doorbell that
-#: never comes: lost), broker_restart and broker_cut (tasks run twice; a worker exits).
+#: the defects they trip are fixed (#27, see docs/operations/reliability.md): worker_kill
+#: (parked tasks a killed worker had pulled come back to their parking queue and wait for a
+#: doorbell that never comes: lost), broker_restart and broker_cut (tasks run twice; a
+#: worker exits).
 CI_FAULTS = ("child_kill,worker_freeze,backend_restart,backend_wipe,backend_freeze,backend_cut,"
              "resize")
 CI_SEED = "449"  # its first seven faults are the seven kinds above, each once

@@ -2,8 +2,10 @@
 
 The docs show code only through ``literalinclude`` of files under docs/examples/; each file
 runs here in a fresh interpreter (eager mode, the memory:// or SQLite backend: no server), so
-an example that stops working fails the suite. ``make docs`` builds the site itself with
-warnings as errors (a missing include, a broken link or anchor).
+an example that stops working fails the suite. The example projects in docs/examples/testing/
+(the pytest plugin) and docs/examples/django/ (a Django project) run as their users would run
+them: pytest in a subprocess in their folder, and ``manage.py check``. ``make docs`` builds the
+site itself with warnings as errors (a missing include, a broken link or anchor).
 """
 
 import os
@@ -19,6 +21,8 @@ DOCS = os.path.join(ROOT, "docs")
 EXAMPLES = os.path.join(DOCS, "examples")
 README = os.path.join(ROOT, "README.md")
 EXAMPLE_FILES = sorted(f for f in os.listdir(EXAMPLES) if f.endswith(".py"))
+#: Example projects: folders under docs/examples/ whose tests run with pytest.
+PROJECTS = ("testing", "django")
 
 #: A Python code block written inline (not included from an example file).
 INLINE_PYTHON = re.compile(
@@ -51,6 +55,32 @@ def test_example_runs(example):
     assert done.returncode == 0, f"{example} failed:\n{done.stdout}\n{done.stderr}"
 
 
+def run_in_project(project, *args):
+    """Run ``python *args`` in an example project's folder, as its user would: its own modules
+    importable, no bytecode or cache written into docs/, nothing of this session's pytest or
+    CS_* settings inherited."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "PYTEST", "CS_"))}
+    env.update(PYTHONPATH=os.path.join(EXAMPLES, project), PYTHONDONTWRITEBYTECODE="1")
+    return subprocess.run([sys.executable, *args], cwd=os.path.join(EXAMPLES, project),
+                          env=env, capture_output=True, text=True, timeout=240,
+                          stdin=subprocess.DEVNULL)
+
+
+@pytest.mark.parametrize("project", PROJECTS)
+def test_example_project_tests_pass(project):
+    """The tests of the example project pass under pytest with the plugin loaded through its
+    entry point (Celery's in-process worker with the threads pool; eager calls)."""
+    done = run_in_project(project, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:randomly")
+    assert done.returncode == 0, f"{project}:\n{done.stdout[-4000:]}\n{done.stderr[-2000:]}"
+    assert re.search(r"\b[1-9]\d* passed", done.stdout) and "failed" not in done.stdout
+
+
+def test_the_django_example_passes_manage_py_check():
+    done = run_in_project("django", "-m", "django", "check", "--settings", "proj.settings")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "System check identified no issues" in done.stdout
+
+
 def test_no_python_block_is_written_inline():
     inline = [f"{os.path.relpath(path, ROOT)}: {match.group().strip()}"
               for path in pages() for match in INLINE_PYTHON.finditer(read(path))]
@@ -63,7 +93,10 @@ def test_every_example_is_shown_somewhere():
     for path in pages():
         for target in INCLUDE.findall(read(path)):
             shown.add(os.path.normpath(os.path.join(os.path.dirname(path), target)))
-    missing = [f for f in EXAMPLE_FILES if os.path.join(EXAMPLES, f) not in shown]
+    every = [os.path.relpath(os.path.join(folder, name), EXAMPLES)
+             for folder, dirs, files in os.walk(EXAMPLES) for name in files
+             if name.endswith(".py") and os.path.getsize(os.path.join(folder, name))]
+    missing = sorted(f for f in every if os.path.join(EXAMPLES, f) not in shown)
     assert not missing, f"example files no page includes: {missing}"
 
 

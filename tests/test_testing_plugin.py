@@ -1,11 +1,13 @@
 """The pytest plugin (``celery_semaphore.pytest_plugin``) as a user meets it: a fresh project
-of its own (a tasks module, a conftest, tests), run by pytest in a subprocess with the
+of its own (a tasks module, a conftest, tests: docs/examples/testing/, the project the
+"Testing your tasks" page shows), run by pytest in a subprocess with the
 installed package, using only the plugin's public fixtures with Celery's ``celery_app`` /
 ``celery_worker`` and with eager mode. The same project with its limits raised above what
 its tests assert must fail, caught by ``assert_max_concurrent``. This module also uses the
 plugin itself (``semaphore_backend``, ``semaphore_recorder``, Celery's fixtures)."""
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -21,107 +23,22 @@ from tests.util import wait_until
 
 pytest_plugins = ("celery.contrib.pytest", "pytester")
 
-SHOP_APP = """
-    from celery import Celery
-
-    app = Celery("shop", broker="memory://")
-"""
-
-SHOP_TASKS = """
-    import time
-
-    from celery import shared_task
-
-
-    @shared_task(semaphore="exports", limit={exports})
-    def export(n, seconds=0.3):
-        time.sleep(seconds)
-        return n
-
-
-    @shared_task(semaphore="reports:{{customer_id}}", limit={reports})
-    def build_report(customer_id, seconds=0.3):
-        time.sleep(seconds)
-        return customer_id
-"""
-
-CONFTEST = """
-    import pytest
-
-    pytest_plugins = ("celery.contrib.pytest",)
-
-
-    @pytest.fixture(scope="session")
-    def celery_worker_pool():
-        return "threads"
-
-
-    @pytest.fixture(scope="session")
-    def celery_worker_parameters():
-        return {"concurrency": 8}
-"""
-
-TESTS = """
-    import threading
-
-    import pytest
-
-    from celery_semaphore import Semaphore, SemaphoreFull
-    from celery_semaphore.testing import use_backend
-    from shop_app import app
-    from shop_tasks import build_report, export
-
-
-    def test_the_worker_keeps_the_limits(celery_app, celery_worker, semaphore_recorder):
-        results = [export.delay(n) for n in range(6)]
-        results += [build_report.delay(1) for _ in range(3)] + [build_report.delay(2)]
-        assert [r.get(timeout=30) for r in results] == list(range(6)) + [1, 1, 1, 2]
-        semaphore_recorder.assert_max_concurrent("exports", 2)
-        semaphore_recorder.assert_max_concurrent("reports:1", 1)
-        assert semaphore_recorder.max_concurrent("reports:2") == 1
-
-
-    @pytest.fixture
-    def eager_app(semaphore_backend):
-        app.conf.task_always_eager = True
-        with use_backend(app, semaphore_backend):
-            yield app
-        app.conf.task_always_eager = False
-
-
-    def test_eager_calls_take_turns(eager_app, semaphore_recorder):
-        def call():
-            eager_app.set_current()
-            build_report.delay(7)
-
-        threads = [threading.Thread(target=call) for _ in range(4)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(30)
-        semaphore_recorder.assert_max_concurrent("reports:7", 1)
-
-
-    def test_a_full_semaphore_fails_an_eager_call(semaphore_backend):
-        with use_backend(app, semaphore_backend, semaphore_on_full="fail"):
-            with Semaphore("reports:7", 1, semaphore_backend).acquire():
-                assert isinstance(build_report.apply(args=(7,)).result, SemaphoreFull)
-            assert build_report.apply(args=(7,)).result == 7
-"""
-
-PYTEST_INI = """
-    [pytest]
-    addopts = -p no:cacheprovider
-"""
+#: The project the "Testing your tasks" page shows (its tests are those of the page).
+PROJECT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                       "docs", "examples", "testing")
 
 
 def write_project(path, exports, reports):
-    path.mkdir()
-    files = {"shop_app.py": SHOP_APP, "shop_tasks.py": SHOP_TASKS.format(
-        exports=exports, reports=reports), "conftest.py": CONFTEST,
-        "test_shop.py": TESTS, "pytest.ini": PYTEST_INI}
-    for name, text in files.items():
-        (path / name).write_text(textwrap.dedent(text).lstrip())
+    """A copy of the documented project, its tasks declared with these limits."""
+    shutil.copytree(PROJECT, path, ignore=shutil.ignore_patterns("__pycache__"))
+    tasks = path / "shop_tasks.py"
+    text = tasks.read_text()
+    for old, new in (('semaphore="exports", limit=2', f'semaphore="exports", limit={exports}'),
+                     ('semaphore="reports:{customer_id}", limit=1',
+                      f'semaphore="reports:{{customer_id}}", limit={reports}')):
+        assert old in text, old
+        text = text.replace(old, new)
+    tasks.write_text(text)
     return path
 
 
