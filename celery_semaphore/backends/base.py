@@ -140,7 +140,7 @@ class MultiAttempt:
     """The outcome of one :meth:`Backend.acquire_all` call over several semaphores.
 
     ``grants`` (name -> :class:`Grant`, in the order asked) is set when the caller was admitted
-    to every semaphore; ``limits`` then holds each one's stored limit. Otherwise nothing is held
+    to every semaphore; ``limits`` then holds each one's limit in force. Otherwise nothing is held
     and ``blocking`` names the semaphore that refused it: the caller waits in that semaphore's
     queue only, at ``position`` (None when it did not queue); ``retry_after`` and ``limit`` are
     that semaphore's, as in :class:`Attempt`.
