@@ -158,3 +158,46 @@ def test_a_rolling_deploy_changes_the_limit_and_a_pin_holds_it(combo, redis_url,
         assert 3 < probe.max_concurrent("deploy:unpinned-") <= 6
     finally:
         cluster.stop()
+
+
+# -- what a worker logs (the worker's LimitWatch, in-process on memory://) ------------------
+
+
+def test_a_worker_warns_once_about_a_pinned_limit_and_tasks_that_disagree(caplog):
+    from celery import Celery
+
+    from celery_semaphore.backends.base import Attempt
+    from celery_semaphore.guards import Guard
+    from celery_semaphore.settings import Settings
+    from celery_semaphore.worker.limits import LimitWatch
+
+    backend = get_backend(f"memory://{servers.unique_tag()}")
+    app = Celery("limits", set_as_current=False)
+    for name, options in (("a", {"semaphore": "shared", "limit": 4}),
+                          ("b", {"semaphore": "shared", "limit": 8}),
+                          ("c", {"semaphore": "pinned", "limit": 5}),
+                          ("d", {"semaphore": "k:{x}", "limit": 5})):
+        def body(x=None):
+            return x
+
+        app.task(name=name, shared=False, **options)(body)
+    backend.resize("pinned", 3)
+    backend.resize("k:1", 2)
+    watch = LimitWatch(backend)
+    with caplog.at_level("INFO", logger="celery_semaphore.worker.limits"):
+        watch.at_start(app)
+        guard = Guard("k:1", 5, Settings())
+        for _ in range(3):  # a template's key: when an attempt first shows the difference
+            watch.saw(guard, Attempt(None, 0, None, limit=2))
+        watch.saw(Guard("k:2", 5, Settings()), Attempt(None, 0, None, limit=5))  # agrees
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == [
+        "celery-semaphore: semaphore 'shared': tasks declare different limits (4: a; 8: b): "
+        "the one that runs last sets the limit in force; declare one limit (e.g. in "
+        "semaphore_limits)",
+        "celery-semaphore: semaphore 'pinned': limit 3 is pinned (celery semaphore resize); "
+        "this worker declares 5, which is not in force until `celery semaphore resize pinned "
+        "--unpin`",
+        "celery-semaphore: semaphore 'k:1': limit 2 is pinned (celery semaphore resize); this "
+        "worker declares 5, which is not in force until `celery semaphore resize k:1 --unpin`",
+    ]

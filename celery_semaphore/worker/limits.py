@@ -4,7 +4,8 @@ Limits follow the code (:mod:`celery_semaphore.backends.base`, "Limits"): the ne
 declaration is in force unless an operator pinned the limit with ``resize``. A worker whose
 declared limit differs from a pinned one logs one WARNING naming both: for the plain names of
 its tasks when it starts, for the keys of a template the first time an attempt shows the
-difference. A difference that is not a pin (a process started later declares another limit:
+difference; and one WARNING at start for a name two of its tasks declare different limits
+for. A difference that is not a pin (a process started later declares another limit:
 this worker runs old code, or tasks disagree) is logged once at INFO. Each name is looked at
 once per process (at most :data:`MAX_NAMES` of them).
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Set, Union
+from typing import Any, Dict, List, Set, Union
 
 from ..autoinstall import guarded_tasks
 from ..backends.base import Attempt, Backend, MultiAttempt
@@ -37,13 +38,25 @@ class LimitWatch:
         self._lock = threading.Lock()
 
     def at_start(self, app: Any) -> None:
-        """Look at the plain names (no template) of every guarded task of ``app``."""
+        """Look at the plain names (no template) of every guarded task of ``app``; warn when
+        two of its tasks declare different limits for one name (both are this process's
+        declarations, of one date: whichever ran last would be in force)."""
         settings = Settings.from_app(app)
-        for task in guarded_tasks(app).values():
+        declared: Dict[str, Dict[int, List[str]]] = {}
+        for task_name, task in sorted(guarded_tasks(app).items()):
             for name, limit in Guards.declared_limits(task.semaphore,
                                                       getattr(task, "limit", None), settings):
                 if "{" not in name:
-                    self.look(name, limit)
+                    declared.setdefault(name, {}).setdefault(limit, []).append(task_name)
+        for name, by_limit in declared.items():
+            if len(by_limit) > 1:
+                which = "; ".join(f"{limit}: {', '.join(tasks)}"
+                                  for limit, tasks in sorted(by_limit.items()))
+                logger.warning(
+                    "celery-semaphore: semaphore %r: tasks declare different limits (%s): the "
+                    "one that runs last sets the limit in force; declare one limit (e.g. in "
+                    "semaphore_limits)", name, which)
+            self.look(name, max(by_limit))
 
     def saw(self, guard: Guard, attempt: Union[Attempt, MultiAttempt]) -> None:
         """After an acquire attempt of ``guard``: look at each name whose limit in force (as
