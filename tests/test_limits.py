@@ -103,10 +103,12 @@ def restart(cluster, index, **env):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("combo", ["redis-redis", "amqp-tokens"])
-def test_a_rolling_deploy_changes_the_limit_and_a_pin_holds_it(combo, redis_url, amqp_url,
-                                                                tmp_path):
-    broker, backend = urls(combo, redis_url, amqp_url, str(tmp_path))
+def test_a_rolling_deploy_changes_the_limit_and_a_pin_holds_it(redis_url, amqp_url, tmp_path):
+    """Redis broker and backend; the contract suite holds every backend to the same rule
+    (test_a_rolling_deploy_never_exceeds_the_larger_limit). This one ran green on the
+    RabbitMQ broker with the token backend too (``urls("amqp-tokens", ...)``): left out to
+    keep the suite fast."""
+    broker, backend = urls("redis-redis", redis_url, amqp_url, str(tmp_path))
     cluster = Cluster(str(tmp_path), redis_url, broker, backend, workers=2, concurrency=8,
                       CS_DEPLOY_LIMIT="4")
     probe = cluster.probe
