@@ -82,6 +82,14 @@ def test_redis_config_stored_before_the_rule_keeps_an_operators_resize(redis_url
     assert backend.unpin("resized") == 4
 
 
+@pytest.mark.parametrize("bad", ["yesterday", -1, float("nan"), float("inf"), True])
+def test_a_bad_declared_at_is_refused_naming_it(bad):
+    from celery_semaphore import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="declared_at must be a time in seconds"):
+        Semaphore("x", 1, f"memory://{servers.unique_tag()}", declared_at=bad)
+
+
 # -- real workers, restarted with a new limit ---------------------------------------------
 
 

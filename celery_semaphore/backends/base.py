@@ -263,6 +263,17 @@ def task_of(holder: str) -> Optional[str]:
     return holder.rpartition(":")[0] or None
 
 
+def _date(value: Any) -> float:
+    """``declared_at``: seconds since the epoch, a finite number >= 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            0 <= value < float("inf")):
+        from ..exceptions import ConfigurationError
+
+        raise ConfigurationError(f"declared_at must be a time in seconds since the epoch "
+                                 f"(a finite number >= 0), not {value!r}")
+    return float(value)
+
+
 def _after_fork(ref: "weakref.ref[Backend]") -> None:
     backend = ref()
     if backend is not None:
@@ -292,7 +303,7 @@ class Backend(abc.ABC):
         #: The date of this client's limit declarations (module docs, "Limits"): by default
         #: when the process loaded the library, so a process started later (the new code of a
         #: deploy) supersedes the declarations of one started earlier.
-        self.declared_at = PROCESS_STARTED if declared_at is None else float(declared_at)
+        self.declared_at = PROCESS_STARTED if declared_at is None else _date(declared_at)
         self._new_identity()
         if hasattr(os, "register_at_fork"):  # POSIX
             os.register_at_fork(after_in_child=functools.partial(_after_fork, weakref.ref(self)))
