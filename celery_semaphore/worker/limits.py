@@ -60,7 +60,14 @@ class LimitWatch:
 
     def saw(self, guard: Guard, attempt: Union[Attempt, MultiAttempt]) -> None:
         """After an acquire attempt of ``guard``: look at each name whose limit in force (as
-        the attempt reports it) is not the declared one."""
+        the attempt reports it) is not the declared one. Never raises: only a log line is at
+        stake, on the thread that makes the worker's backend calls."""
+        try:
+            self._saw(guard, attempt)
+        except Exception:
+            logger.debug("celery-semaphore: comparing limits failed", exc_info=True)
+
+    def _saw(self, guard: Guard, attempt: Union[Attempt, MultiAttempt]) -> None:
         for name, declared in guard.pairs:
             if isinstance(attempt, MultiAttempt):
                 in_force = attempt.limits.get(name) if attempt.grants is not None else (
