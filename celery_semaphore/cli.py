@@ -40,12 +40,14 @@ from .urls import mask_url
 
 
 def list_semaphores(backend: Backend) -> List[Dict[str, Any]]:
-    """Every semaphore the backend knows: ``name``, ``limit``, ``held``, ``waiting``."""
+    """Every semaphore the backend knows: ``name``, ``limit``, ``pinned`` (by ``resize``),
+    ``declared`` (the limits callers declared lately, sorted), ``held``, ``waiting``."""
     rows = []
     for name in backend.names():
         status = backend.status(name)
         if status is not None:  # reset or expired since names() listed it
-            rows.append({"name": name, "limit": status.limit, "held": status.held,
+            rows.append({"name": name, "limit": status.limit, "pinned": status.pinned,
+                         "declared": sorted(status.declared), "held": status.held,
                          "waiting": status.waiting})
     return rows
 
@@ -59,13 +61,26 @@ def semaphore_status(backend: Backend, name: str) -> SemaphoreStatus:
 
 
 def resize_semaphore(backend: Backend, name: str, limit: int) -> Dict[str, Any]:
-    """Set the limit of ``name``, creating it. ``previous`` is None when it was created."""
+    """Set the limit of ``name`` and pin it (declared limits no longer change it), creating
+    it. ``previous`` is None when it was created."""
     validate_name(name)
     validate_limit(limit)
     before = backend.status(name)
     created = backend.resize(name, limit)
     previous = None if before is None or created else before.limit
-    return {"name": name, "limit": limit, "previous": previous, "created": created}
+    return {"name": name, "limit": limit, "previous": previous, "created": created,
+            "pinned": True}
+
+
+def unpin_semaphore(backend: Backend, name: str) -> Dict[str, Any]:
+    """Release the pin of ``name``: the newest declared limit is in force again. ``limit``
+    is the limit in force after it, ``was_pinned`` whether there was a pin to release."""
+    before = semaphore_status(backend, name)
+    limit = backend.unpin(name)
+    if limit is None:  # reset or expired meanwhile
+        raise UnknownSemaphore(f"unknown semaphore {name!r} in {where(backend)}")
+    return {"name": name, "limit": limit, "previous": before.limit,
+            "was_pinned": before.pinned, "pinned": False}
 
 
 def release_holder(backend: Backend, name: str, holder: str) -> Dict[str, Any]:
@@ -91,25 +106,23 @@ def reset_semaphore(backend: Backend, name: str) -> Dict[str, Any]:
     return {"name": name, "reset": backend.reset(validate_name(name))}
 
 
-def sync_limits(backend: Backend, limits: Mapping[str, int],
-                dry_run: bool = False) -> List[Dict[str, Any]]:
-    """Resize every name in ``limits`` (``semaphore_limits``) whose stored limit differs.
-
-    Templates (``"api:{customer_id}"``) are skipped: they name no semaphore by themselves.
-    Returns the changes made (or, with ``dry_run``, that would be made).
-    """
-    changes = []
+def compare_limits(backend: Backend, limits: Mapping[str, int]) -> List[Dict[str, Any]]:
+    """The names of ``limits`` (``semaphore_limits``) whose limit in force is not the
+    configured one, each with ``configured``, ``limit`` (None: the backend does not know the
+    name yet; the first acquire creates it with the declared limit) and ``pinned``. Changes
+    nothing: declared limits take effect on their own (the newest declaration is in force),
+    except where ``resize`` pinned one. Templates (``"api:{customer_id}"``) are skipped."""
+    differences = []
     for name, limit in sorted(limits.items()):
         if "{" in name:
             continue
         current = backend.status(name)
         if current is not None and current.limit == limit:
             continue
-        if not dry_run:
-            backend.resize(name, limit)
-        changes.append({"name": name, "limit": limit,
-                        "previous": None if current is None else current.limit})
-    return changes
+        differences.append({"name": name, "configured": limit,
+                            "limit": None if current is None else current.limit,
+                            "pinned": current is not None and current.pinned})
+    return differences
 
 
 def worker_requests(app: Any, timeout: float = 2.0,
@@ -167,20 +180,20 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[Any]],
 def render_status(status: SemaphoreStatus, now: Optional[float] = None,
                   parked: Optional[int] = None) -> str:
     now = time.time() if now is None else now
-    declared = ", ".join(f"{k} ({relative(seen, now)})"
-                         for k, seen in sorted(status.declared.items())) or "none seen"
+    declared = ", ".join(
+        f"{k} ({'newest, ' if k == status.newest_declared else ''}{relative(seen, now)})"
+        for k, seen in sorted(status.declared.items())) or "none seen"
+    pinned = " (pinned by resize)" if status.pinned else ""
     lines = [
         f"semaphore {status.name}",
-        f"  limit     {status.limit}",
+        f"  limit     {status.limit}{pinned}",
         f"  declared  {declared}",
         f"  held      {status.held}",
         f"  waiting   {status.waiting}",
     ]
     if parked is not None:
         lines.append(f"  parked    {parked}")
-    if any(k != status.limit for k in status.declared):
-        lines.append("  note: the stored limit rules; declared limits only create the "
-                     "semaphore (change it with `resize`, or `sync` for semaphore_limits)")
+    lines += [f"  note: {note}" for note in limit_notes(status)]
     if status.holders:
         lines += ["", "  holders:"] + table(
             ("HOLDER", "TOKEN", "TASK ID", "WORKER", "SINCE", "EXPIRES"),
@@ -194,6 +207,18 @@ def render_status(status: SemaphoreStatus, now: Optional[float] = None,
               relative(w.since, now)) for i, w in enumerate(status.waiters)],
             right=(0,), indent="    ")
     return "\n".join(lines)
+
+
+def limit_notes(status: SemaphoreStatus) -> List[str]:
+    """Why the limit in force is not what some caller declares (none when all agree)."""
+    if status.pinned and status.newest_declared not in (None, status.limit):
+        return [f"pinned by `resize`: declared limits do not change it; `resize "
+                f"{status.name} --unpin` puts the newest declared limit "
+                f"({status.newest_declared}) in force"]
+    if any(k != status.limit for k in status.declared):
+        return ["the newest declaration is in force; the others come from processes "
+                "started earlier (old code still running: a deploy under way?)"]
+    return []
 
 
 def _where_waiting(request: Mapping[str, Any]) -> str:
@@ -418,9 +443,10 @@ def backend_option(command: Callable[..., Any]) -> Callable[..., Any]:
 def semaphore(ctx: click.Context, backend_url: Optional[str]) -> None:
     """Inspect, resize and reset celery-semaphore semaphores.
 
-    The stored limit rules: a task's declared limit (its `limit` option, semaphore_limits)
-    only creates a semaphore. `resize` changes it for every worker at once; `sync` applies
-    semaphore_limits after a deploy.
+    Limits follow the code: the limit a task declares (its `limit` option, semaphore_limits,
+    a semaphore_limit header) is in force once the workers that declare it run (the most
+    recently started process's declaration wins). `resize` pins a limit that no deploy
+    changes until `resize NAME --unpin`.
     """
     obj = ctx.obj
     app = getattr(obj, "app", None) if obj is not None else None
@@ -435,16 +461,18 @@ def semaphore(ctx: click.Context, backend_url: Optional[str]) -> None:
 @click.pass_obj
 @_operational
 def list_(obj: Context, as_json: bool) -> None:
-    """Every known semaphore: name, limit, held, waiting (in workers' lines and the backend's
-    queue), parked (in the broker's waiting room; with -A only)."""
+    """Every known semaphore: name, limit (with "pinned" when `resize` pinned it), the limits
+    declared lately, held, waiting (in the backend's queue), parked (in the broker's waiting
+    room; with -A only)."""
     rows = list_semaphores(obj.backend)
     parked = obj.parked([r["name"] for r in rows])
     for row in rows:
         row["parked"] = parked.get(row["name"]) if parked is not None else None
-    human = table(("NAME", "LIMIT", "HELD", "WAITING", "PARKED"),
-                  [(r["name"], r["limit"], r["held"], r["waiting"],
+    human = table(("NAME", "LIMIT", "PINNED", "DECLARED", "HELD", "WAITING", "PARKED"),
+                  [(r["name"], r["limit"], "pinned" if r["pinned"] else "-",
+                    ",".join(map(str, r["declared"])) or "-", r["held"], r["waiting"],
                     "-" if r["parked"] is None else r["parked"]) for r in rows],
-                  right=(1, 2, 3, 4))
+                  right=(1, 4, 5, 6))
     _emit(as_json, rows, "\n".join(human) if rows else "no semaphores")
 
 
@@ -455,7 +483,8 @@ def list_(obj: Context, as_json: bool) -> None:
 @click.pass_obj
 @_operational
 def status(obj: Context, name: str, as_json: bool) -> None:
-    """Limit, declared limits, holders and waiters of NAME (exit 1 if unknown)."""
+    """Limit (and whether `resize` pinned it), declared limits (the newest marked), holders
+    and waiters of NAME (exit 1 if unknown)."""
     found = semaphore_status(obj.backend, name)
     parked = obj.parked([name])
     count = parked.get(name) if parked is not None else None
@@ -465,23 +494,38 @@ def status(obj: Context, name: str, as_json: bool) -> None:
 @semaphore.command(context_settings={"ignore_unknown_options": True})  # "-1" is a LIMIT
 @backend_option
 @click.argument("name", callback=_name)
-@click.argument("limit", type=PositiveInt())
+@click.argument("limit", type=PositiveInt(), required=False)
+@click.option("--unpin", is_flag=True,
+              help="Release the pin instead (no LIMIT): the newest declared limit rules again.")
 @json_option
 @click.pass_obj
 @_operational
-def resize(obj: Context, name: str, limit: int, as_json: bool) -> None:
-    """Set the limit of NAME for every worker at once, creating NAME if it is new.
+def resize(obj: Context, name: str, limit: Optional[int], unpin: bool, as_json: bool) -> None:
+    """Set the limit of NAME for every worker at once and pin it, creating NAME if it is new.
 
-    Growing admits waiters at once; shrinking admits nobody until the holders drop below the
-    new limit (running tasks are not interrupted).
+    A pinned limit stays whatever the workers declare (a deploy that changes a task's limit
+    does not undo it) until `resize NAME --unpin`, which puts the newest declared limit in
+    force again. Growing admits waiters at once; shrinking admits nobody until the holders
+    drop below the new limit (running tasks are not interrupted).
     """
+    if unpin:
+        if limit is not None:
+            raise click.UsageError("--unpin takes no LIMIT: the newest declared limit rules")
+        done = unpin_semaphore(obj.backend, name)
+        state = "unpinned" if done["was_pinned"] else "was not pinned"
+        _emit(as_json, done, f"semaphore {name!r} {state}: limit {done['previous']} -> "
+                             f"{done['limit']}" if done["previous"] != done["limit"]
+              else f"semaphore {name!r} {state}: limit {done['limit']}")
+        return
+    if limit is None:
+        raise click.UsageError("Missing argument 'LIMIT' (or pass --unpin).")
     done = resize_semaphore(obj.backend, name, limit)
     if done["created"]:
-        human = f"created semaphore {name!r} with limit {limit}"
+        human = f"created semaphore {name!r} with limit {limit} (pinned)"
     elif done["previous"] == limit:
-        human = f"semaphore {name!r} already has limit {limit}"
+        human = f"semaphore {name!r} already has limit {limit} (pinned now)"
     else:
-        human = f"resized semaphore {name!r}: limit {done['previous']} -> {limit}"
+        human = f"resized semaphore {name!r}: limit {done['previous']} -> {limit} (pinned)"
     _emit(as_json, done, human)
 
 
@@ -523,24 +567,34 @@ def reset(obj: Context, name: str, yes: bool, as_json: bool) -> None:
 
 @semaphore.command()
 @backend_option
-@click.option("--dry-run", is_flag=True, help="Show what would change; change nothing.")
+@click.option("--dry-run", is_flag=True, hidden=True,
+              help="Accepted for old scripts: sync changes nothing anyway.")
 @json_option
 @click.pass_obj
 @_operational
 def sync(obj: Context, dry_run: bool, as_json: bool) -> None:
-    """Resize every semaphore named in semaphore_limits to its configured limit.
+    """Show the semaphores of semaphore_limits whose limit in force differs (changes nothing).
 
-    Declared limits only create a semaphore; after a deploy that changes semaphore_limits, run
-    this to make the new limits take effect. Templates ("api:{customer_id}") are skipped.
+    Obsolete as a step of a deploy: declared limits now take effect on their own once the
+    workers that declare them run. What it shows: names pinned by `resize` (`resize NAME
+    --unpin` lets the configured limit rule), names not created yet, and names whose newest
+    declaration is not this configuration's (workers with other settings started later).
+    Templates ("api:{customer_id}") are skipped.
     """
     if obj.app is None:
         raise click.UsageError("no app: pass -A/--app (sync reads its semaphore_limits)")
-    changes = sync_limits(obj.backend, obj.settings.limits, dry_run=dry_run)
-    verb = "would set" if dry_run else "set"
-    human = "\n".join(
-        f"{verb} {c['name']}: " + ("new" if c["previous"] is None else str(c["previous"]))
-        + f" -> {c['limit']}" for c in changes) or "nothing to change"
-    _emit(as_json, changes, human)
+    differences = compare_limits(obj.backend, obj.settings.limits)
+
+    def line(d: Dict[str, Any]) -> str:
+        if d["limit"] is None:
+            return f"{d['name']}: not created yet (the first acquire creates it with " \
+                   f"{d['configured']})"
+        why = (f"pinned by resize (`resize {d['name']} --unpin` to follow the code)"
+               if d["pinned"] else "declared otherwise by a process started later")
+        return f"{d['name']}: limit {d['limit']}, configured {d['configured']}: {why}"
+
+    _emit(as_json, differences, "\n".join(map(line, differences))
+          or "every configured limit is in force")
 
 
 @semaphore.command()

@@ -7,7 +7,9 @@ Task options (extra ``@app.task`` options become task class attributes):
   (``["api", "api:{customer_id}"]``): the task runs holding a slot of every one, granted
   together (:meth:`.backends.base.Backend.acquire_all`). Templates that fill in to the same
   name count once.
-* ``limit``: the limit the semaphore is created with; with several, an int for all of them or
+* ``limit``: the limit the task declares (in force once the workers that declare it run,
+  unless an operator pinned another: :mod:`.backends.base`, "Limits"); with several, an int
+  for all of them or
   a dict from the listed names/templates to their limits (a listed one it leaves out gets the
   next of the sources below).
 * any ``semaphore_*`` setting, to override it for this task.
@@ -16,8 +18,9 @@ Per call, ``apply_async(headers={"semaphore": "name", "semaphore_limit": 3})`` o
 
 The limit a name is *declared* with is the first of: the ``semaphore_limit`` header,
 ``semaphore_limits[name]``, ``semaphore_limits[template]``, the task's ``limit`` (its entry for
-the template, when a dict), ``semaphore_default_limit``. A declared limit only creates the
-semaphore; once it exists its stored limit rules, and only ``resize`` changes it.
+the template, when a dict), ``semaphore_default_limit``. The newest declaration (from the
+most recently started process) is in force unless ``resize`` pinned the limit; a header's is
+a declaration of the worker that runs the call.
 """
 
 from __future__ import annotations

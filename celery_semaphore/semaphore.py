@@ -190,9 +190,10 @@ class Semaphore:
     :param name: the semaphore's name: at most 200 UTF-8 bytes, printable, without whitespace
         or any of ``{}[]*?\\/``.
     :param limit: the limit this caller declares (1 to 100,000; 1 by default, as the
-        ``semaphore_default_limit`` setting). It creates the semaphore when the backend has
-        never seen the name; afterwards the stored limit rules (change it with
-        :meth:`resize`, or ``celery semaphore resize``).
+        ``semaphore_default_limit`` setting). Limits follow the code: the declaration of the
+        most recently started process is in force (so a deploy that changes it takes effect
+        with the new processes' first acquire), unless an operator pinned the limit with
+        :meth:`resize` or ``celery semaphore resize`` (:mod:`.backends.base`, "Limits").
     :param backend: where the semaphore lives: a URL (``redis://host:6379/0``,
         ``amqp://...``, ``consul://host:8500``, ``sqlite:////path.db`` for one host) or a
         :class:`Backend`. Required: there is no broker here to follow, and a guessed default
@@ -329,8 +330,14 @@ class Semaphore:
         return self._lease(holder, attempt.grant, requested_at, meta, attempt.limit)
 
     def resize(self, limit: int) -> bool:
-        """Set the stored limit for everyone (creating the semaphore); True if created."""
+        """Set the limit for everyone and pin it: no declared limit changes it until
+        :meth:`unpin` (creating the semaphore); True if created."""
         return self.backend.resize(self.name, validate_limit(limit))
+
+    def unpin(self) -> Optional[int]:
+        """Release the pin :meth:`resize` set: the newest declared limit is in force again.
+        Returns the limit in force (None: the backend does not know the semaphore)."""
+        return self.backend.unpin(self.name)
 
     def status(self) -> SemaphoreStatus:
         """Limit, holders and waiters. A semaphore never used shows this caller's limit."""

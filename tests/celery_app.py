@@ -177,6 +177,19 @@ def create_app(env):
         return {name: {"limit": lease.limit, "token": str(lease.token), "holder": lease.holder,
                        "verified": lease.verify()} for name, lease in leases.items()}
 
+    # A limit that comes from the environment, as a deploy changes it (tests/test_limits.py).
+    deploy_limit = int(env.get("CS_DEPLOY_LIMIT", "4"))
+
+    @task(semaphore="deploy", limit=deploy_limit)
+    def deployed(key, hold=0.3):
+        body(f"deploy:{key}", hold)
+        return key
+
+    @task(semaphore="deployk:{part}", limit=deploy_limit)
+    def deployed_key(part, key, hold=0.3):
+        body(f"deployk:{part}:{key}", hold)
+        return key
+
     app.probe = probe
     return app
 

@@ -56,10 +56,10 @@ def test_resize_status_list_release(cli):
     created = cli("resize", "thumbs", "3", "--json")
     assert created.returncode == 0, created.stderr
     assert json.loads(created.stdout) == {"name": "thumbs", "limit": 3, "previous": None,
-                                          "created": True}
+                                          "created": True, "pinned": True}
     changed = cli("resize", "thumbs", "5")
     assert changed.returncode == 0, changed.stderr
-    assert changed.stdout.strip() == "resized semaphore 'thumbs': limit 3 -> 5"
+    assert changed.stdout.strip() == "resized semaphore 'thumbs': limit 3 -> 5 (pinned)"
 
     first = Semaphore("thumbs", 2, cli.url, key_prefix=cli.prefix).acquire(
         meta={"task_id": "t-42", "worker": "w1@host"})
@@ -85,7 +85,8 @@ def test_resize_status_list_release(cli):
     assert [w["meta"]["task_id"] for w in status["waiters"]] == ["t-44"]
 
     human = human.stdout
-    assert re.search(r"^  limit +2$", human, re.M) and re.search(r"^  waiting +1$", human, re.M)
+    assert re.search(r"^  limit +2 \(pinned by resize\)$", human, re.M)
+    assert re.search(r"^  waiting +1$", human, re.M)
     header = next(line for line in human.splitlines() if "TASK ID" in line and "TOKEN" in line)
     row = next(line for line in human.splitlines() if "t-42" in line)
     assert header.index("TASK ID") == row.index("t-42")  # an aligned table
@@ -94,7 +95,8 @@ def test_resize_status_list_release(cli):
     assert "t-44" in human
 
     assert json.loads(listed.stdout) == [
-        {"name": "thumbs", "limit": 2, "held": 2, "waiting": 1, "parked": 0}]
+        {"name": "thumbs", "limit": 2, "pinned": True, "declared": [2], "held": 2,
+         "waiting": 1, "parked": 0}]
     # release by holder id, and by task id; a holder that holds nothing is an error
     by_holder, by_task, nobody = parallel(cli, ("release", "thumbs", first.holder, "--json"),
                                           ("release", "thumbs", "t-43"),
@@ -196,22 +198,60 @@ def test_global_options_work_on_either_side_of_the_subcommand(cli):
     assert listed.returncode == 1 and "127.0.0.1:1" in listed.stderr  # not the app's setting
 
 
-def test_sync_applies_configured_limits(cli):
+def test_resize_pins_and_unpin_releases_it(cli):
+    old = Semaphore("pin", 2, cli.url, key_prefix=cli.prefix, declared_at=1000.0)
+    old.try_acquire().release()
+    pinned = cli("resize", "pin", "5", "--json")
+    assert json.loads(pinned.stdout) == {"name": "pin", "limit": 5, "previous": 2,
+                                         "created": False, "pinned": True}
+    new = Semaphore("pin", 3, cli.url, key_prefix=cli.prefix, declared_at=2000.0)
+    new.try_acquire().release()  # a newer declaration: the pin keeps 5
+    status, listed = parallel(cli, ("status", "pin"), ("list",))
+    assert re.search(r"^  limit +5 \(pinned by resize\)$", status.stdout, re.M), status.stdout
+    assert re.search(r"^  declared +2 \(\d+s ago\), 3 \(newest, \d+s ago\)$", status.stdout,
+                     re.M), status.stdout
+    assert "`resize pin --unpin` puts the newest declared limit (3) in force" in status.stdout
+    header, row = listed.stdout.splitlines()
+    assert header.split() == ["NAME", "LIMIT", "PINNED", "DECLARED", "HELD", "WAITING",
+                              "PARKED"]
+    assert row.split() == ["pin", "5", "pinned", "2,3", "0", "0", "0"]
+    unpinned, both, neither, unknown = parallel(
+        cli, ("resize", "pin", "--unpin", "--json"), ("resize", "pin", "4", "--unpin"),
+        ("resize", "pin"), ("resize", "nothing-here", "--unpin"))
+    assert json.loads(unpinned.stdout) == {"name": "pin", "limit": 3, "previous": 5,
+                                           "was_pinned": True, "pinned": False}
+    assert both.returncode == 2 and "--unpin takes no LIMIT" in both.stderr
+    assert neither.returncode == 2 and "Missing argument 'LIMIT'" in neither.stderr
+    assert unknown.returncode == 1
+    assert one_error_line(unknown).startswith("Error: unknown semaphore 'nothing-here'")
+    status = cli.backend.status("pin")
+    assert (status.limit, status.pinned) == (3, False)
+    assert "note:" in cli("status", "pin").stdout  # 2 is declared too (an older process)
+
+
+def test_sync_changes_nothing_and_shows_what_differs(cli):
     settings = json.dumps({"semaphore_limits": {"reports": 3, "exports": 2, "same": 4,
-                                                "api:{customer_id}": 2}})
+                                                "newer": 5, "api:{customer_id}": 2}})
     extra = {"CS_SETTINGS": settings}
-    cli.backend.resize("reports", 1)
-    cli.backend.resize("same", 4)
-    dry = cli("sync", "--dry-run", env_extra=extra)
-    assert dry.returncode == 0, dry.stderr
-    assert dry.stdout.splitlines() == ["would set exports: new -> 2",
-                                       "would set reports: 1 -> 3"]
+    cli.backend.resize("reports", 1)  # pinned
+    Semaphore("same", 4, cli.url, key_prefix=cli.prefix).try_acquire().release()
+    Semaphore("newer", 6, cli.url, key_prefix=cli.prefix).try_acquire().release()
+    with ThreadPoolExecutor(2) as pool:
+        human, done, dry = pool.map(lambda args: cli(*args, env_extra=extra),
+                                    [("sync",), ("sync", "--json"), ("sync", "--dry-run")])
+    assert human.returncode == 0, human.stderr
+    assert human.stdout.splitlines() == [
+        "exports: not created yet (the first acquire creates it with 2)",
+        "newer: limit 6, configured 5: declared otherwise by a process started later",
+        "reports: limit 1, configured 3: pinned by resize (`resize reports --unpin` to "
+        "follow the code)"]
+    assert json.loads(done.stdout) == [
+        {"name": "exports", "configured": 2, "limit": None, "pinned": False},
+        {"name": "newer", "configured": 5, "limit": 6, "pinned": False},
+        {"name": "reports", "configured": 3, "limit": 1, "pinned": True}]
+    assert dry.stdout == human.stdout
     assert cli.backend.status("reports").limit == 1 and cli.backend.status("exports") is None
-    done = cli("sync", "--json", env_extra=extra)
-    assert json.loads(done.stdout) == [{"name": "exports", "limit": 2, "previous": None},
-                                       {"name": "reports", "limit": 3, "previous": 1}]
-    assert cli.backend.status("reports").limit == 3 and cli.backend.status("exports").limit == 2
-    assert sorted(cli.backend.names()) == ["exports", "reports", "same"]  # no template created
+    assert sorted(cli.backend.names()) == ["newer", "reports", "same"]
 
 
 def test_without_an_app_and_on_sqlite(tmp_path):
@@ -257,12 +297,14 @@ def test_django_manage_py_semaphore(redis_url):
         listed, called = listed.result(), called.result()
     # `--settings` is Django's: manage.py applied it, click never sees it
     assert listed.returncode == 0, listed.stderr
-    assert json.loads(listed.stdout) in ([], [{"name": "reports", "limit": 3, "held": 0,
-                                               "waiting": 0, "parked": 0}])
+    assert json.loads(listed.stdout) in ([], [{"name": "reports", "limit": 3, "pinned": True,
+                                               "declared": [], "held": 0, "waiting": 0,
+                                               "parked": 0}])
     # call_command(): output on its stdout, errors as CommandError with the CLI's exit code
     assert called.returncode == 0, called.stderr
     result, code, message = json.loads(called.stdout)
-    assert result == {"name": "reports", "limit": 3, "previous": None, "created": True}
+    assert result == {"name": "reports", "limit": 3, "previous": None, "created": True,
+                      "pinned": True}
     assert code == 2 and "must be a positive integer, not 0" in message
     bad = django(["-m", "django", "semaphore", "--settings", "tests.django_project.settings",
                   "resize", "reports", "-1"])

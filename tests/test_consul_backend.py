@@ -282,13 +282,16 @@ def test_resize_up_wakes_another_process_and_down_admits_nobody(consul_url, pref
 
 
 def test_contenders_with_different_declared_limits(consul_url, prefix):
-    two = sem(consul_url, prefix, "d", 2)
-    five = sem(consul_url, prefix, "d", 5)
-    leases = [two.acquire(), five.acquire()]  # "two" came first: it created the semaphore
-    assert five.try_acquire() is None  # the stored limit (first declared) wins
-    status = five.status()
-    assert status.limit == 2 and set(status.declared) == {2, 5}
+    """The newest declaration (a process started later) is in force, in .lock's Limit too."""
+    two = sem(consul_url, prefix, "d", 2, declared_at=1000.0)
+    five = sem(consul_url, prefix, "d", 5, declared_at=2000.0)
+    leases = [two.acquire()]  # "two" came first: it created the semaphore
     assert lock_doc(consul_url, prefix, "d")["Limit"] == 2
+    leases += [five.acquire() for _ in range(4)]  # "five" started later: its limit rules
+    assert two.try_acquire() is None  # and the older declaration does not put 2 back
+    status = five.status()
+    assert status.limit == 5 and set(status.declared) == {2, 5}
+    assert lock_doc(consul_url, prefix, "d")["Limit"] == 5
     for lease in leases:
         lease.release()
 

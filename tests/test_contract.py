@@ -401,15 +401,145 @@ def test_resize_down_admits_nobody_until_under_the_new_limit(spec):
     assert sem.try_acquire() is None
 
 
-def test_stored_limit_wins_over_declared_limits(spec):
-    first = spec.semaphore("declared", 2)
-    second = spec.semaphore("declared", 5)
-    a, b = first.acquire(), second.acquire()
-    assert second.try_acquire() is None
-    status = first.status()
-    assert status.limit == 2
+# -- limits follow the code (base.py, "Limits") ------------------------------------------------
+
+#: Process start dates of an old and a new deploy (``declared_at``: a process started later).
+OLD, NEW = 1_000_000.0, 2_000_000.0
+
+
+def test_the_newest_declaration_is_in_force(spec):
+    old = spec.semaphore("declared", 2, declared_at=OLD)
+    new = spec.semaphore("declared", 5, declared_at=NEW)
+    a = old.acquire()
+    assert old.status().limit == 2
+    b = new.acquire()  # the new process's first acquire: its limit is in force
+    status = new.status()
+    assert (status.limit, status.newest_declared, status.pinned) == (5, 5, False)
     assert set(status.declared) == {2, 5}
-    a.release(), b.release()
+    # the old process, still running, does not put its limit back
+    more = [old.try_acquire() for _ in range(3)]
+    assert all(lease is not None for lease in more)
+    assert new.status().limit == 5 and old.try_acquire() is None
+    for lease in [a, b, *more]:
+        lease.release()
+    # a rollback (a process started later still, with the old limit) wins in turn
+    rolled_back = spec.semaphore("declared", 2, declared_at=NEW + 1)
+    with rolled_back.acquire(timeout=10):
+        assert rolled_back.status().limit == 2
+
+
+def test_between_equal_dates_the_latest_call_decides(spec):
+    three = spec.semaphore("tie", 3, declared_at=NEW)
+    four = spec.semaphore("tie", 4, declared_at=NEW)
+    three.try_acquire().release()
+    assert three.status().limit == 3
+    four.try_acquire().release()
+    assert four.status().limit == 4
+
+
+def test_a_newer_smaller_limit_admits_nobody_until_holders_are_under_it(spec):
+    big = spec.semaphore("smaller", 4, declared_at=OLD)
+    leases = [big.acquire() for _ in range(4)]
+    small = spec.semaphore("smaller", 2, declared_at=NEW)
+    assert small.try_acquire() is None  # declares 2: in force, and 4 hold
+    assert big.status().limit == 2
+    leases.pop().release()
+    leases.pop().release()
+    assert small.try_acquire() is None and big.try_acquire() is None  # 2 hold, limit 2
+    leases.pop().release()
+    lease = small.try_acquire()
+    assert lease is not None and small.try_acquire() is None
+    lease.release()
+    leases.pop().release()
+
+
+def test_resize_pins_the_limit_until_it_is_unpinned(spec):
+    old = spec.semaphore("pinned", 1, ttl=30, declared_at=OLD)
+    held = old.acquire()
+    assert old.resize(1) is False
+    assert old.status().pinned is True
+    new = spec.semaphore("pinned", 3, ttl=30, declared_at=NEW, poll_interval=10)
+    assert new.try_acquire() is None  # pinned at 1: the newer declaration waits
+    status = new.status()
+    assert (status.limit, status.pinned, status.newest_declared) == (1, True, 3)
+    results = []
+    start_waiter(new, results, "w", timeout=30)
+    assert wait_until(lambda: new.status().waiting == 1)
+    unpinned_at = time.monotonic()
+    assert new.unpin() == 3  # the newest declaration is in force again, waiters woken
+    assert wait_until(lambda: results, timeout=5)
+    assert results[0][2] - unpinned_at < 1.0
+    status = new.status()
+    assert (status.limit, status.pinned, status.newest_declared) == (3, False, 3)
+    results[0][1].release()
+    held.release()
+    assert spec.backend().unpin("never-seen") is None
+
+
+def test_a_resize_of_a_new_name_stays_until_a_declaration_after_unpin(spec):
+    backend = spec.backend()
+    assert backend.resize("made", 6) is True
+    status = backend.status("made")
+    assert (status.limit, status.pinned, status.newest_declared) == (6, True, None)
+    assert backend.unpin("made") == 6  # nobody declared one: the limit stays
+    sem = spec.semaphore("made", 2)
+    sem.try_acquire().release()
+    assert sem.status().limit == 2
+
+
+def test_a_rolling_deploy_never_exceeds_the_larger_limit(spec):
+    """Old processes (limit 4) run; new ones (limit 8, started later) join them; then the old
+    ones stop. An external probe sees at most 4 holders before the deploy, never more than 8
+    at any time, and more than 4 once the new processes run."""
+    before, during, after, total = Probe(), Probe(), Probe(), Probe()
+    probes = (before, during, during, after)  # by phase
+    phase = FORK.Value("i", 0)  # 0 old only, 1 both, 2 old stopping, 3 new only, 4 stop
+    errors = FORK.Value("i", 0)
+
+    def contender(limit, declared_at, stop_at):
+        sem = spec.semaphore("rolling", limit, ttl=30, poll_interval=0.5,
+                             declared_at=declared_at)
+        try:
+            while phase.value < stop_at:
+                with sem.acquire(timeout=60):
+                    probe = probes[min(phase.value, 3)]
+                    probe.enter()
+                    total.enter()
+                    time.sleep(0.3)  # Consul (its double, on two shared cores) fills 8 slots
+                    total.leave()
+                    probe.leave()
+        except Exception:
+            with errors.get_lock():
+                errors.value += 1
+            raise
+
+    kind = FORK.Process if spec.multiprocess else threading.Thread
+    old = [kind(target=contender, args=(4, OLD, 2)) for _ in range(6)]
+    new = [kind(target=contender, args=(8, NEW, 4)) for _ in range(10)]
+    try:
+        for r in old:
+            r.start()
+        assert wait_until(lambda: before.highest.value >= 4, timeout=60)
+        phase.value = 1
+        for r in new:
+            r.start()
+        assert wait_until(lambda: during.highest.value > 4, timeout=60)
+        phase.value = 2
+        for r in old:
+            r.join(60)
+        phase.value = 3
+        assert wait_until(lambda: after.highest.value > 4, timeout=60)
+    finally:
+        phase.value = 4
+        for r in old + new:
+            r.join(60)
+    assert not any(r.is_alive() for r in old + new)
+    assert errors.value == 0
+    assert before.highest.value == 4
+    assert total.highest.value <= 8 and after.highest.value <= 8, total.highest.value
+    assert total.current.value == 0
+    status = spec.semaphore("rolling", 8, declared_at=NEW).status()
+    assert (status.limit, status.held, status.waiting) == (8, 0, 0)
 
 
 def test_resize_creates_an_unknown_semaphore(spec):

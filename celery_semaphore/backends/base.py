@@ -2,8 +2,9 @@
 
 A backend stores, per semaphore name:
 
-* the **limit** (created with the first caller's declared limit, changed only by ``resize``),
-  and the limits callers have declared (for operators to spot a mismatch);
+* the **limit** in force, whether an operator **pinned** it, the **newest declaration** (the
+  limit the most recently started process declared, and that start time), and the limits
+  callers have declared lately (for operators to spot a mismatch): see "Limits" below;
 * the **holders**: holder id -> slot, fencing epoch, since, absolute expiry, caller metadata;
 * the **waiters**: a FIFO queue of holder ids by ticket, each with an expiry that a live waiter
   keeps pushing forward, so a crashed waiter stops blocking the queue after ``waiter_ttl``;
@@ -42,6 +43,19 @@ that would admit it while it waits for another. Backends that can decide over se
 semaphores atomically do so in one step; the others use the generic protocol of the base
 class (tries in sorted name order, give-back on refusal).
 
+Limits (they follow the code): every ``acquire`` declares the caller's limit, dated by the
+start of the caller's process (:attr:`Backend.declared_at`, clamped to the server's clock).
+The declaration with the latest date (between equal dates, the latest call) is the *newest*;
+its limit is in force unless an operator pinned one with ``resize``
+(:func:`.model.effective_limit`).
+So after a deploy that changes a declared limit, the new processes' first acquire puts the new
+limit in force, and the old processes still running cannot put theirs back: during a rolling
+deploy the limit in force is the old one, then the new one, never anything else. ``resize``
+pins a limit that no declaration changes until :meth:`Backend.unpin` releases it (the newest
+declaration is then in force again). A change of limit takes effect in the same atomic step as
+the call that makes it: growing admits waiters at once; shrinking admits nobody until the
+holders drop below the new limit (running holders keep their slots).
+
 Wake-ups: whenever an operation can make a waiter admissible (release, cancel, resize, pruning),
 the backend notifies the waiters whose rank is now below ``limit - len(holders)`` (and whose
 task no other holder holds), addressed to
@@ -67,6 +81,10 @@ from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Seq
 from ..stats import SemaphoreStats
 
 logger = logging.getLogger(__name__)
+
+#: When this process loaded the library (seconds since the epoch): the default date of its
+#: limit declarations (:attr:`Backend.declared_at`). A forked child keeps its parent's.
+PROCESS_STARTED = time.time()
 
 Meta = Dict[str, Any]
 WakeCallback = Callable[[], None]
@@ -125,7 +143,7 @@ class MultiAttempt:
     """The outcome of one :meth:`Backend.acquire_all` call over several semaphores.
 
     ``grants`` (name -> :class:`Grant`, in the order asked) is set when the caller was admitted
-    to every semaphore; ``limits`` then holds each one's stored limit. Otherwise nothing is held
+    to every semaphore; ``limits`` then holds each one's limit in force. Otherwise nothing is held
     and ``blocking`` names the semaphore that refused it: the caller waits in that semaphore's
     queue only, at ``position`` (None when it did not queue); ``retry_after`` and ``limit`` are
     that semaphore's, as in :class:`Attempt`.
@@ -182,6 +200,11 @@ class SemaphoreStatus:
     #: Counters and histograms (:mod:`celery_semaphore.stats`); None from a backend that
     #: keeps none.
     stats: Optional[SemaphoreStats] = None
+    #: An operator's ``resize`` pinned ``limit``: no declaration changes it until unpinned.
+    pinned: bool = False
+    #: The limit of the newest declaration (module docs, "Limits"): in force unless pinned;
+    #: None when nobody declared one (a semaphore created by ``resize``).
+    newest_declared: Optional[int] = None
 
     @property
     def held(self) -> int:
@@ -196,6 +219,8 @@ class SemaphoreStatus:
         return {
             "name": self.name,
             "limit": self.limit,
+            "pinned": self.pinned,
+            "newest_declared": self.newest_declared,
             "declared": {str(k): v for k, v in sorted(self.declared.items())},
             "held": self.held,
             "waiting": self.waiting,
@@ -247,6 +272,17 @@ def task_of(holder: str) -> Optional[str]:
     return holder.rpartition(":")[0] or None
 
 
+def _date(value: Any) -> float:
+    """``declared_at``: seconds since the epoch, a finite number >= 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            0 <= value < float("inf")):
+        from ..exceptions import ConfigurationError
+
+        raise ConfigurationError(f"declared_at must be a time in seconds since the epoch "
+                                 f"(a finite number >= 0), not {value!r}")
+    return float(value)
+
+
 def _after_fork(ref: "weakref.ref[Backend]") -> None:
     backend = ref()
     if backend is not None:
@@ -267,11 +303,16 @@ class Backend(abc.ABC):
         key_prefix: str = "semaphore:",
         waiter_ttl: float = DEFAULT_WAITER_TTL,
         idle_ttl: float = DEFAULT_IDLE_TTL,
+        declared_at: Optional[float] = None,
     ) -> None:
         self.url = url
         self.key_prefix = key_prefix
         self.waiter_ttl = float(waiter_ttl)
         self.idle_ttl = float(idle_ttl)
+        #: The date of this client's limit declarations (module docs, "Limits"): by default
+        #: when the process loaded the library, so a process started later (the new code of a
+        #: deploy) supersedes the declarations of one started earlier.
+        self.declared_at = PROCESS_STARTED if declared_at is None else _date(declared_at)
         self._new_identity()
         if hasattr(os, "register_at_fork"):  # POSIX
             os.register_at_fork(after_in_child=functools.partial(_after_fork, weakref.ref(self)))
@@ -381,9 +422,10 @@ class Backend(abc.ABC):
     ) -> Attempt:
         """Admit ``holder`` if the FIFO rule allows, else (``wait``) queue or refresh it.
 
-        ``limit`` is the caller's declared limit: it creates the semaphore when new and is
-        recorded among the declared limits, but never changes an existing limit. A holder
-        that already holds gets its existing grant back unchanged.
+        ``limit`` is the caller's declared limit, dated :attr:`declared_at`: it creates the
+        semaphore when new, is recorded among the declared limits, and is in force from this
+        call on when it is the newest declaration and the limit is not pinned (module docs,
+        "Limits"). A holder that already holds gets its existing grant back unchanged.
         """
 
     @abc.abstractmethod
@@ -407,10 +449,17 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def resize(self, name: str, limit: int) -> bool:
-        """Set the limit, creating the semaphore if needed. True when it was created.
+        """Set the limit and pin it (no declaration changes it until :meth:`unpin`), creating
+        the semaphore if needed. True when it was created.
 
         Growing wakes waiters at once; shrinking admits nobody until holders drop below it.
         """
+
+    @abc.abstractmethod
+    def unpin(self, name: str) -> Optional[int]:
+        """Release a pin set by :meth:`resize`: the newest declared limit is in force again
+        at once (the limit stays as it is when nobody declared one). Returns the limit in
+        force, or None when the semaphore is unknown. Wakes waiters a growth admits."""
 
     @abc.abstractmethod
     def status(self, name: str) -> Optional[SemaphoreStatus]:

@@ -178,8 +178,7 @@ class DocumentBackend(Backend):
 
         def rule(txns: Dict[str, Transaction]) -> MultiAttempt:
             for name, limit in requests:
-                if txns[name].state is None:
-                    txns[name].state = txns[name].new_state(limit)
+                self._declare(txns[name], limit)
             return acquire_all(
                 {name: txn.state for name, txn in txns.items()}, requests, holder, ttl=ttl,
                 meta=meta, wait=wait, client=self.client_id, now=min(t.now for t in
@@ -197,12 +196,19 @@ class DocumentBackend(Backend):
     def _admit(self, txn: Transaction, holder: str, limit: int, ttl: float, meta: Meta,
                wait: bool, slots: Optional[List[int]] = None) -> Attempt:
         """The acquire rule (``slots``: the slots this caller can take; default any)."""
-        if txn.state is None:
-            txn.state = txn.new_state(limit)
-        return txn.state.acquire(
+        state = self._declare(txn, limit)
+        return state.acquire(
             holder, declared=limit, ttl=ttl, meta=meta, wait=wait, client=self.client_id,
             now=txn.now, waiter_ttl=self.waiter_ttl, slots=slots,
         )
+
+    def _declare(self, txn: Transaction, limit: int) -> State:
+        """This client declares ``limit`` (:meth:`.model.State.declare`), creating the state;
+        a rule may call it before it looks at the limit, and again: it is idempotent."""
+        if txn.state is None:
+            txn.state = txn.new_state(limit)
+        txn.state.declare(limit, self.declared_at, txn.now)
+        return txn.state
 
     def release(self, name: str, holder: str) -> bool:
         return self._transact(
@@ -230,10 +236,19 @@ class DocumentBackend(Backend):
             created = txn.state is None
             if txn.state is None:
                 txn.state = txn.new_state(limit)
-            txn.state.limit = limit
+            txn.state.pin(limit)
             return created
 
         return self._transact(name, resize)
+
+    def unpin(self, name: str) -> Optional[int]:
+        def unpin(txn: Transaction) -> Optional[int]:
+            if txn.state is None:
+                return None
+            txn.state.unpin()
+            return txn.state.limit
+
+        return self._transact(name, unpin)
 
     def status(self, name: str) -> Optional[SemaphoreStatus]:
         return self._transact(

@@ -26,6 +26,13 @@ from .base import (
 )
 
 
+def effective_limit(stored: int, declared: Optional[int], pinned: bool) -> int:
+    """The limit in force: the newest declaration's (``declared``: the limit the most recently
+    started process declared; None: nobody declared one yet), unless an operator pinned the
+    ``stored`` limit (``resize``). Limits follow the code: see :mod:`.base`, "Limits"."""
+    return stored if pinned or declared is None else declared
+
+
 def next_epoch(previous: int, now: float) -> int:
     """Strictly above ``previous``, and above any epoch issued before ``now`` (microseconds).
 
@@ -72,6 +79,12 @@ class State:
     #: Counters and histograms in the storage form of :mod:`celery_semaphore.stats`, updated
     #: by the rules below in the same step as what they count.
     stats: Dict[str, int] = field(default_factory=dict)
+    #: An operator's ``resize`` pinned ``limit``: declarations do not change it until unpinned.
+    pinned: bool = False
+    #: The newest declaration (:meth:`declare`): its limit (None: none yet) and the start time
+    #: of the process that made it.
+    wanted: Optional[int] = None
+    stamp: float = 0.0
 
     # -- (de)serialization, for backends that store the state as one document ---------------
 
@@ -90,6 +103,9 @@ class State:
             "next_ticket": self.next_ticket,
             "round": self.round,
             "stats": self.stats,
+            "pinned": self.pinned,
+            "wanted": self.wanted,
+            "stamp": self.stamp,
         }
 
     @classmethod
@@ -98,16 +114,23 @@ class State:
 
     @classmethod
     def from_dict(cls, raw: Dict[str, Any]) -> "State":
-        """From :meth:`dumps`'s document, already parsed."""
+        """From :meth:`dumps`'s document, already parsed. A document stored before limits
+        followed the code (no ``stamp``) keeps its limit pinned when no caller declared it
+        (an operator resized it): an upgrade undoes no resize."""
+        declared = {int(k): v for k, v in raw["declared"].items()}
+        legacy = "stamp" not in raw
         return cls(
             limit=raw["limit"],
-            declared={int(k): v for k, v in raw["declared"].items()},
+            declared=declared,
             holders={k: Holder(**v) for k, v in raw["holders"].items()},
             waiters={k: Waiter(**v) for k, v in raw["waiters"].items()},
             epochs={int(k): v for k, v in raw["epochs"].items()},
             next_ticket=raw["next_ticket"],
             round=raw.get("round", 0),
             stats=dict(raw.get("stats") or {}),  # absent in documents stored before counters
+            pinned=raw["limit"] not in declared if legacy else raw["pinned"],
+            wanted=raw.get("wanted"),
+            stamp=raw.get("stamp", 0.0),
         )
 
     # -- queries -------------------------------------------------------------------------
@@ -155,6 +178,26 @@ class State:
         return max(0.0, min(h.expires for h in self.holders.values()) - now)
 
     # -- operations ----------------------------------------------------------------------
+
+    def declare(self, limit: int, stamp: float, now: float) -> None:
+        """A caller declares ``limit``; its process started at ``stamp`` (seconds, clamped to
+        ``now``: a client clock ahead cannot date a declaration in the future). The newest
+        declaration (the latest stamp; between equal stamps, the latest call) becomes the
+        limit in force unless it is pinned (:func:`effective_limit`)."""
+        self.declared[limit] = now
+        stamp = min(stamp, now)
+        if self.wanted is None or stamp >= self.stamp:
+            self.wanted, self.stamp = limit, stamp
+        self.limit = effective_limit(self.limit, self.wanted, self.pinned)
+
+    def pin(self, limit: int) -> None:
+        """An operator's ``resize``: ``limit`` is in force until :meth:`unpin`."""
+        self.limit, self.pinned = limit, True
+
+    def unpin(self) -> None:
+        """Release the pin: the newest declaration (if any) is in force again."""
+        self.pinned = False
+        self.limit = effective_limit(self.limit, self.wanted, self.pinned)
 
     def count(self, counter: str, n: int = 1) -> None:
         self.stats[counter] = self.stats.get(counter, 0) + n
@@ -282,6 +325,8 @@ class State:
                 for h in self.queue()
             ),
             stats=SemaphoreStats.from_fields(self.stats),
+            pinned=self.pinned,
+            newest_declared=self.wanted,
         )
 
 

@@ -26,6 +26,7 @@ from ..semaphore import Lease, LeaseGroup
 from ..stats import FIRST_WAIT_META
 from ..task_lease import LEASE_KEY, lease_record_of
 from . import celery_internals
+from .limits import LimitWatch
 from .waiter import Waiter, WaitState
 
 if TYPE_CHECKING:
@@ -58,6 +59,7 @@ class Admission:
         self.by_name: Dict[str, int] = {}  # semaphore name -> its waiters
         #: semaphore name -> its waiters the backend told to wait (the semaphore is full)
         self.blocked_by_name: Dict[str, int] = {}
+        self.limits = LimitWatch(self.backend)  # logs a limit in force we do not declare
 
     def __len__(self) -> int:
         return len(self.waiters)
@@ -188,6 +190,8 @@ class Admission:
         else:
             answer = Answer(holder, attempt, None, requested_at, sent)
         self.gate.loop.post(self._answered, waiter, answer)
+        if answer.attempt is not None:
+            self.limits.saw(guard, answer.attempt)
 
     def _answered(self, waiter: Waiter, answer: Answer) -> None:
         current = waiter.holder == answer.holder

@@ -40,7 +40,7 @@ class SemaphoreStep(bootsteps.StartStopStep):
         except ConfigurationError as exc:
             raise ImproperlyConfigured(f"celery-semaphore: {exc}") from None
         self.gate = Gate(consumer, settings, backend)
-        self.announced = False
+        self.announced = self.limits_checked = False
         consumer.semaphore_gate = self.gate
 
     def start(self, consumer: Any) -> None:
@@ -53,6 +53,10 @@ class SemaphoreStep(bootsteps.StartStopStep):
         except Exception as exc:
             logger.warning("celery-semaphore: backend %r unreachable at start (guarded tasks "
                            "wait until it answers): %s", self.gate.backend, exc)
+        else:
+            if not self.limits_checked:  # a pinned limit this worker's code disagrees with
+                self.limits_checked = True
+                self.gate.admission.limits.at_start(consumer.app)
         self.gate.start()
 
     def stop(self, consumer: Any) -> None:

@@ -150,9 +150,8 @@ class SlotQueueBackend(RabbitBackend):
         locked: Set[int] = set()
         for attempt_number in range(self.lock_retries + 1):
             def admit(txn: Transaction) -> Attempt:
-                if txn.state is None:
-                    txn.state = txn.new_state(limit)
-                slots = [s for s in range(txn.state.limit) if s not in locked]
+                state = self._declare(txn, limit)  # first: the limit in force may change
+                slots = [s for s in range(state.limit) if s not in locked]
                 return self._admit(txn, holder, limit, ttl, meta, wait, slots=slots)
 
             attempt = self._transact(name, admit)

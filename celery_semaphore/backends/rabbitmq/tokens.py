@@ -311,8 +311,7 @@ class TokenBackend(RabbitBackend):
         """The acquire rule, restricted to the slot of the token we hold (if any)."""
         assert isinstance(txn, RegistryTransaction)
         created = txn.state is None
-        state = txn.state or txn.new_state(limit)
-        txn.state = state
+        state = self._declare(txn, limit)  # first: the limit in force may change
         stale = token is not None and not is_current(txn.tokens, token)
         slot_held = token is not None and any(
             h.slot == token[0] for k, h in state.holders.items() if k != holder

@@ -90,7 +90,7 @@ _SCRIPTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts
 #: The keys of one semaphore, in the order the scripts receive them (see scripts/prelude.lua).
 KEY_SUFFIXES = ("config", "holders", "hinfo", "queue", "wexp", "winfo", "wfair")
 _SCRIPTS = ("acquire", "release", "renew", "cancel", "resize", "status", "reset", "verify",
-            "count", "acquire_all")
+            "count", "acquire_all", "unpin")
 #: Errors that mean "Redis cannot serve us now". ReadOnlyError: a failover left us on a replica;
 #: OutOfMemoryError: maxmemory reached with a no-eviction policy; NoPermissionError: an ACL
 #: that does not allow our commands. A ``BUSY`` reply (another client's script overran) too.
@@ -165,9 +165,11 @@ class RedisBackend(Backend):
         health_check_interval: float = 30.0,
         failover_timeout: float = 10.0,
         sentinel_kwargs: Optional[Dict[str, Any]] = None,
+        declared_at: Optional[float] = None,
         **redis_options: Any,
     ) -> None:
-        super().__init__(url, key_prefix=key_prefix, waiter_ttl=waiter_ttl, idle_ttl=idle_ttl)
+        super().__init__(url, key_prefix=key_prefix, waiter_ttl=waiter_ttl, idle_ttl=idle_ttl,
+                         declared_at=declared_at)
         redis_options.setdefault("retry", Retry(NoBackoff(), 1, (redis.ConnectionError,)))
         parts = check_url(url)
         kind = deployments.kind_of(url)
@@ -280,7 +282,7 @@ class RedisBackend(Backend):
         reply = self._call(
             "acquire", name, holder, int(limit), int(ttl * 1e6),
             json.dumps(meta or {}, separators=(",", ":")), 1 if wait else 0, self.client_id,
-            int(self.waiter_ttl * 1e6), fair_key_of(meta) or "",
+            int(self.waiter_ttl * 1e6), fair_key_of(meta) or "", int(self.declared_at * 1e6),
         )
         if reply[0] == 1:
             _, slot, epoch, expires, now, current_limit = reply
@@ -313,6 +315,7 @@ class RedisBackend(Backend):
                 self.client_id, int(self.waiter_ttl * 1e6), fair_key_of(meta) or "",
                 len(requests)]
         argv += [x for name, limit in requests for x in (name, int(limit))]
+        argv.append(int(self.declared_at * 1e6))  # always the last argument
         reply = self._riding(lambda: self._script("acquire_all", keys, argv))
         if reply[0] == 1:
             now = reply[1]
@@ -342,6 +345,10 @@ class RedisBackend(Backend):
 
     def resize(self, name: str, limit: int) -> bool:
         return self._call("resize", name, int(limit)) == 1
+
+    def unpin(self, name: str) -> Optional[int]:
+        limit = self._call("unpin", name)
+        return None if limit < 0 else limit
 
     def count(self, name: str, counts: Mapping[str, int]) -> None:
         pairs = [x for counter, n in counts.items() if n > 0 for x in (counter, int(n))]
@@ -385,7 +392,7 @@ class RedisBackend(Backend):
     def _status_of(self, name: str, reply: Any) -> Optional[SemaphoreStatus]:
         if not reply:
             return None
-        _, limit, declared, holders, waiters, counters = reply
+        _, limit, declared, holders, waiters, counters, pinned, wanted = reply
         holder_infos = []
         for holder, expires, info in zip(holders[0::3], holders[1::3], holders[2::3]):
             slot, epoch, since, meta = info.split("\n", 3)
@@ -404,6 +411,8 @@ class RedisBackend(Backend):
             holders=tuple(sorted(holder_infos, key=lambda h: h.slot)),
             waiters=tuple(waiter_infos),  # the script returns them in admission order
             stats=stats.SemaphoreStats.from_fields(dict(zip(counters[0::2], counters[1::2]))),
+            pinned=pinned == 1,
+            newest_declared=None if wanted < 0 else wanted,
         )
 
     def names(self) -> List[str]:

@@ -1,5 +1,6 @@
 -- ARGV[4] holder, [5] declared limit, [6] ttl (us), [7] meta JSON, [8] wait (0/1),
--- [9] client id, [10] waiter ttl (us), [11] fair-share key ('' for none).
+-- [9] client id, [10] waiter ttl (us), [11] fair-share key ('' for none); the last: the
+-- start of the caller's process (us), which dates its declared limit (prelude's declare).
 -- Returns {1, slot, epoch, expires, now, limit} when admitted (or already holding), else
 -- {0, position (-1: not queued), retry_after (us, -1: nobody holds), now, limit}.
 local holder, declared_limit, ttl = ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6])
@@ -21,10 +22,10 @@ end
 local slot = 0
 while used[slot] do slot = slot + 1 end
 
--- The stored limit rules; the caller's declared limit only creates a new semaphore.
-local cfg = redis.call('HMGET', config, 'limit', 'touched', 'e:' .. slot)
-local limit = tonumber(cfg[1]) or declared_limit
-local touched = cfg[2]
+-- The limit in force (the newest declaration's unless pinned); a new semaphore's is ours.
+local limit = declare(declared_limit, tonumber(ARGV[#ARGV])) or declared_limit
+local cfg = redis.call('HMGET', config, 'touched', 'e:' .. slot)
+local touched = cfg[1]
 
 if mine then  -- a current holder gets its grant back unchanged
   local held_slot, epoch = string.match(mine, '^(%d+)\n(%d+)\n')
@@ -40,7 +41,7 @@ local rank, queued, round = place(holder, fair_key, before)
 
 if count + rank < limit and not twin then
   -- count < limit, so the lowest free slot is below the limit.
-  local epoch = grant(holder, slot, tonumber(cfg[3]) or 0, limit, declared_limit, ttl, meta,
+  local epoch = grant(holder, slot, tonumber(cfg[2]) or 0, limit, declared_limit, ttl, meta,
     queued, round, count, touched)
   wake(before)
   return {1, slot, epoch, now + ttl, now, limit}

@@ -5,7 +5,8 @@
 -- Cluster, where they hash to different slots: the backend uses the generic protocol there).
 -- ARGV[4] holder, [5] ttl (us), [6] meta JSON, [7] wait (0/1), [8] client id,
 -- [9] waiter ttl (us), [10] fair-share key ('' for none), [11] n; then for semaphore i:
--- ARGV[10 + 2i] its name, ARGV[11 + 2i] its declared limit.
+-- ARGV[10 + 2i] its name, ARGV[11 + 2i] its declared limit; the last: the start of the
+-- caller's process (us), which dates its declared limits (prelude's declare).
 -- Returns {1, now, {slot, epoch, expires, limit} for each} when admitted (or holding all),
 -- else {0, index of the refusing semaphore, position (-1: not queued),
 -- retry_after (us, -1: nobody holds it), its limit}.
@@ -40,10 +41,10 @@ for i = 1, n do
   local slot = 0
   while used[slot] do slot = slot + 1 end
   st.slot = slot
-  local cfg = redis.call('HMGET', config, 'limit', 'touched', 'e:' .. slot)
-  st.limit = tonumber(cfg[1]) or st.declared
-  st.touched = cfg[2]
-  st.last_epoch = tonumber(cfg[3]) or 0
+  st.limit = declare(st.declared, tonumber(ARGV[#ARGV])) or st.declared
+  local cfg = redis.call('HMGET', config, 'touched', 'e:' .. slot)
+  st.touched = cfg[1]
+  st.last_epoch = tonumber(cfg[2]) or 0
   local rank, queued, round = place(holder, fair_key, st.before)
   st.rank, st.queued, st.round = rank, queued, round
   st.ok = st.mine ~= nil or (st.count + rank < st.limit and not twin)

@@ -1,7 +1,9 @@
 -- Shared by every script (prepended at load time). The rules are model.py's State, in Lua.
 -- KEYS: the seven keys of one semaphore, all under one hash tag:
 --   config  hash  limit, ticket (last issued), touched (last TTL refresh), e:<slot> (fencing
---                 epoch), d:<limit> (declared limit, last seen)
+--                 epoch), d:<limit> (declared limit, last seen), pinned ('1': resize pinned
+--                 the limit), dl and ds (the newest declaration: its limit, and the start of
+--                 the process that made it, us; ds alone, 0: nobody declared yet)
 --   holders zset  holder -> lease expiry          hinfo hash  holder -> slot\nepoch\nsince\nmeta
 --   queue   zset  holder -> ticket (FIFO order)   wexp  zset  holder -> waiter expiry
 --   winfo   hash  holder -> client\nsince\nmeta
@@ -265,4 +267,30 @@ local function retry_after()
   local first = redis.call('ZRANGE', holders, 0, 0, 'WITHSCORES')
   if #first > 0 then return math.max(0, tonumber(first[2]) - now) end
   return -1
+end
+
+-- Limits follow the code (model.py's effective_limit and State.declare): the newest
+-- declaration (latest process start `stamp`, us, clamped to now; between equal stamps the
+-- latest call) is in force unless the limit is pinned. Returns the limit in force, nil when
+-- the semaphore does not exist yet (the caller creates it with `declared`). Writes only what
+-- changed. A config stored before limits followed the code (no 'ds') keeps its limit pinned
+-- when no caller declared it: an upgrade undoes no operator's resize.
+local function declare(declared, stamp)
+  local cfg = redis.call('HMGET', config, 'limit', 'pinned', 'dl', 'ds')
+  local limit, pinned, wanted, since = tonumber(cfg[1]), cfg[2] == '1', tonumber(cfg[3]),
+    tonumber(cfg[4])
+  stamp = math.min(stamp, now)
+  if limit and not since and not pinned and redis.call('HEXISTS', config, 'd:' .. limit) == 0 then
+    pinned = true
+    redis.call('HSET', config, 'pinned', '1')
+  end
+  if not wanted or stamp > since or (stamp == since and declared ~= wanted) then
+    wanted, since = declared, stamp
+    redis.call('HSET', config, 'dl', wanted, 'ds', int(since))
+  end
+  if limit and not pinned and limit ~= wanted then
+    limit = wanted
+    redis.call('HSET', config, 'limit', limit)
+  end
+  return limit
 end

@@ -1,10 +1,15 @@
 -- Read-only snapshot (waiters in admission order), hiding what pruning would remove: {now, limit, declared [limit, seen]...,
--- holders [holder, expiry, info]..., waiters [holder, ticket, info]...}, or false when the
--- semaphore is unknown.
+-- holders [holder, expiry, info]..., waiters [holder, ticket, info]..., counters,
+-- pinned (0/1), newest declared limit (-1: none)}, or false when the semaphore is unknown.
 local fields = redis.call('HGETALL', config)
 local limit = nil
 local declared_list = {}
+local pinned, wanted, since, seen = 0, -1, nil, {}
 for i = 1, #fields, 2 do
+  if string.sub(fields[i], 1, 2) == 'd:' then seen[string.sub(fields[i], 3)] = true end
+  if fields[i] == 'pinned' then pinned = 1
+  elseif fields[i] == 'dl' then wanted = tonumber(fields[i + 1])
+  elseif fields[i] == 'ds' then since = fields[i + 1] end
   if fields[i] == 'limit' then
     limit = fields[i + 1]
   elseif string.sub(fields[i], 1, 2) == 'd:' and tonumber(fields[i + 1]) >= now - idle_ms * 1000 then
@@ -13,6 +18,8 @@ for i = 1, #fields, 2 do
   end
 end
 if not limit then return false end
+-- stored before limits followed the code: pinned unless a caller declared its limit (declare)
+if not since and not seen[limit] then pinned = 1 end
 
 local holder_list = {}
 local live = redis.call('ZRANGEBYSCORE', holders, '(' .. int(now), '+inf', 'WITHSCORES')
@@ -52,4 +59,4 @@ if expired > 0 then
   table.insert(stat_list, 'expired')
   table.insert(stat_list, int(expired))
 end
-return {int(now), limit, declared_list, holder_list, waiter_list, stat_list}
+return {int(now), limit, declared_list, holder_list, waiter_list, stat_list, pinned, wanted}

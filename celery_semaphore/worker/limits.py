@@ -1,0 +1,108 @@
+"""Telling the operator when the limit in force is not the one this worker declares.
+
+Limits follow the code (:mod:`celery_semaphore.backends.base`, "Limits"): the newest
+declaration is in force unless an operator pinned the limit with ``resize``. A worker whose
+declared limit differs from a pinned one logs one WARNING naming both: for the plain names of
+its tasks when it starts, for the keys of a template the first time an attempt shows the
+difference; and one WARNING at start for a name two of its tasks declare different limits
+for. A difference that is not a pin (a process started later declares another limit:
+this worker runs old code, or tasks disagree) is logged once at INFO. Each name is looked at
+once per process (at most :data:`MAX_NAMES` of them).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Dict, List, Set, Union
+
+from ..autoinstall import guarded_tasks
+from ..backends.base import Attempt, Backend, MultiAttempt
+from ..guards import Guard, Guards
+from ..settings import Settings
+
+logger = logging.getLogger(__name__)
+
+#: Names a worker remembers having looked at; past it, no more looks (a template with
+#: millions of keys must not grow the worker's memory).
+MAX_NAMES = 10_000
+
+
+class LimitWatch:
+    """Looks at the limit in force of each name once, and logs a difference (module docs).
+    Thread-safe; :meth:`saw` costs nothing unless an attempt shows a difference."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self._seen: Set[str] = set()
+        self._lock = threading.Lock()
+
+    def at_start(self, app: Any) -> None:
+        """Look at the plain names (no template) of every guarded task of ``app``; warn when
+        two of its tasks declare different limits for one name (both are this process's
+        declarations, of one date: whichever ran last would be in force)."""
+        settings = Settings.from_app(app)
+        declared: Dict[str, Dict[int, List[str]]] = {}
+        for task_name, task in sorted(guarded_tasks(app).items()):
+            for name, limit in Guards.declared_limits(task.semaphore,
+                                                      getattr(task, "limit", None), settings):
+                if "{" not in name:
+                    declared.setdefault(name, {}).setdefault(limit, []).append(task_name)
+        for name, by_limit in declared.items():
+            if len(by_limit) > 1:
+                which = "; ".join(f"{limit}: {', '.join(tasks)}"
+                                  for limit, tasks in sorted(by_limit.items()))
+                logger.warning(
+                    "celery-semaphore: semaphore %r: tasks declare different limits (%s): the "
+                    "one that runs last sets the limit in force; declare one limit (e.g. in "
+                    "semaphore_limits)", name, which)
+            self.look(name, max(by_limit))
+
+    def saw(self, guard: Guard, attempt: Union[Attempt, MultiAttempt]) -> None:
+        """After an acquire attempt of ``guard``: look at each name whose limit in force (as
+        the attempt reports it) is not the declared one. Never raises: only a log line is at
+        stake, on the thread that makes the worker's backend calls."""
+        try:
+            self._saw(guard, attempt)
+        except Exception:
+            logger.debug("celery-semaphore: comparing limits failed", exc_info=True)
+
+    def _saw(self, guard: Guard, attempt: Union[Attempt, MultiAttempt]) -> None:
+        for name, declared in guard.pairs:
+            if isinstance(attempt, MultiAttempt):
+                in_force = attempt.limits.get(name) if attempt.grants is not None else (
+                    attempt.limit if attempt.blocking == name else None)
+            else:
+                in_force = attempt.limit
+            if in_force is not None and in_force != declared and name not in self._seen:
+                self.look(name, declared)
+
+    def look(self, name: str, declared: int) -> None:
+        """Read ``name``'s status once and log a difference from ``declared``. An unknown
+        name is looked at again later (its first acquire creates it)."""
+        with self._lock:
+            if name in self._seen or len(self._seen) >= MAX_NAMES:
+                return
+        try:
+            status = self.backend.status(name)
+        except Exception as exc:  # only a log line is at stake
+            logger.debug("celery-semaphore: no status of %r to compare limits: %s", name, exc)
+            return
+        if status is None:
+            return
+        with self._lock:
+            if name in self._seen:
+                return
+            self._seen.add(name)
+        if status.limit == declared:
+            return
+        if status.pinned:
+            logger.warning(
+                "celery-semaphore: semaphore %r: limit %d is pinned (celery semaphore resize); "
+                "this worker declares %d, which is not in force until `celery semaphore resize "
+                "%s --unpin`", name, status.limit, declared, name)
+        else:
+            logger.info(
+                "celery-semaphore: semaphore %r: limit %d is in force, declared by a process "
+                "started after this one; this worker declares %d", name, status.limit,
+                declared)
