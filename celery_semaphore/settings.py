@@ -53,6 +53,16 @@ class Settings:
     on_full: str = "wait"
     fair_by: Optional[str] = None
     metrics_top: int = 10
+    #: Units of the limit a task holds: an int, or a template over its parameters.
+    cost: Any = 1
+    #: Starts per period (``"100/s"``) allowed cluster-wide, per semaphore; None: no rate.
+    rate: Optional[str] = None
+    #: Starts a rate allows at once.
+    burst: int = 1
+    #: Admission priority within a semaphore (higher first).
+    priority: int = 0
+    #: Fair-share weights: a dict from fair keys (``"*"``: the others) or a template.
+    fair_weights: Any = None
 
     @classmethod
     def from_app(cls, app: Any) -> "Settings":
@@ -232,6 +242,19 @@ def validate(key: str, field_name: str, value: Any) -> Any:
         return value
     if field_name == "fair_by":
         return validate_fair_by(key, value)
+    if field_name in ("cost", "rate", "burst", "priority", "fair_weights"):
+        from . import traffic
+
+        if field_name == "cost":
+            return traffic.validate_cost(value, key)
+        if field_name == "rate":
+            traffic.parse_rate(value, key)
+            return value
+        if field_name == "burst":
+            return traffic.validate_burst(value, key)
+        if field_name == "priority":
+            return traffic.validate_priority(value, key)
+        return traffic.validate_fair_weights(value, key)
     if field_name == "on_full":
         if value not in ON_FULL_POLICIES:
             raise ConfigurationError(

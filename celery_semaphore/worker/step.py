@@ -14,6 +14,7 @@ from ..backends.base import Backend
 from ..exceptions import ConfigurationError
 from ..guards import Guards, check_options
 from ..settings import Settings, lookup
+from ..traffic import options_used
 from .gate import Gate
 
 logger = logging.getLogger(__name__)
@@ -63,14 +64,18 @@ class SemaphoreStep(bootsteps.StartStopStep):
 
 
 def check_tasks(app: Any, settings: Settings, backend: Backend) -> None:
-    """Fail worker start on a task whose semaphore options are wrong, naming the task, or on a
-    lease TTL the backend would outlast (``Backend.max_lease_ttl``), naming the setting."""
+    """Fail worker start on a task whose semaphore options are wrong, naming the task, on a
+    lease TTL the backend would outlast (``Backend.max_lease_ttl``), naming the setting, or on
+    a traffic option the backend cannot apply (``Backend.check_traffic``), naming both."""
     _check_lease_ttl(lookup(app, "semaphore_lease_ttl")[1], settings.lease_ttl, backend)
     for name, task in guarded_tasks(app).items():
         check_options({key: getattr(task, key) for key in dir(type(task))
                        if key in ("semaphore", "limit") or key.startswith("semaphore_")}, name)
         try:
-            _check_lease_ttl("semaphore_lease_ttl", settings.for_task(task).lease_ttl, backend)
+            own = settings.for_task(task)
+            _check_lease_ttl("semaphore_lease_ttl", own.lease_ttl, backend)
+            backend.check_traffic(options_used(own.cost, own.rate, own.priority,
+                                               own.fair_weights))
         except ConfigurationError as exc:
             raise ConfigurationError(f"task {name}: {exc}") from None
 
