@@ -1,0 +1,221 @@
+"""The traffic rules (costs, priorities, rates, fair-share weights) over every backend.
+
+Concurrency and rates are checked by external probes (shared-memory counters and start times
+taken by the contenders), never by the library's bookkeeping. RabbitMQ's backends refuse costs
+and rates (they cannot apply them atomically): they must say so, naming the backend.
+"""
+
+import random
+import threading
+import time
+
+import pytest
+
+from celery_semaphore import ConfigurationError
+from tests.test_contract import FORK, start_waiter
+from tests.util import wait_until
+
+REFUSE_COST_AND_RATE = ("amqp", "amqp+slots")
+
+
+class UnitProbe:
+    """Units held right now, as the holders say (shared memory); the highest seen."""
+
+    def __init__(self):
+        self.lock = FORK.Lock()
+        self.current = FORK.Value("i", 0, lock=False)
+        self.highest = FORK.Value("i", 0, lock=False)
+
+    def add(self, units):
+        with self.lock:
+            self.current.value += units
+            self.highest.value = max(self.highest.value, self.current.value)
+
+
+def _refused(spec, **acquire):
+    sem = spec.semaphore("refused", 4, rate=acquire.pop("rate", None))
+    with pytest.raises(ConfigurationError, match="Backend .*cannot apply"):
+        sem.acquire(timeout=5, **acquire)
+    assert sem.status().held == 0 and sem.status().waiting == 0
+
+
+def test_cost_storm_units_held_never_exceed_the_limit(spec):
+    """Contenders of cost 1, 2 or 4 on a limit-8 semaphore: the probe's units never pass 8,
+    and reach at least 6 (tasks do run side by side)."""
+    if spec.kind in REFUSE_COST_AND_RATE:
+        return _refused(spec, cost=2)
+    limit, workers, rounds = 8, 12, 4
+    probe = UnitProbe()
+    errors = FORK.Value("i", 0)
+
+    def contender(seed):
+        rng = random.Random(seed)
+        sem = spec.semaphore("units", limit, ttl=30, poll_interval=0.5)
+        try:
+            for _ in range(rounds):
+                cost = rng.choice((1, 2, 4))
+                with sem.acquire(timeout=60, cost=cost):
+                    probe.add(cost)
+                    time.sleep(0.02)
+                    probe.add(-cost)
+        except Exception:
+            with errors.get_lock():
+                errors.value += 1
+            raise
+
+    kind = FORK.Process if spec.multiprocess else threading.Thread
+    runners = [kind(target=contender, args=(i,)) for i in range(workers)]
+    for r in runners:
+        r.start()
+    for r in runners:
+        r.join(120)
+    assert not any(r.is_alive() for r in runners)
+    assert errors.value == 0
+    assert probe.current.value == 0
+    assert 6 <= probe.highest.value <= limit, probe.highest.value
+    status = spec.semaphore("units", limit).status()
+    assert status.held == 0 and status.waiting == 0 and status.units == 0
+
+
+def test_a_big_waiter_blocks_those_behind_it_and_is_woken_when_its_units_free(spec):
+    """FIFO with costs: a cost-3 waiter that finds 1 unit free keeps a cost-1 newcomer out
+    (no starvation of big tasks); a release that frees its units wakes it at once (poll
+    interval 10 s), then the one behind it fits too."""
+    if spec.kind in REFUSE_COST_AND_RATE:
+        return _refused(spec, cost=3)
+    sem = spec.semaphore("bigfirst", 4, poll_interval=10)
+    first = sem.acquire(cost=3)
+    assert sem.status().units == 3
+    results = []
+    start_waiter(sem, results, "big", timeout=30, cost=3)
+    assert wait_until(lambda: sem.status().waiting == 1)
+    assert sem.try_acquire(cost=1) is None  # one unit is free, but "big" is ahead
+    start_waiter(sem, results, "small", timeout=30)
+    assert wait_until(lambda: sem.status().waiting == 2)
+    assert [w.meta.get("cost", 1) for w in sem.status().waiters] == [3, 1]
+    released_at = time.monotonic()
+    first.release()
+    assert wait_until(lambda: len(results) == 2, timeout=5)
+    # (once both fit, either may take its units first: "small" counts "big"'s as taken)
+    assert min(at for _, _, at in results) - released_at < 2.0  # woken, not polled
+    status = sem.status()
+    assert status.units == 4 and status.held == 2
+    for _, lease, _ in results:
+        lease.release()
+    assert sem.status().units == 0
+
+
+def test_a_cost_above_the_limit_is_refused_and_changes_nothing(spec):
+    sem = spec.semaphore("toobig", 4)
+    with pytest.raises(ConfigurationError, match="cost 5 is above the limit"):
+        sem.acquire(timeout=1, cost=5)
+    for bad in (0, -1, True, 1.5, "2"):
+        with pytest.raises(ConfigurationError, match="cost"):
+            sem.try_acquire(cost=bad)
+    if spec.kind in REFUSE_COST_AND_RATE:
+        return
+    sem.resize(2)  # the stored limit rules: a cost of 3 could never be admitted now
+    with pytest.raises(ConfigurationError, match="cost 3 is above the semaphore's limit"):
+        sem.acquire(timeout=1, cost=3)
+    status = sem.status()
+    assert status.held == 0 and status.waiting == 0
+
+
+def test_priorities_go_first_fifo_among_equals(spec):
+    sem = spec.semaphore("prio", 1, poll_interval=5)
+    holder = sem.acquire()
+    results = []
+    arrivals = [("a", 0), ("b", 0), ("c", 5), ("d", 1), ("e", 5), ("f", -2), ("g", 0)]
+    for count, (key, priority) in enumerate(arrivals, 1):
+        start_waiter(sem, results, key, timeout=30, priority=priority)
+        assert wait_until(lambda n=count: sem.status().waiting == n)
+    expected = ["c", "e", "d", "a", "b", "g", "f"]
+    assert [w.meta.get("priority", 0) for w in sem.status().waiters] == [5, 5, 1, 0, 0, 0, -2]
+    order = []
+    current = holder
+    for _ in arrivals:
+        current.release()
+        assert wait_until(lambda n=len(order): len(results) > n)
+        key, current, _ = results[len(order)]
+        order.append(key)
+    current.release()
+    assert order == expected
+
+
+def test_fair_weights_share_admissions_in_proportion(spec):
+    """gold (weight 3) and silver (weight 1) both waiting: three gold per silver."""
+    sem = spec.semaphore("weights", 1, poll_interval=5)
+    holder = sem.acquire()
+    results = []
+    arrivals = [(f"g{i}", "gold", 3) for i in range(1, 7)] + \
+        [(f"s{i}", "silver", 1) for i in range(1, 4)]
+    for count, (key, tenant, weight) in enumerate(arrivals, 1):
+        start_waiter(sem, results, key, timeout=30, fair_key=tenant, fair_weight=weight)
+        assert wait_until(lambda n=count: sem.status().waiting == n)
+    order = []
+    current = holder
+    for _ in arrivals:
+        current.release()
+        assert wait_until(lambda n=len(order): len(results) > n)
+        key, current, _ = results[len(order)]
+        order.append(key)
+    current.release()
+    assert order == ["g1", "g2", "g3", "s1", "g4", "g5", "g6", "s2", "s3"]
+
+
+def test_rate_storm_starts_per_window_never_exceed_the_rate(spec):
+    """20 starts/s, burst 1, from contenders that release at once (the limit never binds):
+    the starts the contenders saw, in any window of one second (less 30 ms for the round
+    trip's jitter), number at most 20; all 36 starts take about 1.75 s (under 7 s on a slow
+    backend), paced by the rate and not by the 10 s poll interval (each held-back waiter
+    tries when its start is due)."""
+    if spec.kind in REFUSE_COST_AND_RATE:
+        return _refused(spec, rate="20/s")
+    total, workers = 36, 6
+    starts = FORK.Array("d", total)
+    count = FORK.Value("i", 0)
+
+    def contender():
+        sem = spec.semaphore("rated", 100, poll_interval=10, rate="20/s")
+        while True:
+            lease = sem.acquire(timeout=30)
+            with count.get_lock():
+                n = count.value
+                if n < total:
+                    starts[n] = time.monotonic()
+                count.value += 1
+            lease.release()
+            if n >= total - 1:
+                return
+
+    kind = FORK.Process if spec.multiprocess else threading.Thread
+    runners = [kind(target=contender) for _ in range(workers)]
+    for r in runners:
+        r.start()
+    assert wait_until(lambda: count.value >= total, timeout=30)
+    for r in runners:
+        r.join(30)
+    seen = sorted(starts[:total])
+    most = max(sum(1 for t in seen if s <= t < s + 0.97) for s in seen)
+    assert most <= 20, most
+    elapsed = seen[-1] - seen[0]
+    assert (total - 1) / 20 - 0.1 <= elapsed < 7, elapsed
+
+
+def test_the_rate_holds_no_slot_and_says_when_the_next_start_is_due(spec):
+    if spec.kind in REFUSE_COST_AND_RATE:
+        return _refused(spec, rate="1/m")
+    sem = spec.semaphore("slow", 5, rate="1/m")
+    first = sem.acquire(timeout=5)
+    backend = spec.backend()
+    attempt = backend.acquire("slow", "late", limit=5, ttl=30, wait=True,
+                              meta={"rate": [60.0, 1]})
+    assert attempt.grant is None and attempt.waits_for == "rate"
+    assert 50 < attempt.rate_due <= 60
+    assert 50 < backend.pause_after(attempt, 1.0) or backend.waiter_ttl / 3 < 50
+    status = sem.status()
+    assert status.held == 1 and status.waiting == 1  # waits, holds nothing
+    assert status.rate == (60.0, 1) and status.next_start > time.time() + 50
+    assert sem.try_acquire() is None
+    backend.abandon("slow", "late")
+    first.release()
