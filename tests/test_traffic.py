@@ -219,3 +219,77 @@ def test_the_rate_holds_no_slot_and_says_when_the_next_start_is_due(spec):
     assert sem.try_acquire() is None
     backend.abandon("slow", "late")
     first.release()
+
+
+# -- real workers ---------------------------------------------------------------------------
+
+
+def _units_at_once(spans):
+    """Most units held at once, from probe spans keyed ``gpu:<key>:<cost>``."""
+    points = sorted(point for key, runs in spans.items() for start, end in runs
+                    for point in ((start, int(key.rsplit(":", 1)[1])),
+                                  (end, -int(key.rsplit(":", 1)[1]))))
+    current = best = 0
+    for _, delta in points:
+        current += delta
+        best = max(best, current)
+    return best
+
+
+def test_workers_hold_units_not_slots_and_a_bad_cost_fails_its_task_alone(redis_url, tmp_path):
+    """Two workers x 4 processes, tasks of cost 1, 2 or 4 on a limit of 8: the probe's units
+    never pass 8 and every task runs once; a call whose template fills in a cost of 9 fails
+    alone, naming why."""
+    from tests import servers
+    from tests.test_worker import Cluster
+
+    cluster = Cluster(str(tmp_path), redis_url, servers.redis_broker(redis_url), redis_url)
+    try:
+        gpu = cluster.task("gpu")
+        rng = random.Random(7)
+        costs = [rng.choice((1, 2, 4)) for _ in range(24)]
+        results = [gpu.delay(cost, f"t{i}", 0.1) for i, cost in enumerate(costs)]
+        bad = gpu.delay(9, "bad")
+        assert sorted(r.get(timeout=60) for r in results) == sorted(f"t{i}"
+                                                                     for i in range(24))
+        with pytest.raises(ConfigurationError, match="above the limit"):
+            bad.get(timeout=30)
+        spans = cluster.probe.spans("gpu:")
+        assert all(len(runs) == 1 for runs in spans.values()) and len(spans) == 24
+        assert 5 <= _units_at_once(spans) <= 8
+    finally:
+        cluster.stop()
+
+
+def test_workers_keep_a_cluster_wide_rate_and_a_priority_goes_first(redis_url, tmp_path):
+    """semaphore_rate="20/s" over two workers (Celery's own rate_limit would be per worker):
+    60 starts, at most 20 in any window of one second (less 50 ms for the hand-off to the
+    pool), taking about 3 s. Then, behind a running task, three waiting tasks of priority 0
+    and one of priority 9 sent last: the priority-9 task runs next."""
+    from tests import servers
+    from tests.test_worker import Cluster
+
+    cluster = Cluster(str(tmp_path), redis_url, servers.redis_broker(redis_url), redis_url,
+                      workers=2, concurrency=6)
+    try:
+        paced = cluster.task("paced")
+        results = [paced.delay(f"p{i}") for i in range(60)]
+        assert sorted(r.get(timeout=60) for r in results) == sorted(f"p{i}" for i in range(60))
+        starts = sorted(runs[0][0] / 1e9 for runs in cluster.probe.spans("paced:").values())
+        most = max(sum(1 for t in starts if s <= t < s + 0.95) for s in starts)
+        assert most <= 20, most
+        assert 59 / 20 - 0.2 <= starts[-1] - starts[0] < 8, starts[-1] - starts[0]
+
+        ranked = cluster.task("ranked")
+        first = ranked.delay("first", 1.0)
+        assert wait_until(lambda: cluster.started("ranked:first"))
+        low = [ranked.delay(f"low{i}") for i in range(3)]
+        assert wait_until(lambda: cluster.backend.status("ranked").waiting == 3)
+        high = ranked.apply_async(("high",), headers={"semaphore_priority": 9})
+        assert wait_until(lambda: cluster.backend.status("ranked").waiting == 4)
+        for r in [first, high, *low]:
+            r.get(timeout=30)
+        order = sorted(cluster.probe.spans("ranked:").items(), key=lambda kv: kv[1][0][0])
+        assert [key for key, _ in order][:2] == ["ranked:first", "ranked:high"]
+    finally:
+        cluster.stop()
