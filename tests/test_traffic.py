@@ -293,3 +293,51 @@ def test_workers_keep_a_cluster_wide_rate_and_a_priority_goes_first(redis_url, t
         assert [key for key, _ in order][:2] == ["ranked:first", "ranked:high"]
     finally:
         cluster.stop()
+
+
+def test_redis_scripts_and_model_agree_on_random_traffic(redis_url):
+    """The rules are written twice (model.py, the Redis scripts): the same random sequence of
+    acquires (costs, priorities, fair keys and weights), releases and cancels gives the same
+    grants, the same queue order and the same units on both."""
+    from celery_semaphore.backends import get_backend
+    from tests import servers
+
+    memory = get_backend(f"memory://{servers.unique_tag()}")
+    redis_backend = get_backend(redis_url, key_prefix=f"{servers.unique_tag()}:")
+    rng = random.Random(28)
+    for round_ in range(6):
+        name, holders = f"mix{round_}", []
+        for step in range(60):
+            op = rng.random()
+            if op < 0.6 or not holders:
+                holder = f"h{step}"
+                meta = {}
+                if rng.random() < 0.5:
+                    meta["cost"] = rng.choice((2, 3))
+                if rng.random() < 0.4:
+                    meta["priority"] = rng.choice((-1, 1, 2))
+                if round_ % 2 and rng.random() < 0.8:
+                    meta["fair_key"] = rng.choice("abc")
+                    if rng.random() < 0.5:
+                        meta["fair_weight"] = rng.choice((2, 3))
+                holders.append((holder, meta))
+                answers = [b.acquire(name, holder, limit=5, ttl=60, meta=meta, wait=True)
+                           for b in (memory, redis_backend)]
+            else:
+                holder, meta = rng.choice(holders)
+                verb = rng.choice(("release", "cancel", "retry"))
+                for b in (memory, redis_backend):
+                    if verb == "retry":
+                        b.acquire(name, holder, limit=5, ttl=60, meta=meta, wait=True)
+                    else:
+                        getattr(b, verb)(name, holder)
+                answers = None
+            if answers:
+                assert [a.grant is not None for a in answers] == [answers[0].grant is not None] * 2
+                assert answers[0].position == answers[1].position, (round_, step)
+            mine, theirs = memory.status(name), redis_backend.status(name)
+            assert [w.holder for w in mine.waiters] == [w.holder for w in theirs.waiters], \
+                (round_, step)
+            assert {h.holder for h in mine.holders} == {h.holder for h in theirs.holders}
+            assert mine.units == theirs.units <= 5
+        redis_backend.reset(name)
