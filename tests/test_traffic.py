@@ -341,3 +341,85 @@ def test_redis_scripts_and_model_agree_on_random_traffic(redis_url):
             assert {h.holder for h in mine.holders} == {h.holder for h in theirs.holders}
             assert mine.units == theirs.units <= 5
         redis_backend.reset(name)
+
+
+# -- options: where they are written, eager calls ---------------------------------------------
+
+
+def _app(**conf):
+    from celery import Celery
+
+    app = Celery("traffic_test", set_as_current=False)
+    app.conf.update({"broker_url": "memory://", **conf})
+    return app
+
+
+@pytest.mark.parametrize("options, problem", [
+    ({"limit": 4, "semaphore_cost": 5}, "semaphore_cost 5 is above the limit"),
+    ({"limit": 4, "semaphore_cost": 0}, "semaphore_cost must be from 1"),
+    ({"limit": 4, "semaphore_cost": "gb"}, "integer or a template"),
+    ({"limit": 4, "semaphore_cost": "{}"}, "must name the task's parameters"),
+    ({"semaphore_rate": "fast"}, "count per period"),
+    ({"semaphore_rate": "0/s"}, "above 0"),
+    ({"semaphore_rate": "10/s", "semaphore_burst": 0}, "semaphore_burst must be from 1"),
+    ({"semaphore_priority": 1.5}, "semaphore_priority must be an integer"),
+    ({"semaphore_priority": 10**6}, "semaphore_priority must be from"),
+    ({"semaphore_fair_weights": {"gold": 0}}, "must be from 1"),
+    ({"semaphore_fair_weights": ["gold"]}, "must be a dict"),
+])
+def test_bad_traffic_options_are_refused_where_written(options, problem):
+    from celery_semaphore import task
+
+    with pytest.raises(ConfigurationError, match=problem):
+        task(semaphore="x", **options)
+
+
+def test_bad_traffic_headers_are_refused_in_the_caller():
+    from celery_semaphore.guards import check_call_headers
+
+    with pytest.raises(ConfigurationError, match="header 'semaphore_cost' 3 is above"):
+        check_call_headers({"semaphore_cost": 3, "semaphore_limit": 2})
+    with pytest.raises(ConfigurationError, match="header 'semaphore_cost' must be an integer"):
+        check_call_headers({"semaphore_cost": "{gb}"})
+    with pytest.raises(ConfigurationError, match="header 'semaphore_priority'"):
+        check_call_headers({"semaphore_priority": "high"})
+
+
+def test_rabbitmq_backends_refuse_cost_and_rate_at_worker_start():
+    from celery_semaphore.backends.rabbitmq.tokens import TokenBackend
+
+    backend = TokenBackend.__new__(TokenBackend)  # no connection: the check is static
+    backend.url = "amqp://guest:secret@127.0.0.1:5672//"
+    with pytest.raises(ConfigurationError, match="semaphore_cost, semaphore_rate: the "
+                                                 "TokenBackend backend .*cannot apply them"):
+        backend.check_traffic(["cost", "rate", "priority"], "task t: ")
+    backend.check_traffic(["priority", "fair_weight"])  # orderings of the registry: fine
+
+
+def test_eager_calls_hold_their_units_priority_and_rate():
+    """An eager call holds its cost in units, sends its priority and declares its rate, as a
+    worker would; a template cost above the limit fails the call, naming why."""
+    from celery_semaphore import current_lease, install
+    from celery_semaphore.backends import get_backend
+    from tests import servers
+
+    url = f"memory://{servers.unique_tag()}"
+    app = _app(semaphore_backend=url, task_always_eager=True)
+    install(app)
+    backend = get_backend(url, key_prefix="semaphore:")
+    seen = []
+
+    @app.task(semaphore="eager-gpu", limit=8, semaphore_cost="{gb}", semaphore_priority=3,
+              semaphore_rate="100/s", shared=False)
+    def body(gb):
+        status = backend.status("eager-gpu")
+        (holder,) = status.holders
+        assert holder.holder == current_lease().holder
+        seen.append((status.units, holder.meta.get("priority"), status.rate))
+        return gb
+
+    assert body.delay(5).get() == 5
+    assert seen == [(5, 3, (0.01, 1))]
+    assert backend.status("eager-gpu").units == 0
+    with pytest.raises(ConfigurationError, match="above the limit"):
+        body.delay(9).get()
