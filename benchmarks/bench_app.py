@@ -67,6 +67,13 @@ def paced(key, hold):
     body(key, hold)
 
 
+@app.task(semaphore="paced2", limit=100, semaphore_rate="50/s", semaphore_burst=2,
+          shared=False)
+def paced_burst(key, hold):
+    """W7 with a burst of 2: one interval of slack absorbs the hand-off latency."""
+    body(key, hold)
+
+
 @app.task(rate_limit="25/s", shared=False)
 def celery_paced(key, hold):
     """W7's baseline: Celery's own rate limit, per worker (two workers: 2 x 25/s)."""
