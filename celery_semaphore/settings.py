@@ -271,18 +271,11 @@ def validate(key: str, field_name: str, value: Any) -> Any:
 def validate_fair_by(key: str, value: Any) -> Optional[str]:
     """``semaphore_fair_by``: None, or a template over the task's parameters with at least one
     field (``"{customer_id}"``): a constant would put every call under one key."""
-    import string
+    from .traffic import check_template
 
     if value is None:
         return None
     if not isinstance(value, str):
         raise ConfigurationError(f"{key} must be a template string such as "
                                  f"'{{customer_id}}', not {value!r}")
-    try:
-        fields_ = [f for _, f, _, _ in string.Formatter().parse(value) if f is not None]
-    except ValueError as exc:
-        raise ConfigurationError(f"{key} {value!r} is not a valid template: {exc}") from None
-    if not fields_ or any(not f or f[0].isdigit() for f in fields_):
-        raise ConfigurationError(f"{key} {value!r} must name the task's parameters, "
-                                 "e.g. '{customer_id}'")
-    return value
+    return check_template(value, key, "{customer_id}")

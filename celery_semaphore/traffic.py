@@ -37,14 +37,16 @@ def is_template(value: Any) -> bool:
     return isinstance(value, str) and "{" in value
 
 
-def _template(value: str, what: str) -> str:
+def check_template(value: str, what: str, example: str = "{gigabytes}") -> str:
+    """``value`` if it is a template naming at least one of the task's parameters (a constant
+    would give every call the same value), else ConfigurationError."""
     try:
         names = [f for _, f, _, _ in string.Formatter().parse(value) if f is not None]
     except ValueError as exc:
         raise ConfigurationError(f"{what} {value!r} is not a valid template: {exc}") from None
     if not names or any(not f or f[0].isdigit() for f in names):
         raise ConfigurationError(f"{what} {value!r} must name the task's parameters, "
-                                 "e.g. '{gigabytes}'")
+                                 f"e.g. '{example}'")
     return value
 
 
@@ -56,7 +58,7 @@ def validate_cost(value: Any, what: str = "semaphore_cost",
         if not is_template(value):
             raise ConfigurationError(f"{what} must be an integer or a template such as "
                                      f"'{{gigabytes}}', not {value!r}")
-        return _template(value, what)
+        return check_template(value, what)
     cost = _int(value, what, 1, MAX_LIMIT)
     if limit is not None and cost > limit:
         raise ConfigurationError(f"{what} {cost} is above the limit ({limit}): the task "
@@ -105,7 +107,7 @@ def validate_fair_weights(value: Any, what: str = "semaphore_fair_weights") -> A
     if value is None:
         return None
     if isinstance(value, str):
-        return _template(value, what)
+        return check_template(value, what)
     if not isinstance(value, dict) or not value:
         raise ConfigurationError(f"{what} must be a dict such as {{'gold': 3, '*': 1}} or a "
                                  f"template, not {value!r}")

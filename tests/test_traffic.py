@@ -32,6 +32,20 @@ class UnitProbe:
             self.highest.value = max(self.highest.value, self.current.value)
 
 
+def admission_order(holder, results, count):
+    """Release ``holder``, then each waiter as soon as it is admitted: the waiters' keys in
+    the order they were admitted (``results`` filled by :func:`start_waiter`)."""
+    order = []
+    current = holder
+    for _ in range(count):
+        current.release()
+        assert wait_until(lambda n=len(order): len(results) > n)
+        key, current, _ = results[len(order)]
+        order.append(key)
+    current.release()
+    return order
+
+
 def _refused(spec, **acquire):
     sem = spec.semaphore("refused", 4, rate=acquire.pop("rate", None))
     with pytest.raises(ConfigurationError, match="Backend .*cannot apply"):
@@ -131,15 +145,7 @@ def test_priorities_go_first_fifo_among_equals(spec):
         assert wait_until(lambda n=count: sem.status().waiting == n)
     expected = ["c", "e", "d", "a", "b", "g", "f"]
     assert [w.meta.get("priority", 0) for w in sem.status().waiters] == [5, 5, 1, 0, 0, 0, -2]
-    order = []
-    current = holder
-    for _ in arrivals:
-        current.release()
-        assert wait_until(lambda n=len(order): len(results) > n)
-        key, current, _ = results[len(order)]
-        order.append(key)
-    current.release()
-    assert order == expected
+    assert admission_order(holder, results, len(arrivals)) == expected
 
 
 def test_fair_weights_share_admissions_in_proportion(spec):
@@ -152,15 +158,8 @@ def test_fair_weights_share_admissions_in_proportion(spec):
     for count, (key, tenant, weight) in enumerate(arrivals, 1):
         start_waiter(sem, results, key, timeout=30, fair_key=tenant, fair_weight=weight)
         assert wait_until(lambda n=count: sem.status().waiting == n)
-    order = []
-    current = holder
-    for _ in arrivals:
-        current.release()
-        assert wait_until(lambda n=len(order): len(results) > n)
-        key, current, _ = results[len(order)]
-        order.append(key)
-    current.release()
-    assert order == ["g1", "g2", "g3", "s1", "g4", "g5", "g6", "s2", "s3"]
+    assert admission_order(holder, results, len(arrivals)) == \
+        ["g1", "g2", "g3", "s1", "g4", "g5", "g6", "s2", "s3"]
 
 
 def test_rate_storm_starts_per_window_never_exceed_the_rate(spec):
