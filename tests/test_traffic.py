@@ -422,3 +422,22 @@ def test_eager_calls_hold_their_units_priority_and_rate():
     assert backend.status("eager-gpu").units == 0
     with pytest.raises(ConfigurationError, match="above the limit"):
         body.delay(9).get()
+
+
+def test_a_set_of_semaphores_holds_the_cost_in_each_and_refuses_one_too_big(spec):
+    """Under several semaphores the cost is held in each of them; a cost above any one's
+    limit is refused and leaves nothing held or queued in any."""
+    from celery_semaphore import acquire_all
+
+    if spec.kind in REFUSE_COST_AND_RATE:
+        return _refused(spec, cost=2)
+    wide, narrow = spec.semaphore("set-wide", 6), spec.semaphore("set-narrow", 3)
+    group = acquire_all([wide, narrow], timeout=5, meta={"cost": 2})
+    assert (wide.status().units, narrow.status().units) == (2, 2)
+    assert narrow.try_acquire(cost=2) is None  # 2 + 2 > 3
+    group.release()
+    with pytest.raises(ConfigurationError, match="cost 4 is above"):
+        acquire_all([wide, narrow], timeout=1, meta={"cost": 4})
+    for sem in (wide, narrow):
+        status = sem.status()
+        assert status.held == 0 and status.waiting == 0 and status.units == 0

@@ -28,8 +28,11 @@ local cfg = redis.call('HMGET', config, 'limit', 'touched', 'e:' .. slot, 'xh', 
   'tat')
 local limit = tonumber(cfg[1]) or declared_limit
 local touched = cfg[2]
+-- a cost the limit could never admit: refused before anything is stored
+if (tonumber(ARGV[12]) or 1) > limit then
+  return redis.error_reply('COST ' .. ARGV[12] .. ' ' .. limit)
+end
 local tr = traffic(12, {cfg[4], cfg[5], cfg[6], cfg[7], cfg[8]})
-if tr.cost > limit then return redis.error_reply('COST ' .. tr.cost .. ' ' .. limit) end
 
 if mine then  -- a current holder gets its grant back unchanged
   local held_slot, epoch = string.match(mine, '^(%d+)\n(%d+)\n')

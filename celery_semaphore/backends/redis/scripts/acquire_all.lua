@@ -23,6 +23,16 @@ local function use(i)
   name = ARGV[10 + 2 * i]
 end
 
+-- A cost some limit could never admit: refused before anything is stored.
+local cost = tonumber(ARGV[12 + 2 * n]) or 1
+if cost > 1 then
+  for i = 1, n do
+    use(i)
+    local limit = tonumber(redis.call('HGET', config, 'limit')) or tonumber(ARGV[11 + 2 * i])
+    if cost > limit then return redis.error_reply('COST ' .. cost .. ' ' .. limit) end
+  end
+end
+
 -- First every semaphore's standing, as acquire.lua finds it, changing nothing but the pruning.
 local s = {}
 local blocking = nil
@@ -47,9 +57,6 @@ for i = 1, n do
   st.touched = cfg[2]
   st.last_epoch = tonumber(cfg[3]) or 0
   st.tr = traffic(12 + 2 * n, {cfg[4], cfg[5], cfg[6], cfg[7], cfg[8]})
-  if st.tr.cost > st.limit then
-    return redis.error_reply('COST ' .. st.tr.cost .. ' ' .. st.limit)
-  end
   local rank, queued, round, ahead = place(holder, fair_key, st.before, st.tr)
   st.rank, st.queued, st.round = rank, queued, round
   local admitted
