@@ -297,6 +297,8 @@ class Semaphore:
                     granted = True
                     return self._lease(holder, attempt.grant, requested_at, meta, attempt.limit)
                 pause = self.backend.pause_after(attempt, self.poll_interval)
+                if attempt.rate_due is not None:  # due from the backend's decision: count
+                    pause = max(0.0, pause - (time.monotonic() - requested_at))  # from the send
                 if deadline is not None:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:

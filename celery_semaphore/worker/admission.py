@@ -223,7 +223,13 @@ class Admission:
             waiter.position, waiter.blocking = attempt.position, blocking
             waiter.waits_for = waits_for
             self.gate.reporting.waiting(waiter, attempt.position, attempt.limit)
-        self._send(waiter, delay=self.backend.pause_after(attempt, settings.poll_interval))
+        pause = self.backend.pause_after(attempt, settings.poll_interval)
+        if getattr(attempt, "rate_due", None) is not None:
+            # Due counts from when the backend decided, which was after the attempt was sent:
+            # count from the send, so the next try reaches it as its start falls due rather
+            # than a round trip later (each late start delays every later one).
+            pause = max(0.0, pause - (time.monotonic() - answer.requested_at))
+        self._send(waiter, delay=pause)
 
     def _late_answer(self, waiter: Waiter, answer: Answer, current: bool) -> None:
         """An answer to an attempt sent before the waiter left the backend's queue (the I/O
