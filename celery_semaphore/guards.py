@@ -298,9 +298,10 @@ class Guards:
                         ) -> Sequence[Tuple[str, Any]]:
         """``(template, limit)`` of each template a task's ``semaphore`` option lists, the
         limit as far as the templates alone tell (for the worker's start-up line)."""
+        unlimited = MAX_LIMIT if settings.rate is not None else settings.default_limit
         return [(template, settings.limits.get(template)
                  or (task_limit.get(template) if isinstance(task_limit, dict) else task_limit)
-                 or settings.default_limit) for template in templates_of(option)]
+                 or unlimited) for template in templates_of(option)]
 
     def fill(self, template: str, task: Any, args: Any, kwargs: Any,
              what: str = "semaphore template") -> str:

@@ -87,14 +87,19 @@ def _check_lease_ttl(key: str, ttl: float, backend: Backend) -> None:
 
 
 def describe_guarded(app: Any) -> str:
-    """``name (semaphore 'x', limit 4)`` for each guarded task, comma-separated."""
+    """``name (semaphore 'x', limit 4)`` for each guarded task, comma-separated (with its
+    cost, rate and priority when not the defaults)."""
     settings = Settings.from_app(app)
     parts = []
     for name, task in guarded_tasks(app).items():
         described = []
+        own = settings.for_task(task)
         for template, limit in Guards.declared_limits(task.semaphore,
-                                                      getattr(task, "limit", None), settings):
+                                                      getattr(task, "limit", None), own):
             kind = "template" if "{" in template else "semaphore"
             described.append(f"{kind} {template!r}, limit {limit}")
-        parts.append(f"{name} ({'; '.join(described)})")
+        traffic = [f"{what} {value}" for what, value, default in (
+            ("cost", own.cost, 1), ("rate", own.rate, None), ("priority", own.priority, 0))
+            if value != default]
+        parts.append(f"{name} ({'; '.join(described + traffic)})")
     return ", ".join(parts)
