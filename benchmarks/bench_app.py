@@ -2,7 +2,9 @@
 
 ``BENCH_LIMIT`` is the limit of ``gated`` (and ``diy``); ``tenant`` is guarded by the template
 ``tenant:{tenant}``, limit 2, with ``tenant:hot`` at 1 (workload W3); ``fair`` by
-``semaphore_fair_by="{tenant}"``, limit 4, and ``unfair``, the same in FIFO (W5).
+``semaphore_fair_by="{tenant}"``, limit 4, and ``unfair``, the same in FIFO (W5); ``paced``
+by ``semaphore_rate="50/s"`` and ``celery_paced`` by Celery's ``rate_limit="25/s"`` (W7);
+``weighted`` by ``semaphore_cost="{cost}"``, limit 8 (W8).
 """
 
 import os
@@ -56,6 +58,31 @@ def fair(tenant, key, hold):
 @app.task(semaphore="unfair", limit=4, shared=False)
 def unfair(tenant, key, hold):
     """W5's "today": the same semaphore without ``semaphore_fair_by`` (FIFO)."""
+    body(key, hold)
+
+
+@app.task(semaphore="paced", limit=100, semaphore_rate="50/s", shared=False)
+def paced(key, hold):
+    """W7: at most 50 starts a second, cluster-wide (limit 100: the rate binds)."""
+    body(key, hold)
+
+
+@app.task(semaphore="paced2", limit=100, semaphore_rate="50/s", semaphore_burst=2,
+          shared=False)
+def paced_burst(key, hold):
+    """W7 with a burst of 2: one interval of slack absorbs the hand-off latency."""
+    body(key, hold)
+
+
+@app.task(rate_limit="25/s", shared=False)
+def celery_paced(key, hold):
+    """W7's baseline: Celery's own rate limit, per worker (two workers: 2 x 25/s)."""
+    body(key, hold)
+
+
+@app.task(semaphore="weighted", limit=8, semaphore_cost="{cost}", shared=False)
+def weighted(cost, key, hold):
+    """W8: holds ``cost`` units of a limit of 8."""
     body(key, hold)
 
 

@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 import click
 
 from .backends import get_backend
-from .backends.base import Backend, SemaphoreStatus
+from .backends.base import Backend, SemaphoreStatus, cost_of, priority_of
 from .exceptions import (
     BrokerUnavailable,
     ConfigurationError,
@@ -48,7 +48,7 @@ def list_semaphores(backend: Backend) -> List[Dict[str, Any]]:
         if status is not None:  # reset or expired since names() listed it
             rows.append({"name": name, "limit": status.limit, "pinned": status.pinned,
                          "declared": sorted(status.declared), "held": status.held,
-                         "waiting": status.waiting})
+                         "units": status.units, "waiting": status.waiting})
     return rows
 
 
@@ -191,21 +191,30 @@ def render_status(status: SemaphoreStatus, now: Optional[float] = None,
         f"  held      {status.held}",
         f"  waiting   {status.waiting}",
     ]
+    if status.units != status.held:
+        lines.insert(5, f"  units     {status.units} of {status.limit} (holders' costs)")
+    if status.rate is not None:
+        interval, burst = status.rate
+        due = status.next_start
+        lines.append(f"  rate      {1 / interval:g}/s, burst {burst}; next start "
+                     + ("now" if due is None or due <= now else relative(due, now)))
     if parked is not None:
         lines.append(f"  parked    {parked}")
     lines += [f"  note: {note}" for note in limit_notes(status)]
     if status.holders:
         lines += ["", "  holders:"] + table(
-            ("HOLDER", "TOKEN", "TASK ID", "WORKER", "SINCE", "EXPIRES"),
-            [(h.holder, str(h.token), h.meta.get("task_id", "-"), h.meta.get("worker", "-"),
-              relative(h.since, now), relative(h.expires_at, now)) for h in status.holders],
-            indent="    ")
+            ("HOLDER", "TOKEN", "COST", "TASK ID", "WORKER", "SINCE", "EXPIRES"),
+            [(h.holder, str(h.token), cost_of(h.meta), h.meta.get("task_id", "-"),
+              h.meta.get("worker", "-"), relative(h.since, now), relative(h.expires_at, now))
+             for h in status.holders],
+            right=(2,), indent="    ")
     if status.waiters:
         lines += ["", "  waiters, in admission order:"] + table(
-            ("#", "HOLDER", "TASK ID", "WORKER", "SINCE"),
-            [(i, w.holder, w.meta.get("task_id", "-"), w.meta.get("worker", "-"),
-              relative(w.since, now)) for i, w in enumerate(status.waiters)],
-            right=(0,), indent="    ")
+            ("#", "HOLDER", "PRIORITY", "COST", "TASK ID", "WORKER", "SINCE"),
+            [(i, w.holder, priority_of(w.meta), cost_of(w.meta), w.meta.get("task_id", "-"),
+              w.meta.get("worker", "-"), relative(w.since, now))
+             for i, w in enumerate(status.waiters)],
+            right=(0, 2, 3), indent="    ")
     return "\n".join(lines)
 
 
@@ -226,7 +235,9 @@ def _where_waiting(request: Mapping[str, Any]) -> str:
         return "in the worker's line (no free pool process yet)"
     if request.get("position") is None:
         return "entering the backend's queue"
-    return f"position {request['position']} at its last try"
+    why = {"units": ", waiting for units", "rate": ", waiting for the rate"}.get(
+        request.get("waits_for") or "", "")
+    return f"position {request['position']} at its last try{why}"
 
 
 def _names(request: Mapping[str, Any]) -> str:
@@ -468,11 +479,11 @@ def list_(obj: Context, as_json: bool) -> None:
     parked = obj.parked([r["name"] for r in rows])
     for row in rows:
         row["parked"] = parked.get(row["name"]) if parked is not None else None
-    human = table(("NAME", "LIMIT", "PINNED", "DECLARED", "HELD", "WAITING", "PARKED"),
+    human = table(("NAME", "LIMIT", "PINNED", "DECLARED", "HELD", "UNITS", "WAITING", "PARKED"),
                   [(r["name"], r["limit"], "pinned" if r["pinned"] else "-",
-                    ",".join(map(str, r["declared"])) or "-", r["held"], r["waiting"],
-                    "-" if r["parked"] is None else r["parked"]) for r in rows],
-                  right=(1, 4, 5, 6))
+                    ",".join(map(str, r["declared"])) or "-", r["held"], r["units"],
+                    r["waiting"], "-" if r["parked"] is None else r["parked"]) for r in rows],
+                  right=(1, 4, 5, 6, 7))
     _emit(as_json, rows, "\n".join(human) if rows else "no semaphores")
 
 

@@ -90,7 +90,7 @@ def acquire_for_eager(task: Any) -> None:
     semaphores = [Semaphore(name, limit, url, ttl=settings.lease_ttl,
                             poll_interval=settings.poll_interval, auto_renew=True,
                             key_prefix=settings.key_prefix) for name, limit in guard.pairs]
-    meta = {"task_id": request.id, "task": task.name}
+    meta = {"task_id": request.id, "task": task.name, **guard.traffic_meta()}
     lease: Any
     if settings.on_full == "wait":
         if guard.multi:

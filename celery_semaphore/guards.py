@@ -14,7 +14,14 @@ Task options (extra ``@app.task`` options become task class attributes):
   next of the sources below).
 * any ``semaphore_*`` setting, to override it for this task.
 
-Per call, ``apply_async(headers={"semaphore": "name", "semaphore_limit": 3})`` overrides both.
+Per call, ``apply_async(headers={"semaphore": "name", "semaphore_limit": 3})`` overrides both,
+and the headers ``semaphore_cost`` (an int) and ``semaphore_priority`` override those options.
+
+Traffic options (:mod:`.traffic`): ``semaphore_cost`` (units of the limit held, an int or a
+template), ``semaphore_rate`` with ``semaphore_burst`` (starts per period, per semaphore),
+``semaphore_priority``, ``semaphore_fair_weights``. A task with a rate and no limit from any
+source but ``semaphore_default_limit`` is limited in starts only (its semaphore is created
+with the largest limit).
 
 The limit a name is *declared* with is the first of: the ``semaphore_limit`` header,
 ``semaphore_limits[name]``, ``semaphore_limits[template]``, the task's ``limit`` (its entry for
@@ -32,8 +39,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from celery import shared_task
 
+from . import traffic
+from .backends.base import Meta
 from .exceptions import ConfigurationError
-from .names import validate_limit, validate_name, validate_template
+from .names import MAX_LIMIT, validate_limit, validate_name, validate_template
 from .settings import Settings
 from .settings import validate as validate_setting
 
@@ -52,6 +61,18 @@ class Guard:
     fair: Optional[str] = None
     #: ``(name, limit)`` of every further semaphore, in the order listed.
     also: Tuple[Tuple[str, int], ...] = ()
+    #: Units of each semaphore's limit the request holds.
+    cost: int = 1
+    #: Its admission priority (higher first).
+    priority: int = 0
+    #: ``(interval seconds, burst)`` of the rate it declares, or None.
+    rate: Optional[Tuple[float, int]] = None
+    #: Its fair-share weight.
+    weight: int = 1
+
+    def traffic_meta(self) -> Meta:
+        """The acquire ``meta`` entries for these options (empty when it uses none)."""
+        return traffic.traffic_meta(self.cost, self.priority, self.rate, self.weight)
 
     @property
     def multi(self) -> bool:
@@ -132,6 +153,12 @@ def check_options(options: Dict[str, Any], task_name: str = "") -> None:
                                      "its semaphores")
         elif options.get("limit") is not None:
             validate_limit(options["limit"])
+        cost, limit = options.get("semaphore_cost"), options.get("limit")
+        if isinstance(cost, int) and not isinstance(cost, bool):
+            limits = list(limit.values()) if isinstance(limit, dict) else [limit]
+            for one in limits:
+                if isinstance(one, int):
+                    traffic.validate_cost(cost, "semaphore_cost", one)
         known = {f"semaphore_{f.name}": f.name for f in fields(Settings)}
         for key, value in options.items():
             if not key.startswith("semaphore_") or value is None:
@@ -153,6 +180,14 @@ def check_call_headers(headers: Optional[Dict[str, Any]]) -> None:
         validate_template(headers["semaphore"], "header 'semaphore'")
     if headers.get("semaphore_limit") is not None:
         validate_limit(headers["semaphore_limit"], "header 'semaphore_limit'")
+    if headers.get("semaphore_cost") is not None:
+        limit = headers.get("semaphore_limit")
+        cost = traffic.validate_cost(headers["semaphore_cost"], "header 'semaphore_cost'",
+                                     limit if isinstance(limit, int) else None)
+        if not isinstance(cost, int):
+            raise ConfigurationError(f"header 'semaphore_cost' must be an integer, not {cost!r}")
+    if headers.get("semaphore_priority") is not None:
+        traffic.validate_priority(headers["semaphore_priority"], "header 'semaphore_priority'")
 
 
 _CHECKED = "_celery_semaphore_checks_options"
@@ -298,6 +333,8 @@ class Guards:
         if header_limit is not None:
             header_limit = validate_limit(header_limit, "header 'semaphore_limit'")
         task_limit = getattr(task, "limit", None)
+        # a rate with no limit of its own limits starts only
+        unlimited = MAX_LIMIT if settings.rate is not None else settings.default_limit
         pairs: Dict[str, int] = {}  # name -> limit, in the order listed
         for template in templates_of(option):
             name = validate_name(self.fill(template, task, args, kwargs))
@@ -307,20 +344,56 @@ class Guards:
                 settings.limits.get(name)
                 or settings.limits.get(template)
                 or (task_limit.get(template) if isinstance(task_limit, dict) else task_limit)
-                or settings.default_limit
+                or unlimited
             )
             pairs[name] = validate_limit(limit, f"limit of semaphore {name!r}")
         (name, limit), *also = pairs.items()
-        return Guard(name, limit, settings, fair, tuple(also))
+        return Guard(name, limit, settings, fair, tuple(also),
+                     **self.traffic(task, args, kwargs, headers, settings, fair, pairs))
+
+    def traffic(self, task: Any, args: Any, kwargs: Any, headers: Dict[str, Any],
+                settings: Settings, fair: Optional[str], pairs: Dict[str, int]
+                ) -> Dict[str, Any]:
+        """The traffic fields of a call's :class:`Guard` (only those that differ from the
+        defaults); ConfigurationError when a template fills in to a bad value (a cost that
+        is not an int from 1 to the limit of each semaphore, say)."""
+        out: Dict[str, Any] = {}
+        cost = headers.get("semaphore_cost")
+        if cost is None:
+            cost = settings.cost
+        if isinstance(cost, str):
+            text = self.fill(cost, task, args, kwargs, "semaphore_cost")
+            cost = traffic.filled_cost(text, f"task {task.name}: semaphore_cost {settings.cost!r}",
+                                       min(pairs.values()))
+        elif cost != 1:
+            cost = traffic.validate_cost(cost, f"task {task.name}: semaphore_cost",
+                                         min(pairs.values()))
+        if cost != 1:
+            out["cost"] = cost
+        priority = headers.get("semaphore_priority")
+        priority = settings.priority if priority is None else priority
+        if priority:
+            out["priority"] = priority
+        if settings.rate is not None:
+            out["rate"] = (traffic.parse_rate(settings.rate), settings.burst)
+        weights = settings.fair_weights
+        if weights is not None and fair is not None:
+            filled = (self.fill(weights, task, args, kwargs, "semaphore_fair_weights")
+                      if isinstance(weights, str) else None)
+            weight = traffic.weight_for(weights, fair, filled)
+            if weight != 1:
+                out["weight"] = weight
+        return out
 
     @staticmethod
     def declared_limits(option: Any, task_limit: Any, settings: Settings
                         ) -> Sequence[Tuple[str, Any]]:
         """``(template, limit)`` of each template a task's ``semaphore`` option lists, the
         limit as far as the templates alone tell (for the worker's start-up line)."""
+        unlimited = MAX_LIMIT if settings.rate is not None else settings.default_limit
         return [(template, settings.limits.get(template)
                  or (task_limit.get(template) if isinstance(task_limit, dict) else task_limit)
-                 or settings.default_limit) for template in templates_of(option)]
+                 or unlimited) for template in templates_of(option)]
 
     def fill(self, template: str, task: Any, args: Any, kwargs: Any,
              what: str = "semaphore template") -> str:

@@ -45,6 +45,10 @@ class Row:
     parked: Optional[int]  # in the broker's waiting room; None: not asked or unknown
     stats: SemaphoreStats
     keys: int = 1
+    #: Units of the limit held (the holders' costs; ``held`` without costs). None: unknown.
+    units: Optional[int] = None
+    #: With a rate: the backend time from which the next start is allowed.
+    next_start: Optional[float] = None
 
     @property
     def waiting_total(self) -> int:
@@ -71,7 +75,8 @@ class Snapshot:
             plain.append(Row(template, template, sum(r.limit for r in rows),
                              sum(r.held for r in rows), sum(r.waiting for r in rows),
                              sum(parked) if parked else None, total(r.stats for r in rows),
-                             keys=len(rows)))
+                             keys=len(rows),
+                             units=sum(r.held if r.units is None else r.units for r in rows)))
         return plain
 
     def top_keys(self, n: int) -> List[Row]:
@@ -151,7 +156,8 @@ def read_snapshot(backend: Backend, templates: Templates,
 
 def _row(status: SemaphoreStatus, template: str) -> Row:
     return Row(status.name, template, status.limit, status.held, status.waiting, None,
-               status.stats or SemaphoreStats())
+               status.stats or SemaphoreStats(), units=status.units,
+               next_start=status.next_start)
 
 
 # -- Prometheus ------------------------------------------------------------------------------
@@ -165,6 +171,11 @@ METRICS = {
     "celery_semaphore_keys": ("gauge", "Semaphores (keys) the backend knows, per template"),
     "celery_semaphore_limit": ("gauge", "Stored limit (a template: summed over its keys)"),
     "celery_semaphore_held": ("gauge", "Leases held now"),
+    "celery_semaphore_units": ("gauge", "Units of the limit held now (the holders' costs; "
+                                        "equal to held where every cost is 1)"),
+    "celery_semaphore_rate_next_start_seconds": ("gauge", "Seconds until the semaphore's rate "
+                                                          "allows its next start (0: now); "
+                                                          "semaphores with a rate only"),
     "celery_semaphore_waiting": ("gauge", "Requests waiting now: where=worker (in the "
                                           "backend's queue, held by a worker), where=parked "
                                           "(in the broker's waiting room)"),
@@ -228,6 +239,9 @@ class Collector:
         limit, held = family("celery_semaphore_limit", labels), family("celery_semaphore_held",
                                                                        labels)
         waiting = family("celery_semaphore_waiting", labels + ("where",))
+        units = family("celery_semaphore_units", labels)
+        next_start = family("celery_semaphore_rate_next_start_seconds", labels)
+        wall = time.time()
         counters = {c: family(f"celery_semaphore_{c}_total", labels)
                     for c in ("acquired", "expired", "lost", "requeued")}
         parked_total = family("celery_semaphore_parked_total", labels + ("by",))
@@ -242,6 +256,9 @@ class Collector:
             ids = [row.name, row.template]
             limit.add_metric(ids, row.limit)
             held.add_metric(ids, row.held)
+            units.add_metric(ids, row.held if row.units is None else row.units)
+            if row.next_start is not None:
+                next_start.add_metric(ids, max(0.0, row.next_start - wall))
             waiting.add_metric(ids + ["worker"], row.waiting)
             if row.parked is not None:
                 waiting.add_metric(ids + ["parked"], row.parked)
@@ -251,7 +268,8 @@ class Collector:
             parked_total.add_metric(ids + ["send"], row.stats["parked_send"])
             wait.add_metric(ids, list(row.stats.wait.cumulative()), row.stats.wait.total)
             hold.add_metric(ids, list(row.stats.hold.cumulative()), row.stats.hold.total)
-        yield from (keys, limit, held, waiting, *counters.values(), parked_total, wait, hold)
+        yield from (keys, limit, held, units, next_start, waiting, *counters.values(),
+                    parked_total, wait, hold)
         key_limit = family("celery_semaphore_key_limit", labels)
         key_held = family("celery_semaphore_key_held", labels)
         key_waiting = family("celery_semaphore_key_waiting", labels + ("where",))

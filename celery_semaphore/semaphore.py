@@ -204,6 +204,10 @@ class Semaphore:
     :param meta: JSON-able data shown to operators with each lease (``status``).
     :param auto_renew: renew every lease in the background every third of its TTL and call
         its ``on_lost`` callbacks when a renewal finds it gone.
+    :param rate: at most that many starts (grants) per period, cluster-wide, on the backend's
+        clock (``"100/s"``, ``"30/m"``, ``"1000/h"``); ``burst`` starts at once (default 1).
+        The rate is the semaphore's: the latest caller that declares one sets it
+        (:mod:`.backends.base`, "Rate").
     :param options: passed to the backend (``key_prefix``, ``waiter_ttl``, ``idle_ttl``, and
         each backend's own, e.g. Redis's ``socket_timeout``).
     :raises ConfigurationError: for any invalid argument, before anything is sent.
@@ -219,10 +223,18 @@ class Semaphore:
         poll_interval: float = DEFAULT_POLL_INTERVAL,
         meta: Optional[Meta] = None,
         auto_renew: bool = False,
+        rate: Optional[str] = None,
+        burst: int = 1,
         **options: Any,
     ) -> None:
+        from . import traffic
+
         self.name = validate_name(name)
         self.limit = validate_limit(limit)
+        interval = traffic.parse_rate(rate, "rate")
+        #: ``(interval seconds, burst)`` of the rate this caller declares, or None.
+        self.rate = None if interval is None else (interval, traffic.validate_burst(burst,
+                                                                                    "burst"))
         self.ttl = validate_ttl(ttl)
         self.poll_interval = _positive_seconds(poll_interval, "poll_interval")
         self.meta = dict(meta or {})
@@ -249,7 +261,8 @@ class Semaphore:
         return lease
 
     def acquire(self, timeout: Optional[float] = None, *, meta: Optional[Meta] = None,
-                task_id: Optional[str] = None, fair_key: Optional[str] = None) -> Lease:
+                task_id: Optional[str] = None, fair_key: Optional[str] = None,
+                cost: int = 1, priority: int = 0, fair_weight: int = 1) -> Lease:
         """Block until a slot is free and return its lease.
 
         Raises :class:`SemaphoreTimeout` when ``timeout`` seconds pass first (the caller then
@@ -257,7 +270,9 @@ class Semaphore:
         ``task_id``, no lease is granted while another lease of the same task id is held (a
         duplicate delivery waits for its twin, keeping its place in line). With ``fair_key``
         (a tenant, say) the semaphore serves its waiters round-robin across keys, FIFO within
-        one (:mod:`.backends.base`, "Fair shares").
+        one (:mod:`.backends.base`, "Fair shares"), ``fair_weight`` waiters of this key per
+        round. ``cost``: the units of the limit this lease holds (1 to the limit); ``priority``:
+        higher is admitted first (:mod:`.backends.base`, "Costs", "Priorities").
         """
         if timeout is not None and (isinstance(timeout, bool)
                                     or not isinstance(timeout, (int, float))
@@ -266,7 +281,7 @@ class Semaphore:
                                      f"not {timeout!r}")
         if timeout is not None and math.isinf(timeout):
             timeout = None
-        meta = self._meta(meta, fair_key)
+        meta = self._meta(meta, fair_key, cost, priority, fair_weight)
         holder = new_holder_id(task_id)
         deadline = None if timeout is None else time.monotonic() + timeout
         wake = threading.Event()
@@ -283,6 +298,8 @@ class Semaphore:
                     granted = True
                     return self._lease(holder, attempt.grant, requested_at, meta, attempt.limit)
                 pause = self.backend.pause_after(attempt, self.poll_interval)
+                if attempt.rate_due is not None:  # due from the backend's decision: count
+                    pause = max(0.0, pause - (time.monotonic() - requested_at))  # from the send
                 if deadline is not None:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
@@ -296,8 +313,14 @@ class Semaphore:
             if not granted:
                 self._abandon(holder)
 
-    def _meta(self, meta: Optional[Meta], fair_key: Optional[str]) -> Meta:
-        meta = {**self.meta, **(meta or {})}
+    def _meta(self, meta: Optional[Meta], fair_key: Optional[str], cost: int = 1,
+              priority: int = 0, fair_weight: int = 1) -> Meta:
+        from . import traffic
+
+        meta = {**self.meta, **(meta or {}), **traffic.traffic_meta(
+            traffic.validate_cost(cost, "cost", self.limit),
+            traffic.validate_priority(priority, "priority"), self.rate,
+            traffic.validate_weight(fair_weight))}
         if fair_key is not None:
             if not isinstance(fair_key, str):
                 raise ConfigurationError(f"fair_key must be a string, not {fair_key!r}")
@@ -312,10 +335,12 @@ class Semaphore:
             pass
 
     def try_acquire(self, *, meta: Optional[Meta] = None, task_id: Optional[str] = None,
-                    fair_key: Optional[str] = None) -> Optional[Lease]:
+                    fair_key: Optional[str] = None, cost: int = 1, priority: int = 0,
+                    fair_weight: int = 1) -> Optional[Lease]:
         """Take a slot if one is free and nobody is queued ahead of this caller for it; never
-        blocks. ``meta``, ``task_id`` and ``fair_key`` as for :meth:`acquire`."""
-        meta = self._meta(meta, fair_key)
+        blocks. ``meta``, ``task_id``, ``fair_key``, ``cost``, ``priority`` and
+        ``fair_weight`` as for :meth:`acquire`."""
+        meta = self._meta(meta, fair_key, cost, priority, fair_weight)
         holder = new_holder_id(task_id)
         requested_at = time.monotonic()
         try:

@@ -54,6 +54,16 @@ class Settings:
     on_full: str = "wait"
     fair_by: Optional[str] = None
     metrics_top: int = 10
+    #: Units of the limit a task holds: an int, or a template over its parameters.
+    cost: Any = 1
+    #: Starts per period (``"100/s"``) allowed cluster-wide, per semaphore; None: no rate.
+    rate: Optional[str] = None
+    #: Starts a rate allows at once.
+    burst: int = 1
+    #: Admission priority within a semaphore (higher first).
+    priority: int = 0
+    #: Fair-share weights: a dict from fair keys (``"*"``: the others) or a template.
+    fair_weights: Any = None
 
     @classmethod
     def from_app(cls, app: Any) -> "Settings":
@@ -282,6 +292,19 @@ def validate(key: str, field_name: str, value: Any) -> Any:
         return value
     if field_name == "fair_by":
         return validate_fair_by(key, value)
+    if field_name in ("cost", "rate", "burst", "priority", "fair_weights"):
+        from . import traffic
+
+        if field_name == "cost":
+            return traffic.validate_cost(value, key)
+        if field_name == "rate":
+            traffic.parse_rate(value, key)
+            return value
+        if field_name == "burst":
+            return traffic.validate_burst(value, key)
+        if field_name == "priority":
+            return traffic.validate_priority(value, key)
+        return traffic.validate_fair_weights(value, key)
     if field_name == "on_full":
         if value not in ON_FULL_POLICIES:
             raise ConfigurationError(
@@ -298,18 +321,11 @@ def validate(key: str, field_name: str, value: Any) -> Any:
 def validate_fair_by(key: str, value: Any) -> Optional[str]:
     """``semaphore_fair_by``: None, or a template over the task's parameters with at least one
     field (``"{customer_id}"``): a constant would put every call under one key."""
-    import string
+    from .traffic import check_template
 
     if value is None:
         return None
     if not isinstance(value, str):
         raise ConfigurationError(f"{key} must be a template string such as "
                                  f"'{{customer_id}}', not {value!r}")
-    try:
-        fields_ = [f for _, f, _, _ in string.Formatter().parse(value) if f is not None]
-    except ValueError as exc:
-        raise ConfigurationError(f"{key} {value!r} is not a valid template: {exc}") from None
-    if not fields_ or any(not f or f[0].isdigit() for f in fields_):
-        raise ConfigurationError(f"{key} {value!r} must name the task's parameters, "
-                                 "e.g. '{customer_id}'")
-    return value
+    return check_template(value, key, "{customer_id}")

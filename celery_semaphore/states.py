@@ -3,10 +3,11 @@
 ``WAITING``: the worker holds the task in its main process until a slot frees. The worker
 sends a ``task-waiting`` event (fields: ``semaphore``, ``limit``, ``position``, ``attempt``;
 for a task under several semaphores ``semaphore`` is the one whose queue it waits in, and
-``semaphores`` lists them all)
-that Flower shows as the state ``WAITING``, and stores ``WAITING`` in the result backend (with
-the same fields as the result's meta) unless the task ignores results. Once it runs, the task
-goes through ``STARTED``/``SUCCESS`` as usual.
+``semaphores`` lists them all; ``waits_for``: ``"slots"``, ``"units"`` when costs are in play,
+or ``"rate"`` when only the semaphore's rate holds it back; ``cost`` and ``priority`` when
+not the defaults) that Flower shows as the state ``WAITING``, and stores ``WAITING`` in the
+result backend (with the same fields as the result's meta) unless the task ignores results.
+Once it runs, the task goes through ``STARTED``/``SUCCESS`` as usual.
 
 ``SKIPPED``: the task's semaphore was full and its ``semaphore_on_full`` is ``"skip"``, so it
 did not run. The worker logs it (INFO), sends a ``task-skipped`` event (fields: ``semaphore``,

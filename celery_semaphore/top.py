@@ -52,7 +52,11 @@ def rows_of(before: Optional[Snapshot], after: Snapshot, by_template: bool = Fal
             p50, p99 = waited.quantile(0.5), waited.quantile(0.99)
         rows.append({
             "name": name, "template": row.template or None, "keys": row.keys,
-            "limit": row.limit, "held": row.held, "waiting": row.waiting,
+            "limit": row.limit, "held": row.held,
+            "units": row.held if row.units is None else row.units,
+            "next_start_in_s": None if row.next_start is None else
+            round(max(0.0, row.next_start - time.time()), 3),
+            "waiting": row.waiting,
             "parked": row.parked, "grants_per_s": grants,
             "wait_p50_s": None if p50 is None else round(p50, 4),
             "wait_p99_s": None if p99 is None else round(p99, 4),
@@ -101,11 +105,12 @@ def render(rows: List[Dict[str, Any]], snap: Snapshot, where: str, sort: str,
                  f"sorted by {sort}{' (reversed)' if reverse else ''}; "
                  "keys: s sort, r reverse, q quit")
     lines.append("")
-    headers = ("NAME", "LIMIT", "HELD", "WAITING", "PARKED", "WAIT P50", "WAIT P99",
-               "GRANTS/S", "EXPIRED", "LOST")
+    headers = ("NAME", "LIMIT", "HELD", "UNITS", "WAITING", "PARKED", "WAIT P50", "WAIT P99",
+               "GRANTS/S", "NEXT START", "EXPIRED", "LOST")
     table = [[r["name"] + (f" ({r['keys']} keys)" if r["keys"] > 1 else ""), r["limit"],
-              r["held"], r["waiting"], _cell(r["parked"]), _cell(r["wait_p50_s"], True),
-              _cell(r["wait_p99_s"], True), _cell(r["grants_per_s"]), r["expired"], r["lost"]]
+              r["held"], r["units"], r["waiting"], _cell(r["parked"]), _cell(r["wait_p50_s"], True),
+              _cell(r["wait_p99_s"], True), _cell(r["grants_per_s"]),
+              _cell(r["next_start_in_s"], True), r["expired"], r["lost"]]
              for r in sort_rows(rows, sort, reverse)]
     if height is not None:
         table = table[:max(0, height - len(lines) - 1)]

@@ -190,6 +190,24 @@ def create_app(env):
         body(f"deployk:{part}:{key}", hold)
         return key
 
+    @task(semaphore="gpu", limit=8, semaphore_cost="{gb}")
+    def gpu(gb, key, hold=0.05):
+        """Holds ``gb`` units of the limit of 8 (its probe key ends with its cost)."""
+        body(f"gpu:{key}:{gb}", hold)
+        return key
+
+    @task(semaphore="paced", semaphore_rate="20/s")
+    def paced(key, hold=0.01):
+        """At most 20 starts a second, cluster-wide; no limit on how many run."""
+        body(f"paced:{key}", hold)
+        return key
+
+    @task(semaphore="ranked", limit=1)
+    def ranked(key, hold=0.05):
+        """Sent with headers={"semaphore_priority": n} to go first."""
+        body(f"ranked:{key}", hold)
+        return key
+
     app.probe = probe
     return app
 

@@ -96,7 +96,7 @@ def test_resize_status_list_release(cli):
 
     assert json.loads(listed.stdout) == [
         {"name": "thumbs", "limit": 2, "pinned": True, "declared": [2], "held": 2,
-         "waiting": 1, "parked": 0}]
+         "units": 2, "waiting": 1, "parked": 0}]
     # release by holder id, and by task id; a holder that holds nothing is an error
     by_holder, by_task, nobody = parallel(cli, ("release", "thumbs", first.holder, "--json"),
                                           ("release", "thumbs", "t-43"),
@@ -298,8 +298,8 @@ def test_django_manage_py_semaphore(redis_url):
     # `--settings` is Django's: manage.py applied it, click never sees it
     assert listed.returncode == 0, listed.stderr
     assert json.loads(listed.stdout) in ([], [{"name": "reports", "limit": 3, "pinned": True,
-                                               "declared": [], "held": 0, "waiting": 0,
-                                               "parked": 0}])
+                                               "declared": [], "held": 0, "units": 0,
+                                               "waiting": 0, "parked": 0}])
     # call_command(): output on its stdout, errors as CommandError with the CLI's exit code
     assert called.returncode == 0, called.stderr
     result, code, message = json.loads(called.stdout)

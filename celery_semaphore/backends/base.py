@@ -30,6 +30,40 @@ each other key (the current round's and the next's); with one key, or none, the 
 FIFO. ``rank`` in the admission rule is a caller's place in that order (a caller not yet queued
 ranks behind every waiter of its round or an earlier one).
 
+Weights: a waiter whose ``meta`` carries :data:`WEIGHT_KEY` ``w`` (default 1) may share a
+round with up to ``w - 1`` earlier waiters of its own key: it joins its key's last queued round
+when that round is above the current one and holds fewer than ``w`` of the key's waiters, else
+the next round as above. While several keys wait, each round admits up to ``w`` waiters of a key
+of weight ``w``: admissions go to the waiting keys in proportion to their weights.
+
+Priorities: a caller's ``meta`` may carry :data:`PRIORITY_KEY` (an int, default 0, higher
+first). The queue is ordered by ``(-priority, round, ticket)``: priority first, then the fair
+rounds, then arrival. A newcomer ranks behind every waiter of its priority or a higher one and
+ahead of every waiter of a lower one. Starvation of low priorities is not bounded: while
+higher-priority callers keep arriving faster than the semaphore serves them, a lower one waits
+(its queue entry stays alive as long as it keeps trying).
+
+Costs: a caller's ``meta`` may carry :data:`COST_KEY` ``k`` (an int from 1 to the limit,
+default 1): it holds ``k`` units of the limit. Admission: ``units + ahead + k <= limit``, where
+``units`` is the sum of the holders' costs and ``ahead`` the sum of the costs of the waiters
+ahead of it in the queue order (with every cost 1 this is the rule above). So a waiter that
+needs more units than are free blocks every waiter behind it (nobody overtakes a big task) and
+is admitted, and woken, as soon as its units are free. Each holder still takes one slot number
+(its fencing token), below the limit.
+
+Rate: a caller's ``meta`` may carry :data:`RATE_KEY` ``[interval, burst]``: the semaphore then
+allows a start (a grant) at time ``now`` only when ``now >= tat - (burst - 1) * interval``
+(GCRA; ``tat``, the theoretical arrival time, becomes ``max(tat, now) + interval`` at each
+start), on the backend's clock. So any window of ``n * interval`` seconds holds at most
+``n + burst - 1`` starts. The rate is the semaphore's, like its limit: the latest call that
+declares one sets it, and it applies to every caller of the semaphore (a call that declares
+none leaves it). Because it is one rule for the whole queue, a head the rate holds back holds
+back everyone behind it too: no slot is kept idle for it that someone behind could use, and the
+rate holds no slot (units are taken at the start only). A caller the rate alone holds back gets
+:attr:`Attempt.rate_due`, when its own start is due (``tat`` plus an interval per waiter ahead
+of it), and tries again then; no wake-up is sent for the rate. Backends that cannot apply these
+rules atomically refuse them (:meth:`Backend.check_traffic`).
+
 One holder per task: a holder id of the form ``<task id>:<random>`` (:func:`new_holder_id`
 with a task id) names its task, and a caller is not admitted while another holder of the same
 task holds; it keeps its place in the queue and is woken when that twin goes. A duplicate
@@ -136,6 +170,12 @@ class Attempt:
     position: Optional[int] = None
     retry_after: Optional[float] = None
     limit: Optional[int] = None
+    #: Not admitted because of the semaphore's rate only: seconds until this caller's start
+    #: is due (its turn in line counted), by the backend's clock. None otherwise.
+    rate_due: Optional[float] = None
+    #: What the caller waits for: ``"slots"`` (plain count), ``"units"`` (costs are in play)
+    #: or ``"rate"``; None when admitted.
+    waits_for: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -155,6 +195,8 @@ class MultiAttempt:
     retry_after: Optional[float] = None
     limit: Optional[int] = None
     limits: Dict[str, int] = field(default_factory=dict)
+    rate_due: Optional[float] = None
+    waits_for: Optional[str] = None
 
     @property
     def grant(self) -> Optional[Grant]:
@@ -205,10 +247,20 @@ class SemaphoreStatus:
     #: The limit of the newest declaration (module docs, "Limits"): in force unless pinned;
     #: None when nobody declared one (a semaphore created by ``resize``).
     newest_declared: Optional[int] = None
+    #: The semaphore's rate ``(interval seconds, burst)``, None when it has none.
+    rate: Optional[Tuple[float, int]] = None
+    #: With a rate: the backend time (seconds) from which the next start is allowed (in the
+    #: past: one may start now).
+    next_start: Optional[float] = None
 
     @property
     def held(self) -> int:
         return len(self.holders)
+
+    @property
+    def units(self) -> int:
+        """Units of the limit in use: the holders' costs (1 each without costs)."""
+        return sum(cost_of(h.meta) for h in self.holders)
 
     @property
     def waiting(self) -> int:
@@ -223,7 +275,11 @@ class SemaphoreStatus:
             "newest_declared": self.newest_declared,
             "declared": {str(k): v for k, v in sorted(self.declared.items())},
             "held": self.held,
+            "units": self.units,
             "waiting": self.waiting,
+            "rate": None if self.rate is None else {"interval": self.rate[0],
+                                                    "burst": self.rate[1]},
+            "next_start": self.next_start,
             "holders": [
                 {
                     "holder": h.holder,
@@ -237,7 +293,8 @@ class SemaphoreStatus:
                 for h in self.holders
             ],
             "waiters": [
-                {"holder": w.holder, "ticket": w.ticket, "since": w.since, "meta": w.meta}
+                {"holder": w.holder, "ticket": w.ticket, "since": w.since, "meta": w.meta,
+                 "cost": cost_of(w.meta), "priority": priority_of(w.meta)}
                 for w in self.waiters
             ],
             "stats": None if self.stats is None else self.stats.as_dict(),
@@ -246,6 +303,48 @@ class SemaphoreStatus:
 
 #: The ``meta`` key whose value is the caller's fair-share key (module docs).
 FAIR_KEY = "fair_key"
+#: The ``meta`` key whose value is the units of the limit the caller holds (module docs,
+#: "Costs"); absent: 1.
+COST_KEY = "cost"
+#: The ``meta`` key whose value is the caller's priority (higher first; absent: 0).
+PRIORITY_KEY = "priority"
+#: The ``meta`` key whose value is the rate the caller declares for the semaphore:
+#: ``[interval, burst]``, seconds between starts and starts allowed at once (module docs,
+#: "Rate").
+RATE_KEY = "rate"
+#: The ``meta`` key whose value is the caller's fair-share weight (absent: 1).
+WEIGHT_KEY = "fair_weight"
+#: Priorities are ints in ``[-MAX_PRIORITY, MAX_PRIORITY]`` (the Redis queue keeps them in its
+#: scores beside the ticket).
+MAX_PRIORITY = 10_000
+
+
+def _int_of(meta: Optional[Meta], key: str, default: int) -> int:
+    value = (meta or {}).get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+def cost_of(meta: Optional[Meta]) -> int:
+    """The units ``meta`` says its caller holds (at least 1)."""
+    return max(1, _int_of(meta, COST_KEY, 1))
+
+
+def priority_of(meta: Optional[Meta]) -> int:
+    """The priority ``meta`` carries (0 when absent)."""
+    return _int_of(meta, PRIORITY_KEY, 0)
+
+
+def weight_of(meta: Optional[Meta]) -> int:
+    """The fair-share weight ``meta`` carries (at least 1)."""
+    return max(1, _int_of(meta, WEIGHT_KEY, 1))
+
+
+def rate_of(meta: Optional[Meta]) -> Optional[Tuple[float, int]]:
+    """``(interval seconds, burst)`` of the rate ``meta`` declares, or None."""
+    rate = (meta or {}).get(RATE_KEY)
+    if not isinstance(rate, (list, tuple)) or len(rate) != 2:
+        return None
+    return float(rate[0]), int(rate[1])
 
 
 def fair_key_of(meta: Optional[Meta]) -> Optional[str]:
@@ -343,9 +442,43 @@ class Backend(abc.ABC):
         poll interval, at most a third of ``waiter_ttl`` (each try keeps its place in line),
         and no later than just after the earliest holder's lease can expire."""
         pause = min(poll_interval, self.waiter_ttl / 3)
+        rate_due = getattr(attempt, "rate_due", None)
+        if rate_due is not None:
+            # Held back by the rate alone: nothing but time frees it, so the next try is
+            # when the start is due (a wake-up cannot come earlier), not the poll interval.
+            return min(rate_due + 0.001, self.waiter_ttl / 3)
         if attempt.retry_after is not None:
             pause = min(pause, attempt.retry_after + 0.001)
         return pause
+
+    #: Which of ``"cost"``, ``"rate"``, ``"priority"``, ``"fair_weight"`` this backend
+    #: implements (module docs); :meth:`check_traffic` refuses the others.
+    traffic_options: frozenset = frozenset({"cost", "rate", "priority", "fair_weight"})
+
+    def check_traffic(self, options: Sequence[str], where: str = "") -> None:
+        """Raise :class:`~celery_semaphore.exceptions.ConfigurationError` naming this backend
+        when it cannot apply one of ``options`` (used by the ``semaphore_*`` option of that
+        name, e.g. ``"cost"``) atomically."""
+        missing = [o for o in options if o not in self.traffic_options]
+        if missing:
+            from ..exceptions import ConfigurationError
+            from ..urls import mask_url
+
+            raise ConfigurationError(
+                f"{where}{', '.join('semaphore_' + m for m in missing)}: the "
+                f"{type(self).__name__} backend ({mask_url(self.url)}) cannot apply "
+                f"{'it' if len(missing) == 1 else 'them'} atomically; use Redis, PostgreSQL, "
+                "SQLite, Consul or memory")
+
+    def check_meta(self, meta: Optional[Meta]) -> None:
+        """:meth:`check_traffic` for what an acquire's ``meta`` asks for."""
+        if not meta:
+            return
+        used = [o for o, key in (("cost", COST_KEY), ("rate", RATE_KEY),
+                                 ("priority", PRIORITY_KEY), ("fair_weight", WEIGHT_KEY))
+                if key in meta and not (o == "cost" and meta[key] == 1)]
+        if used:
+            self.check_traffic(used)
 
     def abandon(self, name: str, holder: str) -> None:
         """Leave the waiter queue of ``name`` for good, and release in case a grant was made

@@ -117,7 +117,7 @@ class DocumentBackend(Backend):
         False: a read, nothing is stored."""
         for attempt in range(self.max_attempts):
             with self._load(name) as txn:
-                before = txn.state.admissible() if txn.state is not None else set()
+                before = txn.state.admissible(txn.now) if txn.state is not None else set()
                 self._prune(txn)
                 result = rule(txn)
                 if write and not self._commit(txn):
@@ -127,7 +127,7 @@ class DocumentBackend(Backend):
             if won:
                 self._after_commit(txn)
                 if txn.state is not None:
-                    for client, holder in txn.state.wakeups(before):
+                    for client, holder in txn.state.wakeups(before, txn.now):
                         self._send_wakeup(client, name, holder)
                 return result
             self._lost_race(attempt)
@@ -142,7 +142,7 @@ class DocumentBackend(Backend):
         names = sorted(set(names))  # one lock order for everyone
         for attempt in range(self.max_attempts):
             with self._load_many(names) as txns:
-                before = {t.name: t.state.admissible() if t.state is not None else set()
+                before = {t.name: t.state.admissible(t.now) if t.state is not None else set()
                           for t in txns}
                 for txn in txns:
                     self._prune(txn)
@@ -152,7 +152,7 @@ class DocumentBackend(Backend):
                 for txn in txns:
                     self._after_commit(txn)
                     if txn.state is not None:
-                        for client, holder in txn.state.wakeups(before[txn.name]):
+                        for client, holder in txn.state.wakeups(before[txn.name], txn.now):
                             self._send_wakeup(client, txn.name, holder)
                 return result
             self._lost_race(attempt)
@@ -252,7 +252,8 @@ class DocumentBackend(Backend):
 
     def status(self, name: str) -> Optional[SemaphoreStatus]:
         return self._transact(
-            name, lambda txn: txn.state.status(name) if txn.state else None, write=False
+            name, lambda txn: txn.state.status(name, txn.now) if txn.state else None,
+            write=False
         )
 
     def names(self) -> List[str]:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Set, Tuple
 
+from ..exceptions import ConfigurationError
 from ..stats import FIRST_WAIT_META, WORKER_COUNTERS, SemaphoreStats, observe
 from .base import (
     Attempt,
@@ -21,8 +22,12 @@ from .base import (
     MultiAttempt,
     SemaphoreStatus,
     WaiterInfo,
+    cost_of,
     fair_key_of,
+    priority_of,
+    rate_of,
     task_of,
+    weight_of,
 )
 
 
@@ -40,6 +45,21 @@ def next_epoch(previous: int, now: float) -> int:
     operator reset it, as long as the server's clock does not step back.
     """
     return max(previous + 1, int(now * 1_000_000))
+
+
+class Place(NamedTuple):
+    """Where a caller that does not hold stands (:meth:`State.place`)."""
+
+    #: Its 0-based place in the queue order (as queued, or as it would queue).
+    rank: int
+    #: Its fair-share round (0: none).
+    round: int
+    #: The slot the rule would give it now; None: not admissible.
+    slot: Optional[int]
+    #: Seconds until the rate lets it start, when the rate alone holds it back.
+    rate_due: Optional[float] = None
+    #: What it waits for (:attr:`.base.Attempt.waits_for`); None when admissible.
+    waits_for: Optional[str] = None
 
 
 @dataclass
@@ -85,6 +105,10 @@ class State:
     #: of the process that made it.
     wanted: Optional[int] = None
     stamp: float = 0.0
+    #: The rate (:mod:`.base`, "Rate"): ``[interval, burst]``, None: no rate; and its
+    #: theoretical arrival time (storage clock, seconds).
+    rate: Optional[List[float]] = None
+    tat: float = 0.0
 
     # -- (de)serialization, for backends that store the state as one document ---------------
 
@@ -106,6 +130,8 @@ class State:
             "pinned": self.pinned,
             "wanted": self.wanted,
             "stamp": self.stamp,
+            "rate": self.rate,
+            "tat": self.tat,
         }
 
     @classmethod
@@ -131,37 +157,74 @@ class State:
             pinned=raw["limit"] not in declared if legacy else raw["pinned"],
             wanted=raw.get("wanted"),
             stamp=raw.get("stamp", 0.0),
+            rate=raw.get("rate"),  # absent in documents stored before rates
+            tat=raw.get("tat", 0.0),
         )
 
     # -- queries -------------------------------------------------------------------------
 
     def queue(self) -> List[str]:
-        """The waiters in admission order: by ticket, or by (round, ticket) while the
-        semaphore is fair."""
+        """The waiters in admission order: by (-priority, ticket), or by (-priority, round,
+        ticket) while the semaphore is fair."""
+        waiters = self.waiters
         if self.fair():
-            return sorted(self.waiters, key=lambda h: (self.waiters[h].round,
-                                                       self.waiters[h].ticket))
-        return sorted(self.waiters, key=lambda h: self.waiters[h].ticket)
+            return sorted(waiters, key=lambda h: (-priority_of(waiters[h].meta),
+                                                  waiters[h].round, waiters[h].ticket))
+        return sorted(waiters, key=lambda h: (-priority_of(waiters[h].meta), waiters[h].ticket))
+
+    def units(self) -> int:
+        """Units of the limit the holders hold (their costs)."""
+        return sum(cost_of(h.meta) for h in self.holders.values())
+
+    def costly(self) -> bool:
+        """A holder or waiter holds or needs more than one unit."""
+        return any(cost_of(v.meta) > 1 for v in (*self.holders.values(),
+                                                  *self.waiters.values()))
+
+    def rate_wait(self, now: float, ahead: int = 0) -> float:
+        """Seconds until the rate allows the start of a caller with ``ahead`` waiters before
+        it (0: now; always 0 without a rate)."""
+        if self.rate is None:
+            return 0.0
+        interval, burst = self.rate
+        return max(0.0, self.tat + (ahead - (burst - 1)) * interval - now)
 
     def fair(self) -> bool:
         """A waiter queued with a fair-share round waits."""
         return any(w.round for w in self.waiters.values())
 
-    def next_round(self, key: Optional[str]) -> int:
-        """The round a waiter of fair key ``key`` that queues now gets."""
-        return 1 + max([self.round] + [w.round for w in self.waiters.values()
-                                       if w.round and fair_key_of(w.meta) == key])
+    def next_round(self, key: Optional[str], weight: int = 1) -> int:
+        """The round a waiter of fair key ``key`` and fair weight ``weight`` that queues now
+        gets (:mod:`.base`, "Weights")."""
+        rounds = [w.round for w in self.waiters.values()
+                  if w.round and fair_key_of(w.meta) == key]
+        last = max(rounds, default=0)
+        if weight > 1 and last > self.round and rounds.count(last) < weight:
+            return last
+        return 1 + max(self.round, last)
 
-    def wakeups(self, before: Set[Tuple[str, str]]) -> Set[Tuple[str, str]]:
+    def wakeups(self, before: Set[Tuple[str, str]], now: Optional[float] = None
+                ) -> Set[Tuple[str, str]]:
         """Waiters that became admissible since ``before`` (:meth:`admissible` then)."""
-        return self.admissible() - before
+        return self.admissible(now) - before
 
-    def admissible(self) -> Set[Tuple[str, str]]:
-        """(client, holder) of the waiters the FIFO rule would admit now."""
-        free = self.limit - len(self.holders)
+    def admissible(self, now: Optional[float] = None) -> Set[Tuple[str, str]]:
+        """(client, holder) of the waiters the FIFO rule would admit now: the longest prefix
+        of the queue whose costs fit in the free units (but those whose task another holder
+        holds); none while the rate allows no start at ``now`` (given: with a rate, a waiter
+        is told when to try, not woken)."""
+        free = self.limit - self.units()
+        if free <= 0 or (now is not None and self.rate_wait(now) > 0):
+            return set()
         held = self.held_tasks()
-        return {(self.waiters[h].client, h) for h in self.queue()[: max(free, 0)]
-                if task_of(h) not in held}
+        out = set()
+        for h in self.queue():
+            free -= cost_of(self.waiters[h].meta)
+            if free < 0:
+                break
+            if task_of(h) not in held:
+                out.add((self.waiters[h].client, h))
+        return out
 
     def held_tasks(self) -> Set[str]:
         """The tasks (:func:`.base.task_of`) that have a holder."""
@@ -225,45 +288,81 @@ class State:
         slots: Optional[Iterable[int]] = None,
     ) -> Attempt:
         """Apply the FIFO rule; ``slots`` (default: any) are the slots the caller can take."""
+        self.check_cost(meta)
         self.declared[declared] = now
+        self.declare_rate(meta)
         current = self.holders.get(holder)
         if current is not None:
             return Attempt(current.grant(now), limit=self.limit)
-        rank, round_, slot = self.place(holder, meta, slots)
-        if slot is not None:
-            return Attempt(self.grant(holder, slot, round_, ttl, meta, now), limit=self.limit)
-        position = self.queue_up(holder, rank, round_, meta, client, now, waiter_ttl) \
+        spot = self.place(holder, meta, slots, now)
+        if spot.slot is not None:
+            return Attempt(self.grant(holder, spot.slot, spot.round, ttl, meta, now),
+                           limit=self.limit)
+        position = self.queue_up(holder, spot.rank, spot.round, meta, client, now, waiter_ttl) \
             if wait else None
-        return Attempt(None, position, self.earliest_expiry(now), self.limit)
+        return Attempt(None, position, self.earliest_expiry(now), self.limit, spot.rate_due,
+                       spot.waits_for)
 
-    def place(self, holder: str, meta: Meta, slots: Optional[Iterable[int]] = None
-              ) -> Tuple[int, int, Optional[int]]:
-        """``(rank, round, slot)`` of a caller that does not hold: its place in the queue (as
-        it is, or as it would queue), its fair-share round, and the slot the FIFO rule would
-        give it now (None: not admissible). Changes nothing."""
+    def check_cost(self, meta: Meta) -> None:
+        """Refuse, before anything changes, a cost the stored limit could never admit."""
+        if cost_of(meta) > self.limit:
+            raise ConfigurationError(f"cost {cost_of(meta)} is above the semaphore's limit "
+                                     f"({self.limit}): it could never be admitted")
+
+    def declare_rate(self, meta: Meta) -> None:
+        """A call that declares a rate sets the semaphore's (:mod:`.base`, "Rate")."""
+        rate = rate_of(meta)
+        if rate is not None and list(rate) != self.rate:
+            self.rate = list(rate)
+
+    def place(self, holder: str, meta: Meta, slots: Optional[Iterable[int]] = None,
+              now: Optional[float] = None) -> Place:
+        """Where a caller that does not hold stands (:class:`Place`): its place in the
+        queue, its fair-share round, and the slot the rule (:mod:`.base`: priorities, fair
+        rounds, costs, rate, one holder per task) would give it now at ``now`` (None: no
+        rate check). Changes nothing."""
         waiter = self.waiters.get(holder)
+        priority = priority_of(meta)
         if waiter is not None:
-            rank, round_ = self.queue().index(holder), waiter.round
-        elif fair_key_of(meta) is not None or self.fair():
-            round_ = self.next_round(fair_key_of(meta))
-            rank = sum(1 for w in self.waiters.values() if w.round <= round_)
+            order = self.queue()
+            rank, round_ = order.index(holder), waiter.round
+            ahead = order[:rank]
         else:
-            rank, round_ = len(self.waiters), 0
+            if fair_key_of(meta) is not None or self.fair():
+                round_ = self.next_round(fair_key_of(meta), weight_of(meta))
+            else:
+                round_ = 0
+            ahead = [h for h, w in self.waiters.items()
+                     if priority_of(w.meta) > priority
+                     or (priority_of(w.meta) == priority and w.round <= round_)]
+            rank = len(ahead)
+        cost = cost_of(meta)
+        units = self.units()
+        need = units + cost + sum(cost_of(self.waiters[h].meta) for h in ahead)
         used = {h.slot for h in self.holders.values()}
         if slots is None:  # the lowest free slot: one of the first len(used) + 1 is free
             lowest = next(s for s in range(len(used) + 1) if s not in used)
             free = [lowest] if lowest < self.limit else []
         else:
             free = [s for s in sorted(slots) if 0 <= s < self.limit and s not in used]
-        if len(self.holders) + rank < self.limit and free and not self.twin_holds(holder):
-            return rank, round_, free[0]
-        return rank, round_, None
+        twin = self.twin_holds(holder)
+        fits = need <= self.limit
+        rate_due = self.rate_wait(now, rank) if now is not None else 0.0
+        if fits and free and not twin and rate_due <= 0:
+            return Place(rank, round_, free[0])
+        if fits and not twin and rate_due > 0:
+            return Place(rank, round_, None, rate_due, "rate")
+        return Place(rank, round_, None, None,
+                     "units" if cost > 1 or need - units - cost > rank or units > len(used)
+                     else "slots")
 
     def grant(self, holder: str, slot: int, round_: int, ttl: float, meta: Meta,
               now: float) -> Grant:
         """Give ``holder`` ``slot`` (as :meth:`place` found it), leaving the queue."""
         epoch = next_epoch(self.epochs.get(slot, 0), now)
         self.epochs[slot] = epoch
+        if self.rate is not None:  # a start: the rate's next one is an interval later
+            self.tat = max(self.tat, now) + self.rate[0]
         self.holders[holder] = Holder(slot, epoch, now, now + ttl, meta)
         queued = self.waiters.pop(holder, None)
         self.round = max(self.round, round_)
@@ -311,7 +410,7 @@ class State:
             if counter in WORKER_COUNTERS and n > 0:
                 self.count(counter, int(n))
 
-    def status(self, name: str) -> SemaphoreStatus:
+    def status(self, name: str, now: Optional[float] = None) -> SemaphoreStatus:
         holders = sorted(self.holders.items(), key=lambda kv: kv[1].slot)
         return SemaphoreStatus(
             name=name,
@@ -327,6 +426,9 @@ class State:
             stats=SemaphoreStats.from_fields(self.stats),
             pinned=self.pinned,
             newest_declared=self.wanted,
+            rate=None if self.rate is None else (float(self.rate[0]), int(self.rate[1])),
+            next_start=None if self.rate is None else
+            max(self.tat, now or 0.0) - (self.rate[1] - 1) * self.rate[0],
         )
 
 
@@ -347,16 +449,19 @@ def acquire_all(
     with ``wait``, queued in the first listed semaphore that refuses (and out of the others'
     queues). A semaphore held on its own (a lease of the set that outlived the others' give
     back, say) is given back when the set is refused: a waiting request holds no slot."""
+    for name, _ in requests:
+        states[name].check_cost(meta)
     for name, limit in requests:
         states[name].declared[limit] = now
+        states[name].declare_rate(meta)
     limits = {name: states[name].limit for name, _ in requests}
     current = {name: states[name].holders.get(holder) for name, _ in requests}
     if all(h is not None for h in current.values()):
         return MultiAttempt({name: h.grant(now) for name, h in current.items()},
                             limits=limits)
-    places = {name: states[name].place(holder, meta)
+    places = {name: states[name].place(holder, meta, None, now)
               for name, _ in requests if current[name] is None}
-    refused = [name for name, (_, _, slot) in places.items() if slot is None]
+    refused = [name for name, spot in places.items() if spot.slot is None]
     if not refused:
         grants = {}
         for name, _ in requests:
@@ -364,8 +469,9 @@ def acquire_all(
             if held is not None:
                 grants[name] = held.grant(now)
             else:
-                _, round_, slot = places[name]
-                grants[name] = states[name].grant(holder, slot, round_, ttl, meta, now)
+                spot = places[name]
+                grants[name] = states[name].grant(holder, spot.slot, spot.round, ttl, meta,
+                                                  now)
         return MultiAttempt(grants, limits=limits)
     blocking = refused[0]
     for name, _ in requests:
@@ -376,11 +482,13 @@ def acquire_all(
         for name, _ in requests:
             if name != blocking:
                 states[name].cancel(holder)
-        rank, round_, _ = places[blocking]
-        position = states[blocking].queue_up(holder, rank, round_, meta, client, now,
+        spot = places[blocking]
+        position = states[blocking].queue_up(holder, spot.rank, spot.round, meta, client, now,
                                              waiter_ttl)
     state = states[blocking]
-    return MultiAttempt(None, blocking, position, state.earliest_expiry(now), state.limit)
+    return MultiAttempt(None, blocking, position, state.earliest_expiry(now), state.limit,
+                        rate_due=places[blocking].rate_due,
+                        waits_for=places[blocking].waits_for)
 
 
 def as_json(meta: Optional[Meta]) -> Dict[str, Any]:

@@ -21,6 +21,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any, Deque, Dict, NamedTuple, Optional, Tuple, Union
 
 from ..backends.base import FAIR_KEY, Attempt, MultiAttempt, new_holder_id
+from ..exceptions import ConfigurationError
 from ..guards import Guard
 from ..semaphore import Lease, LeaseGroup
 from ..stats import FIRST_WAIT_META
@@ -205,6 +206,14 @@ class Admission:
             # waiter would sleep a poll interval through the slot it was woken for.
             return
         settings = waiter.guard.settings
+        if isinstance(answer.error, ConfigurationError):
+            # The backend refused the request itself (a cost above the stored limit, an
+            # option this backend cannot apply): it fails alone; trying again cannot help.
+            with waiter.outcome_lock:  # no WAITING stored over the failure
+                self.drop(waiter)
+                self.leave_backend(waiter)
+                self.gate.fail(waiter.request, answer.error)
+            return
         if answer.error is not None:
             if not waiter.backend_down:
                 logger.warning("celery-semaphore: %s waits: backend unavailable: %s",
@@ -225,10 +234,19 @@ class Admission:
         waiter.attempts += 1
         if waiter.attempts == 1 and self._told_to_wait(waiter):
             return
-        if attempt.position != waiter.position or blocking != waiter.blocking:
+        waits_for = getattr(attempt, "waits_for", None)
+        if (attempt.position != waiter.position or blocking != waiter.blocking
+                or waits_for != waiter.waits_for):
             waiter.position, waiter.blocking = attempt.position, blocking
+            waiter.waits_for = waits_for
             self.gate.reporting.waiting(waiter, attempt.position, attempt.limit)
-        self._send(waiter, delay=self.backend.pause_after(attempt, settings.poll_interval))
+        pause = self.backend.pause_after(attempt, settings.poll_interval)
+        if getattr(attempt, "rate_due", None) is not None:
+            # Due counts from when the backend decided, which was after the attempt was sent:
+            # count from the send, so the next try reaches it as its start falls due rather
+            # than a round trip later (each late start delays every later one).
+            pause = max(0.0, pause - (time.monotonic() - answer.requested_at))
+        self._send(waiter, delay=pause)
 
     def _told_to_wait(self, waiter: Waiter) -> bool:
         """The backend told ``waiter`` to wait for the first time: its semaphore is full. It
@@ -341,4 +359,5 @@ class Admission:
                 "worker": self.gate.consumer.hostname, "pid": os.getpid()}
         if guard.fair is not None:
             meta[FAIR_KEY] = guard.fair
+        meta.update(guard.traffic_meta())
         return meta

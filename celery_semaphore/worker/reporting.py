@@ -32,6 +32,12 @@ class Reporting:
                   "position": position, "attempt": waiter.requeues + 1}
         if waiter.guard.multi:
             fields["semaphores"] = list(waiter.guard.names)
+        if waiter.waits_for is not None:  # slots, units (costs in play) or rate
+            fields["waits_for"] = waiter.waits_for
+        if waiter.guard.cost != 1:
+            fields["cost"] = waiter.guard.cost
+        if waiter.guard.priority:
+            fields["priority"] = waiter.guard.priority
         if parked:
             fields["parked"] = True
         waiter.request.send_event(WAITING_EVENT, **fields)
@@ -92,6 +98,8 @@ class Reporting:
                      "semaphore": w.blocking or w.guard.name,
                      "semaphores": list(w.guard.names),
                      "position": w.position, "queued": w.state is WaitState.QUEUED,
+                     "waits_for": w.waits_for, "cost": w.guard.cost,
+                     "priority": w.guard.priority,
                      "waited": round(time.monotonic() - w.entered, 3),
                      "requeues": w.requeues}
                     for w in gate.admission.waiters.values()

@@ -14,6 +14,7 @@ from ..backends.base import Backend
 from ..exceptions import ConfigurationError
 from ..guards import Guards, check_options
 from ..settings import Settings, lookup
+from ..traffic import options_used
 from .gate import Gate
 
 logger = logging.getLogger(__name__)
@@ -67,14 +68,18 @@ class SemaphoreStep(bootsteps.StartStopStep):
 
 
 def check_tasks(app: Any, settings: Settings, backend: Backend) -> None:
-    """Fail worker start on a task whose semaphore options are wrong, naming the task, or on a
-    lease TTL the backend would outlast (``Backend.max_lease_ttl``), naming the setting."""
+    """Fail worker start on a task whose semaphore options are wrong, naming the task, on a
+    lease TTL the backend would outlast (``Backend.max_lease_ttl``), naming the setting, or on
+    a traffic option the backend cannot apply (``Backend.check_traffic``), naming both."""
     _check_lease_ttl(lookup(app, "semaphore_lease_ttl")[1], settings.lease_ttl, backend)
     for name, task in guarded_tasks(app).items():
         check_options({key: getattr(task, key) for key in dir(type(task))
                        if key in ("semaphore", "limit") or key.startswith("semaphore_")}, name)
         try:
-            _check_lease_ttl("semaphore_lease_ttl", settings.for_task(task).lease_ttl, backend)
+            own = settings.for_task(task)
+            _check_lease_ttl("semaphore_lease_ttl", own.lease_ttl, backend)
+            backend.check_traffic(options_used(own.cost, own.rate, own.priority,
+                                               own.fair_weights))
         except ConfigurationError as exc:
             raise ConfigurationError(f"task {name}: {exc}") from None
 
@@ -86,14 +91,19 @@ def _check_lease_ttl(key: str, ttl: float, backend: Backend) -> None:
 
 
 def describe_guarded(app: Any) -> str:
-    """``name (semaphore 'x', limit 4)`` for each guarded task, comma-separated."""
+    """``name (semaphore 'x', limit 4)`` for each guarded task, comma-separated (with its
+    cost, rate and priority when not the defaults)."""
     settings = Settings.from_app(app)
     parts = []
     for name, task in guarded_tasks(app).items():
         described = []
+        own = settings.for_task(task)
         for template, limit in Guards.declared_limits(task.semaphore,
-                                                      getattr(task, "limit", None), settings):
+                                                      getattr(task, "limit", None), own):
             kind = "template" if "{" in template else "semaphore"
             described.append(f"{kind} {template!r}, limit {limit}")
-        parts.append(f"{name} ({'; '.join(described)})")
+        traffic = [f"{what} {value}" for what, value, default in (
+            ("cost", own.cost, 1), ("rate", own.rate, None), ("priority", own.priority, 0))
+            if value != default]
+        parts.append(f"{name} ({'; '.join(described + traffic)})")
     return ", ".join(parts)

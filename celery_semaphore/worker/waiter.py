@@ -63,6 +63,8 @@ class Waiter:
     #: The semaphore whose queue it waits in (a request under several: the one that refused
     #: it last; under one: that one), once an attempt said "wait".
     blocking: Optional[str] = None
+    #: What its last attempt said it waits for: "slots", "units" or "rate".
+    waits_for: Optional[str] = None
     #: The next acquire attempt scheduled on the I/O thread.
     next_attempt: Optional[Timer] = None
     #: Monotonic time the first acquire was sent (None: it never reached the backend).

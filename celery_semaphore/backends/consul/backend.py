@@ -466,8 +466,9 @@ class ConsulBackend(DocumentBackend):
             if gap >= state.limit:
                 pause = min(1.0, self.wake_pause * gap / state.limit)
                 self._closed.wait(pause * random.uniform(0.5, 1.0))
+            admissible = {h for _, h in state.admissible(txn.now)}  # costs, rate, twins
             for rank in ours:
-                if rank < free:
+                if queue[rank] in admissible:
                     self._notify(name, queue[rank])
 
     def _forked(self) -> None:

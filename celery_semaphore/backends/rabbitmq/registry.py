@@ -140,6 +140,11 @@ class RabbitBackend(DocumentBackend):
     """
 
     hand_class = Hand
+    #: Priorities and fair weights are orderings of the registry's queue and work as
+    #: elsewhere; a cost would need several tokens (slot queues) claimed at once, and a rate
+    #: a start that a slot handed back (a token that cannot be claimed) would not undo: both
+    #: are refused (:meth:`.base.Backend.check_traffic`).
+    traffic_options = frozenset({"priority", "fair_weight"})
 
     def __init__(
         self,
@@ -522,6 +527,7 @@ class RabbitBackend(DocumentBackend):
         self, name: str, holder: str, *, limit: int, ttl: float, meta: Meta, wait: bool
     ) -> Attempt:
         meta = as_json(meta)
+        self.check_meta(meta)
         return self.link.call(
             self._acquire_here, name, holder, limit, ttl, meta, wait, time.monotonic()
         )

@@ -68,6 +68,7 @@ from ... import stats
 from ...exceptions import BackendUnavailable, ConfigurationError
 from ...urls import check_url, mask_url
 from ..base import (
+    COST_KEY,
     DEFAULT_IDLE_TTL,
     DEFAULT_WAITER_TTL,
     LISTENER_RETRY_FIRST,
@@ -80,7 +81,11 @@ from ..base import (
     Requests,
     SemaphoreStatus,
     WaiterInfo,
+    cost_of,
     fair_key_of,
+    priority_of,
+    rate_of,
+    weight_of,
 )
 from . import deployments
 
@@ -233,6 +238,10 @@ class RedisBackend(Backend):
             raise ConfigurationError(
                 f"semaphore backend {url}: a host of this URL is not a Redis Sentinel ({exc})"
             ) from exc
+        if isinstance(exc, redis.ResponseError) and str(exc).startswith("COST "):
+            cost, limit = str(exc).split()[1:3]  # scripts/acquire.lua refused the cost
+            raise ConfigurationError(f"cost {cost} is above the semaphore's limit ({limit}): "
+                                     "it could never be admitted") from None
         if not (isinstance(exc, _UNAVAILABLE) or _busy(exc)):
             raise exc
         raise BackendUnavailable(f"semaphore backend {url} unavailable: {exc}") from exc
@@ -270,6 +279,31 @@ class RedisBackend(Backend):
         except redis.exceptions.NoScriptError:
             return client.eval(source, len(keys), *keys, *argv)
 
+    @staticmethod
+    def _traffic_argv(meta: Optional[Meta]) -> Tuple[str, List[Any]]:
+        """The meta JSON (a cost above 1 first: the scripts read it there) and the traffic
+        ARGV of the acquire scripts (scripts/acquire.lua's [12] to [16])."""
+        meta = dict(meta or {})
+        cost = cost_of(meta)
+        meta.pop(COST_KEY, None)
+        if cost > 1:
+            meta = {COST_KEY: cost, **meta}
+        rate = rate_of(meta)
+        argv: List[Any] = [cost, priority_of(meta), weight_of(meta),
+                           "" if rate is None else max(1, int(rate[0] * 1e6)),
+                           "" if rate is None else rate[1]]
+        return json.dumps(meta, separators=(",", ":")), argv
+
+    @staticmethod
+    def _refused(position: int, retry_after: int, rest: Sequence[Any]) -> Dict[str, Any]:
+        """Attempt fields of a refusal: position, retry_after, and what the caller waits for
+        (scripts/acquire.lua's reply)."""
+        waits, due = (rest[0], rest[1]) if len(rest) >= 2 else (0, -1)
+        return dict(position=None if position < 0 else position,
+                    retry_after=None if retry_after < 0 else retry_after / 1e6,
+                    rate_due=None if due < 0 else due / 1e6,
+                    waits_for=("slots", "units", "rate")[waits])
+
     def _call(self, script: str, name: str, *args: Any) -> Any:
         argv = [self._idle_ms, self._channel_prefix, name, *args]
         return self._riding(lambda: self._script(script, self._keys(name), argv))
@@ -279,23 +313,19 @@ class RedisBackend(Backend):
     def acquire(
         self, name: str, holder: str, *, limit: int, ttl: float, meta: Meta, wait: bool
     ) -> Attempt:
+        meta_json, traffic = self._traffic_argv(meta)
         reply = self._call(
-            "acquire", name, holder, int(limit), int(ttl * 1e6),
-            json.dumps(meta or {}, separators=(",", ":")), 1 if wait else 0, self.client_id,
-            int(self.waiter_ttl * 1e6), fair_key_of(meta) or "", int(self.declared_at * 1e6),
+            "acquire", name, holder, int(limit), int(ttl * 1e6), meta_json, 1 if wait else 0,
+            self.client_id, int(self.waiter_ttl * 1e6), fair_key_of(meta) or "", *traffic,
+            int(self.declared_at * 1e6),  # always the last argument
         )
         if reply[0] == 1:
             _, slot, epoch, expires, now, current_limit = reply
             return Attempt(
                 Grant(slot, epoch, expires / 1e6, (expires - now) / 1e6), limit=current_limit
             )
-        _, position, retry_after, _, current_limit = reply
-        return Attempt(
-            None,
-            None if position < 0 else position,
-            None if retry_after < 0 else retry_after / 1e6,
-            current_limit,
-        )
+        _, position, retry_after, _, current_limit, *rest = reply
+        return Attempt(None, limit=current_limit, **self._refused(position, retry_after, rest))
 
     @property
     def atomic_acquire_all(self) -> bool:  # type: ignore[override]
@@ -310,11 +340,12 @@ class RedisBackend(Backend):
             return super().acquire_all(requests, holder, ttl=ttl, meta=meta, wait=wait)
         requests = list(requests)
         keys = [key for name, _ in requests for key in self._keys(name)]
+        meta_json, traffic = self._traffic_argv(meta)
         argv = [self._idle_ms, self._channel_prefix, requests[0][0], holder, int(ttl * 1e6),
-                json.dumps(meta or {}, separators=(",", ":")), 1 if wait else 0,
-                self.client_id, int(self.waiter_ttl * 1e6), fair_key_of(meta) or "",
-                len(requests)]
+                meta_json, 1 if wait else 0, self.client_id, int(self.waiter_ttl * 1e6),
+                fair_key_of(meta) or "", len(requests)]
         argv += [x for name, limit in requests for x in (name, int(limit))]
+        argv += traffic
         argv.append(int(self.declared_at * 1e6))  # always the last argument
         reply = self._riding(lambda: self._script("acquire_all", keys, argv))
         if reply[0] == 1:
@@ -324,10 +355,9 @@ class RedisBackend(Backend):
                 grants[name] = Grant(slot, epoch, expires / 1e6, (expires - now) / 1e6)
                 limits[name] = limit
             return MultiAttempt(grants, limits=limits)
-        _, index, position, retry_after, limit = reply
-        return MultiAttempt(None, requests[index - 1][0],
-                            None if position < 0 else position,
-                            None if retry_after < 0 else retry_after / 1e6, limit)
+        _, index, position, retry_after, limit, *rest = reply
+        return MultiAttempt(None, requests[index - 1][0], limit=limit,
+                            **self._refused(position, retry_after, rest))
 
     def release(self, name: str, holder: str) -> bool:
         return self._call("release", name, holder) == 1
@@ -392,7 +422,7 @@ class RedisBackend(Backend):
     def _status_of(self, name: str, reply: Any) -> Optional[SemaphoreStatus]:
         if not reply:
             return None
-        _, limit, declared, holders, waiters, counters, pinned, wanted = reply
+        now, limit, declared, holders, waiters, counters, pinned, wanted, *more = reply
         holder_infos = []
         for holder, expires, info in zip(holders[0::3], holders[1::3], holders[2::3]):
             slot, epoch, since, meta = info.split("\n", 3)
@@ -403,7 +433,14 @@ class RedisBackend(Backend):
         waiter_infos = []
         for holder, ticket, info in zip(waiters[0::3], waiters[1::3], waiters[2::3]):
             _, since, meta = info.split("\n", 2)
-            waiter_infos.append(WaiterInfo(holder, int(ticket), int(since) / 1e6, json.loads(meta)))
+            # the queue's score is ticket - priority * 2**36 (scripts/prelude.lua)
+            waiter_infos.append(WaiterInfo(holder, int(float(ticket)) % 2 ** 36,
+                                           int(since) / 1e6, json.loads(meta)))
+        rate, next_start = None, None
+        if more and more[0][0]:
+            interval, burst, tat = int(more[0][0]), int(more[0][1]), int(more[0][2] or 0)
+            rate = (interval / 1e6, burst)
+            next_start = (max(tat, int(now)) - (burst - 1) * interval) / 1e6
         return SemaphoreStatus(
             name=name,
             limit=int(limit),
@@ -413,6 +450,8 @@ class RedisBackend(Backend):
             stats=stats.SemaphoreStats.from_fields(dict(zip(counters[0::2], counters[1::2]))),
             pinned=pinned == 1,
             newest_declared=None if wanted < 0 else wanted,
+            rate=rate,
+            next_start=next_start,
         )
 
     def names(self) -> List[str]:

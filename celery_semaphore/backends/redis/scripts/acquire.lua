@@ -1,8 +1,11 @@
 -- ARGV[4] holder, [5] declared limit, [6] ttl (us), [7] meta JSON, [8] wait (0/1),
--- [9] client id, [10] waiter ttl (us), [11] fair-share key ('' for none); the last: the
--- start of the caller's process (us), which dates its declared limit (prelude's declare).
+-- [9] client id, [10] waiter ttl (us), [11] fair-share key ('' for none), [12] cost, [13] priority,
+-- [14] fair weight, [15] rate interval (us, '' for none), [16] burst (prelude's traffic()); the
+-- last: the start of the caller's process (us), which dates its declared limit (prelude's
+-- declare).
 -- Returns {1, slot, epoch, expires, now, limit} when admitted (or already holding), else
--- {0, position (-1: not queued), retry_after (us, -1: nobody holds), now, limit}.
+-- {0, position (-1: not queued), retry_after (us, -1: nobody holds), now, limit,
+-- waits for (0 slots, 1 units, 2 rate), rate due (us, -1: not held back by the rate)}.
 local holder, declared_limit, ttl = ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6])
 local meta, wait, client, waiter_ttl = ARGV[7], ARGV[8] == '1', ARGV[9], tonumber(ARGV[10])
 local fair_key = ARGV[11] or ''
@@ -24,8 +27,13 @@ while used[slot] do slot = slot + 1 end
 
 -- The limit in force (the newest declaration's unless pinned); a new semaphore's is ours.
 local limit = declare(declared_limit, tonumber(ARGV[#ARGV])) or declared_limit
-local cfg = redis.call('HMGET', config, 'touched', 'e:' .. slot)
+local cfg = redis.call('HMGET', config, 'touched', 'e:' .. slot, 'xh', 'xw', 'ri', 'rb', 'tat')
 local touched = cfg[1]
+-- a cost the limit could never admit: refused before anything but the declaration is stored
+if (tonumber(ARGV[12]) or 1) > limit then
+  return redis.error_reply('COST ' .. ARGV[12] .. ' ' .. limit)
+end
+local tr = traffic(12, {cfg[3], cfg[4], cfg[5], cfg[6], cfg[7]})
 
 if mine then  -- a current holder gets its grant back unchanged
   local held_slot, epoch = string.match(mine, '^(%d+)\n(%d+)\n')
@@ -37,12 +45,13 @@ if mine then  -- a current holder gets its grant back unchanged
   return {1, tonumber(held_slot), tonumber(epoch), expires, now, limit}
 end
 
-local rank, queued, round = place(holder, fair_key, before)
+local rank, queued, round, ahead = place(holder, fair_key, before, tr)
+local admitted, waits, due = verdict(tr, count, rank, ahead, limit, twin)
 
-if count + rank < limit and not twin then
+if admitted then
   -- count < limit, so the lowest free slot is below the limit.
   local epoch = grant(holder, slot, tonumber(cfg[2]) or 0, limit, declared_limit, ttl, meta,
-    queued, round, count, touched)
+    queued, round, count, touched, tr)
   wake(before)
   return {1, slot, epoch, now + ttl, now, limit}
 end
@@ -50,11 +59,11 @@ end
 redis.call('HSET', config, 'limit', limit, 'd:' .. declared_limit, int(now))
 local position = -1
 if wait then
-  queue_up(holder, queued, round, fair_key, meta, client, waiter_ttl)
+  queue_up(holder, queued, round, fair_key, meta, client, waiter_ttl, tr)
   position = rank
 end
 -- A waiter added to an empty queue created the queue's keys.
 if wait and not queued and rank == 0 then keep(touched, queue, wexp, winfo) else keep(touched) end
 local retry = retry_after()
 wake(before)
-return {0, position, retry, now, limit}
+return {0, position, retry, now, limit, waits, due}

@@ -5,11 +5,12 @@
 -- Cluster, where they hash to different slots: the backend uses the generic protocol there).
 -- ARGV[4] holder, [5] ttl (us), [6] meta JSON, [7] wait (0/1), [8] client id,
 -- [9] waiter ttl (us), [10] fair-share key ('' for none), [11] n; then for semaphore i:
--- ARGV[10 + 2i] its name, ARGV[11 + 2i] its declared limit; the last: the start of the
--- caller's process (us), which dates its declared limits (prelude's declare).
+-- ARGV[10 + 2i] its name, ARGV[11 + 2i] its declared limit; then from ARGV[12 + 2n] the
+-- caller's traffic options as acquire.lua's [12] to [16]; the last: the start of the caller's
+-- process (us), which dates its declared limits (prelude's declare).
 -- Returns {1, now, {slot, epoch, expires, limit} for each} when admitted (or holding all),
 -- else {0, index of the refusing semaphore, position (-1: not queued),
--- retry_after (us, -1: nobody holds it), its limit}.
+-- retry_after (us, -1: nobody holds it), its limit, waits for, rate due (as acquire.lua)}.
 local holder, ttl, meta = ARGV[4], tonumber(ARGV[5]), ARGV[6]
 local wait, client, waiter_ttl = ARGV[7] == '1', ARGV[8], tonumber(ARGV[9])
 local fair_key = ARGV[10] or ''
@@ -21,6 +22,16 @@ local function use(i)
   config, holders, hinfo, queue, wexp, winfo, wfair =
     KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], KEYS[k + 4], KEYS[k + 5], KEYS[k + 6], KEYS[k + 7]
   name = ARGV[10 + 2 * i]
+end
+
+-- A cost some limit could never admit: refused before anything is stored.
+local cost = tonumber(ARGV[12 + 2 * n]) or 1
+if cost > 1 then
+  for i = 1, n do
+    use(i)
+    local limit = tonumber(redis.call('HGET', config, 'limit')) or tonumber(ARGV[11 + 2 * i])
+    if cost > limit then return redis.error_reply('COST ' .. cost .. ' ' .. limit) end
+  end
 end
 
 -- First every semaphore's standing, as acquire.lua finds it, changing nothing but the pruning.
@@ -42,12 +53,15 @@ for i = 1, n do
   while used[slot] do slot = slot + 1 end
   st.slot = slot
   st.limit = declare(st.declared, tonumber(ARGV[#ARGV])) or st.declared
-  local cfg = redis.call('HMGET', config, 'touched', 'e:' .. slot)
+  local cfg = redis.call('HMGET', config, 'touched', 'e:' .. slot, 'xh', 'xw', 'ri', 'rb', 'tat')
   st.touched = cfg[1]
   st.last_epoch = tonumber(cfg[2]) or 0
-  local rank, queued, round = place(holder, fair_key, st.before)
+  st.tr = traffic(12 + 2 * n, {cfg[3], cfg[4], cfg[5], cfg[6], cfg[7]})
+  local rank, queued, round, ahead = place(holder, fair_key, st.before, st.tr)
   st.rank, st.queued, st.round = rank, queued, round
-  st.ok = st.mine ~= nil or (st.count + rank < st.limit and not twin)
+  local admitted
+  admitted, st.waits, st.due = verdict(st.tr, st.count, rank, ahead, st.limit, twin)
+  st.ok = st.mine ~= nil or admitted
   if not st.ok and not blocking then blocking = i end
   s[i] = st
 end
@@ -65,7 +79,7 @@ if not blocking then  -- admitted to every one: grant them all
       out[i + 2] = {tonumber(held_slot), tonumber(epoch), expires, st.limit}
     else
       local epoch = grant(holder, st.slot, st.last_epoch, st.limit, st.declared, ttl, meta,
-        st.queued, st.round, st.count, st.touched)
+        st.queued, st.round, st.count, st.touched, st.tr)
       out[i + 2] = {st.slot, epoch, now + ttl, st.limit}
     end
     wake(st.before)
@@ -83,11 +97,12 @@ for i = 1, n do
   if st.mine then
     redis.call('ZREM', holders, holder)
     redis.call('HDEL', hinfo, holder)
+    if cost_in(st.mine) > 1 then redis.call('HINCRBY', config, 'xh', 1 - cost_in(st.mine)) end
     observe('hold', now - tonumber(string.match(st.mine, '^%d+\n%d+\n(%d+)')))
   end
   if i == blocking then
     if wait then
-      queue_up(holder, st.queued, st.round, fair_key, meta, client, waiter_ttl)
+      queue_up(holder, st.queued, st.round, fair_key, meta, client, waiter_ttl, st.tr)
       position = st.rank
     end
     if wait and not st.queued and st.rank == 0 then
@@ -98,13 +113,10 @@ for i = 1, n do
     retry = retry_after()
   else
     if wait and st.queued then  -- waits elsewhere now: out of this queue
-      redis.call('ZREM', queue, holder)
-      redis.call('ZREM', wexp, holder)
-      redis.call('HDEL', winfo, holder)
-      redis.call('HDEL', wfair, holder)
+      unqueue(holder, st.tr.xw)
     end
     keep(st.touched)
   end
   wake(st.before)
 end
-return {0, blocking, position, retry, s[blocking].limit}
+return {0, blocking, position, retry, s[blocking].limit, s[blocking].waits, s[blocking].due}

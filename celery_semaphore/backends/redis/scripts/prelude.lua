@@ -9,6 +9,11 @@
 --   winfo   hash  holder -> client\nsince\nmeta
 --   wfair   hash  holder -> round\nfair key, for waiters queued while the semaphore is fair
 --                 (base.py, "Fair shares"); config's 'round' is the highest round admitted
+-- Costs, priorities and rates (base.py): a queue score is ticket - priority * PRIO, so the queue
+-- is in (-priority, ticket) order; a caller's cost k > 1 is the first field of its meta JSON
+-- ('{"cost":k,...'); config's 'xh' and 'xw' are the sum of (cost - 1) over holders, resp.
+-- waiters (absent: every cost is 1, and nothing below looks at a cost); 'ri' (interval, us),
+-- 'rb' (burst) and 'tat' (theoretical arrival time, us) are the rate's GCRA, when it has one.
 -- ARGV[1] idle TTL (ms), ARGV[2] wake channel prefix, ARGV[3] semaphore name; then per script.
 -- (acquire_all.lua gets the keys of several semaphores and points these locals at each in turn.)
 -- Time is the server's, in microseconds; every score of holders and wexp is an absolute expiry.
@@ -20,6 +25,21 @@ local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 
 -- Lua formats numbers with 14 significant digits; microsecond times need 16.
 local function int(x) return string.format('%d', x) end
+
+-- Priorities live in the queue's scores: ticket - priority * PRIO (tickets stay below PRIO).
+local PRIO = 68719476736
+local function prio_of(score) return math.ceil(-tonumber(score) / PRIO) end
+-- The cost a hinfo or winfo entry's meta carries (1 when none; false: a missing entry).
+local function cost_in(info)
+  if not info then return 1 end
+  return tonumber(string.match(info, '\n{"cost":(%d+)') or 1)
+end
+-- Sum of (cost - 1) over the hinfo or winfo entries `infos`.
+local function extra_in(infos)
+  local extra = 0
+  for _, info in ipairs(infos) do extra = extra + cost_in(info) - 1 end
+  return extra
+end
 
 -- Counters and histograms (celery_semaphore/stats.py): fields 's:<name>' of config, changed in
 -- the same script as what they count. STAT_BUCKETS (bucket bounds, us) is prepended at load
@@ -49,6 +69,10 @@ local function prune_holders()
   local dead = redis.call('ZRANGEBYSCORE', holders, '-inf', int(now))
   if #dead > 0 then
     each_chunk('ZREM', holders, dead)
+    if tonumber(redis.call('HGET', config, 'xh') or 0) > 0 then
+      local extra = extra_in(each_chunk('HMGET', hinfo, dead, {}))
+      if extra > 0 then redis.call('HINCRBY', config, 'xh', -extra) end
+    end
     each_chunk('HDEL', hinfo, dead)
     if redis.call('EXISTS', config) == 1 then stat('expired', #dead) end
   end
@@ -58,6 +82,10 @@ local function prune_waiters()
   local gone = redis.call('ZRANGEBYSCORE', wexp, '-inf', int(now))
   if #gone > 0 then
     each_chunk('ZREM', wexp, gone)
+    if tonumber(redis.call('HGET', config, 'xw') or 0) > 0 then
+      local extra = extra_in(each_chunk('HMGET', winfo, gone, {}))
+      if extra > 0 then redis.call('HINCRBY', config, 'xw', -extra) end
+    end
     each_chunk('ZREM', queue, gone)
     each_chunk('HDEL', winfo, gone)
     each_chunk('HDEL', wfair, gone)
@@ -71,45 +99,83 @@ local function fair_entry(info)
   return tonumber(r), k
 end
 
--- The waiters in admission order: by ticket, or by (round, ticket) while wfair exists.
-local function in_order()
-  local members = redis.call('ZRANGE', queue, 0, -1)
-  if #members == 0 or redis.call('EXISTS', wfair) == 0 then return members end
+-- The queue's members with their priority and round, in the queue's (score) order.
+local function entries()
+  local scored = redis.call('ZRANGE', queue, 0, -1, 'WITHSCORES')
+  local members = {}
+  for i = 1, #scored, 2 do members[#members + 1] = scored[i] end
   local infos = each_chunk('HMGET', wfair, members, {})
-  local ranked = {}
-  for i, h in ipairs(members) do ranked[i] = {(fair_entry(infos[i])), i, h} end
-  table.sort(ranked, function(a, b)
-    if a[1] ~= b[1] then return a[1] < b[1] end
-    return a[2] < b[2]
-  end)
   local out = {}
-  for i, r in ipairs(ranked) do out[i] = r[3] end
+  for i, h in ipairs(members) do
+    out[i] = {prio_of(scored[2 * i]), (fair_entry(infos[i])), i, h}
+  end
   return out
 end
 
--- The round a waiter of fair key `key` ('' for none) that queues now gets.
-local function next_round(key)
+-- The waiters in admission order: by (-priority, ticket) (the queue's order), or by
+-- (-priority, round, ticket) while wfair exists.
+local function in_order()
+  if redis.call('EXISTS', wfair) == 0 then return redis.call('ZRANGE', queue, 0, -1) end
+  local ranked = entries()
+  table.sort(ranked, function(a, b)
+    if a[1] ~= b[1] then return a[1] > b[1] end
+    if a[2] ~= b[2] then return a[2] < b[2] end
+    return a[3] < b[3]
+  end)
+  local out = {}
+  for i, r in ipairs(ranked) do out[i] = r[4] end
+  return out
+end
+
+-- The round a waiter of fair key `key` ('' for none) and fair weight `weight` that queues
+-- now gets (base.py, "Weights").
+local function next_round(key, weight)
   local r = tonumber(redis.call('HGET', config, 'round') or 0)
+  local last, n = 0, 0
   for _, info in ipairs(redis.call('HVALS', wfair)) do
     local wr, wk = fair_entry(info)
-    if wk == key and wr > r then r = wr end
+    if wk == key then
+      if wr > last then last, n = wr, 1 elseif wr == last then n = n + 1 end
+    end
   end
-  return r + 1
+  if weight > 1 and last > r and n < weight then return last end
+  return math.max(r, last) + 1
+end
+
+-- Seconds (us) until the rate allows the start of a caller with `ahead` waiters before it
+-- (<= 0: now). ri nil: no rate.
+local function rate_wait(ri, rb, tat, ahead)
+  if not ri then return 0 end
+  return math.max(tat or 0, now) + (ahead - (rb - 1)) * ri - now
 end
 
 -- The task a holder id names ('<task id>:<random>'), or nil.
 local function task_of(h) return string.match(h, '^(.*):') end
 
--- The waiters the FIFO rule admits now: the first (limit - holders) of the queue, but those
--- whose task another holder holds (they keep their place until that twin goes).
-local function admissible(limit)
-  local free = limit - redis.call('ZCARD', holders)
+-- The waiters the FIFO rule admits now: the longest prefix of the queue whose costs fit in
+-- the free units, but those whose task another holder holds (they keep their place until that
+-- twin goes); none while the rate allows no start (a rate-held waiter is told when to try).
+local function admissible()
+  local c = redis.call('HMGET', config, 'limit', 'xh', 'xw', 'ri', 'rb', 'tat')
+  local limit = tonumber(c[1])
+  if not limit then return {} end
+  local free = limit - redis.call('ZCARD', holders) - (tonumber(c[2]) or 0)
   if free <= 0 then return {} end
+  if c[4] and rate_wait(tonumber(c[4]), tonumber(c[5]), tonumber(c[6]), 0) > 0 then
+    return {}
+  end
   local first, out, held = nil, {}, nil
   if redis.call('EXISTS', wfair) == 1 then
     first = {unpack(in_order(), 1, free)}
   else
     first = redis.call('ZRANGE', queue, 0, free - 1)
+  end
+  if (tonumber(c[3]) or 0) > 0 and #first > 0 then  -- costs: as many as fit, in order
+    local infos = each_chunk('HMGET', winfo, first, {})
+    for i = 1, #first do
+      free = free - cost_in(infos[i])
+      if free < 0 then first = {unpack(first, 1, i - 1)} break end
+    end
   end
   for _, h in ipairs(first) do
     local task = task_of(h)
@@ -131,10 +197,7 @@ local function begin()
   local before = nil
   if redis.call('ZCARD', queue) > 0 then
     before = {}
-    local limit = tonumber(redis.call('HGET', config, 'limit'))
-    if limit then
-      for _, h in ipairs(admissible(limit)) do before[h] = true end
-    end
+    for _, h in ipairs(admissible()) do before[h] = true end
     prune_waiters()
   end
   prune_holders()
@@ -146,9 +209,7 @@ end
 -- nobody waited before (before == nil) there is nobody to wake.
 local function wake(before)
   if not before then return end
-  local limit = tonumber(redis.call('HGET', config, 'limit'))
-  if not limit then return end
-  for _, h in ipairs(admissible(limit)) do
+  for _, h in ipairs(admissible()) do
     if not before[h] then
       local info = redis.call('HGET', winfo, h)
       if info then
@@ -187,14 +248,32 @@ end
 
 -- acquire.lua and acquire_all.lua (model.py's State.place, grant, queue_up) ------------------
 
+-- Take `holder` out of the queue (`xw`: config's, nil: read it).
+local function unqueue(holder, xw)
+  xw = xw or tonumber(redis.call('HGET', config, 'xw') or 0)
+  if xw > 0 then
+    local cost = cost_in(redis.call('HGET', winfo, holder))
+    if cost > 1 then redis.call('HINCRBY', config, 'xw', 1 - cost) end
+  end
+  redis.call('ZREM', queue, holder)
+  redis.call('ZREM', wexp, holder)
+  redis.call('HDEL', winfo, holder)
+  redis.call('HDEL', wfair, holder)
+end
+
 -- The place of a caller that does not hold: its rank in the queue (as queued, or where it
--- would queue), whether it is queued, and its fair-share round. `before` is begin()'s.
-local function place(holder, fair_key, before)
+-- would queue), whether it is queued, its fair-share round, and the units the waiters ahead
+-- of it need. `before` is begin()'s; `tr` the caller's traffic (priority, weight) and config's
+-- xw.
+local function place(holder, fair_key, before, tr)
   local rank, queued, round = 0, false, 0
   if before then
     rank = redis.call('ZRANK', queue, holder)
     queued = rank ~= false
-    if not queued then rank = redis.call('ZCARD', queue) end
+    -- a newcomer ranks behind every waiter of its priority or a higher one
+    if not queued then
+      rank = redis.call('ZCOUNT', queue, '-inf', '(' .. int((1 - tr.priority) * PRIO))
+    end
   end
   -- Fair shares (base.py): a queued waiter keeps its round; a newcomer gets one while fair.
   local fair = redis.call('EXISTS', wfair) == 1
@@ -206,26 +285,65 @@ local function place(holder, fair_key, before)
       end
     end
   elseif fair or fair_key ~= '' then
-    round = next_round(fair_key)
+    round = next_round(fair_key, tr.weight)
     if before then
       rank = 0
-      local waiting = redis.call('ZRANGE', queue, 0, -1)
-      local infos = fair and each_chunk('HMGET', wfair, waiting, {}) or {}
-      for i = 1, #waiting do
-        if fair_entry(infos[i]) <= round then rank = rank + 1 end
+      for _, e in ipairs(entries()) do
+        if e[1] > tr.priority or (e[1] == tr.priority and e[2] <= round) then
+          rank = rank + 1
+        end
       end
     end
   end
-  return rank, queued, round
+  local ahead = rank
+  if tr.xw > 0 and rank > 0 then  -- costs: the units of the waiters ahead
+    local first
+    if fair then first = {unpack(in_order(), 1, rank)}
+    else first = redis.call('ZRANGE', queue, 0, rank - 1) end
+    ahead = rank + extra_in(each_chunk('HMGET', winfo, first, {}))
+  end
+  return rank, queued, round, ahead
+end
+
+-- The traffic options of a call (ARGV from `at`: cost, priority, weight, rate interval (us,
+-- '' for none), burst) and config's fields c = {xh, xw, ri, rb, tat}; a declared rate
+-- becomes the semaphore's (base.py, "Rate").
+local function traffic(at, c)
+  local tr = {cost = tonumber(ARGV[at]) or 1, priority = tonumber(ARGV[at + 1]) or 0,
+              weight = tonumber(ARGV[at + 2]) or 1, xh = tonumber(c[1]) or 0,
+              xw = tonumber(c[2]) or 0, ri = tonumber(c[3]), rb = tonumber(c[4]),
+              tat = tonumber(c[5])}
+  local ri, rb = tonumber(ARGV[at + 3] or ''), tonumber(ARGV[at + 4] or '')
+  if ri and (ri ~= tr.ri or rb ~= tr.rb) then
+    redis.call('HSET', config, 'ri', ri, 'rb', rb)
+    tr.ri, tr.rb = ri, rb
+  end
+  return tr
+end
+
+-- The verdict for a caller at `rank` needing `ahead` units before its own, with `count`
+-- holders: admitted (true), else what it waits for (0 slots, 1 units, 2 rate) and, for the
+-- rate, when its start is due (us, else -1).
+local function verdict(tr, count, rank, ahead, limit, twin)
+  local fits = count + tr.xh + ahead + tr.cost <= limit
+  local due = rate_wait(tr.ri, tr.rb, tr.tat, rank)
+  if fits and not twin and due <= 0 then return true, 0, -1 end
+  if fits and not twin then return false, 2, due end
+  if tr.cost > 1 or tr.xh > 0 or ahead > rank then return false, 1, -1 end
+  return false, 0, -1
 end
 
 -- Give `holder` the lowest free `slot` (whose last epoch was `last_epoch`), leaving the queue;
 -- `count` holders held before. Returns the new epoch.
 local function grant(holder, slot, last_epoch, limit, declared_limit, ttl, meta, queued, round,
-                     count, touched)
+                     count, touched, tr)
   local epoch = math.max(last_epoch + 1, now)
   redis.call('HSET', config, 'limit', limit, 'd:' .. declared_limit, int(now),
     'e:' .. slot, int(epoch))
+  if tr.cost > 1 then redis.call('HINCRBY', config, 'xh', tr.cost - 1) end
+  if tr.ri then  -- a start: the rate's next one is an interval later
+    redis.call('HSET', config, 'tat', int(math.max(tr.tat or 0, now) + tr.ri))
+  end
   redis.call('ZADD', holders, int(now + ttl), holder)
   redis.call('HSET', hinfo, holder, slot .. '\n' .. int(epoch) .. '\n' .. int(now) .. '\n' .. meta)
   -- the wait: from the caller's first wait (meta), else from its entry in the queue
@@ -235,12 +353,7 @@ local function grant(holder, slot, last_epoch, limit, declared_limit, ttl, meta,
   else since = now end
   stat('acquired', 1)
   observe('wait', now - since)
-  if queued then
-    redis.call('ZREM', queue, holder)
-    redis.call('ZREM', wexp, holder)
-    redis.call('HDEL', winfo, holder)
-    redis.call('HDEL', wfair, holder)
-  end
+  if queued then unqueue(holder, tr.xw) end
   if round > tonumber(redis.call('HGET', config, 'round') or 0) then
     redis.call('HSET', config, 'round', round)
   end
@@ -249,10 +362,11 @@ local function grant(holder, slot, last_epoch, limit, declared_limit, ttl, meta,
 end
 
 -- Queue `holder` (or refresh its entry) at the place place() found.
-local function queue_up(holder, queued, round, fair_key, meta, client, waiter_ttl)
+local function queue_up(holder, queued, round, fair_key, meta, client, waiter_ttl, tr)
   if not queued then
     local ticket = redis.call('HINCRBY', config, 'ticket', 1)
-    redis.call('ZADD', queue, ticket, holder)
+    redis.call('ZADD', queue, int(ticket - tr.priority * PRIO), holder)
+    if tr.cost > 1 then redis.call('HINCRBY', config, 'xw', tr.cost - 1) end
     redis.call('HSET', winfo, holder, client .. '\n' .. int(now) .. '\n' .. meta)
     if round > 0 then
       redis.call('HSET', wfair, holder, round .. '\n' .. fair_key)

@@ -6,6 +6,7 @@ if removed == 1 then
   redis.call('HDEL', hinfo, ARGV[4])
   if info and redis.call('EXISTS', config) == 1 then
     observe('hold', now - tonumber(string.match(info, '^%d+\n%d+\n(%d+)')))
+    if cost_in(info) > 1 then redis.call('HINCRBY', config, 'xh', 1 - cost_in(info)) end
   end
 end
 wake(before)

@@ -59,4 +59,7 @@ if expired > 0 then
   table.insert(stat_list, 'expired')
   table.insert(stat_list, int(expired))
 end
-return {int(now), limit, declared_list, holder_list, waiter_list, stat_list, pinned, wanted}
+-- the rate: {interval us, burst, tat us}, '' for each without one
+local rate = redis.call('HMGET', config, 'ri', 'rb', 'tat')
+return {int(now), limit, declared_list, holder_list, waiter_list, stat_list, pinned, wanted,
+  {rate[1] or '', rate[2] or '', rate[3] or ''}}
