@@ -212,9 +212,9 @@ def test_resize_pins_and_unpin_releases_it(cli):
                      re.M), status.stdout
     assert "`resize pin --unpin` puts the newest declared limit (3) in force" in status.stdout
     header, row = listed.stdout.splitlines()
-    assert header.split() == ["NAME", "LIMIT", "PINNED", "DECLARED", "HELD", "WAITING",
-                              "PARKED"]
-    assert row.split() == ["pin", "5", "pinned", "2,3", "0", "0", "0"]
+    assert header.split() == ["NAME", "LIMIT", "PINNED", "DECLARED", "HELD", "UNITS",
+                              "WAITING", "PARKED"]
+    assert row.split() == ["pin", "5", "pinned", "2,3", "0", "0", "0", "0"]
     unpinned, both, neither, unknown = parallel(
         cli, ("resize", "pin", "--unpin", "--json"), ("resize", "pin", "4", "--unpin"),
         ("resize", "pin"), ("resize", "nothing-here", "--unpin"))

@@ -200,7 +200,8 @@ def test_a_worker_warns_once_about_a_pinned_limit_and_tasks_that_disagree(caplog
         for _ in range(3):  # a template's key: when an attempt first shows the difference
             watch.saw(guard, Attempt(None, 0, None, limit=2))
         watch.saw(Guard("k:2", 5, Settings()), Attempt(None, 0, None, limit=5))  # agrees
-    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"
+                and r.name == "celery_semaphore.worker.limits"]
     assert warnings == [
         "celery-semaphore: semaphore 'shared': tasks declare different limits (4: a; 8: b): "
         "the one that runs last sets the limit in force; declare one limit (e.g. in "
