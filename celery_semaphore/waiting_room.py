@@ -198,7 +198,9 @@ class ParkOnSend:
     for it and ``semaphore_max_wait`` is not set (a worker that holds or parked a task fails
     it when its wait runs out; nobody watches a task parked on send until it is pulled) and
     ``semaphore_on_full`` is ``"wait"`` (a skip or fail is decided by the worker, once a pool
-    process is free for the task), it is routed to a queue, and its semaphore is busy: the
+    process is free for the task), its ``semaphore_priority`` is not above the default (it
+    goes to a worker and into the backend's queue, ordered by priority, ahead of the parked
+    backlog), it is routed to a queue, and its semaphore is busy: the
     backend has requests waiting in its queue (:meth:`busy`).
     Anything else is sent as Celery sends it; the worker's gate handles it then (including a
     template it cannot fill, which fails that task alone).
@@ -357,6 +359,8 @@ class ParkOnSend:
         if guard.settings.max_wait is not None:  # a worker tracks it and fails it on time
             return None
         if guard.settings.on_full != "wait":  # judged full or not by the worker that gets it
+            return None
+        if guard.priority > 0:  # parked, it would wait behind the backlog it should pass
             return None
         route_options = {key: options[key] for key in _ROUTING if key in options}
         if "queue" not in route_options and getattr(task, "queue", None):

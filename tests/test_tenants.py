@@ -113,3 +113,30 @@ def test_parked_tasks_a_killed_worker_held_are_found_without_a_new_send(redis_ur
         assert wait_until(lambda: _parked(cluster, "slow") == 0)
     finally:
         cluster.stop()
+
+
+def test_a_high_priority_task_passes_a_parked_backlog(redis_url, tmp_path):
+    """A task sent with ``semaphore_priority`` 9 behind a backlog parked on send is not parked
+    behind it: it reaches a worker, enters the backend's queue ahead of every waiter of lower
+    priority and is the first to start when the slot frees."""
+    cluster = Cluster(str(tmp_path), redis_url, servers.redis_broker(redis_url), redis_url,
+                      workers=2, names="prio")
+    blocker = Semaphore("ranked", 1, redis_url, key_prefix=cluster.env["CS_KEY_PREFIX"], ttl=60)
+    lease = blocker.acquire(timeout=10)
+    try:
+        waiting = _waiting_elsewhere(cluster, "ranked", 1)
+        ranked = cluster.task("ranked")
+        low = [ranked.delay(f"low{i}", 0.02) for i in range(30)]
+        assert wait_until(lambda: _parked(cluster, "ranked") > 0)
+        high = ranked.apply_async(("high", 0.02), headers={"semaphore_priority": 9})
+        assert wait_until(lambda: any(w.meta.get("task_id") == high.id for w in
+                                      cluster.backend.status("ranked").waiters), timeout=20)
+        lease.release()
+        waiting.join(30)
+        assert high.get(timeout=30) == "high"
+        assert sorted(r.get(timeout=60) for r in low) == sorted(f"low{i}" for i in range(30))
+        starts = {key: runs[0][0] for key, runs in cluster.probe.intervals().items()}
+        assert starts["ranked:high"] < min(starts[f"ranked:low{i}"] for i in range(30))
+        assert cluster.probe.max_concurrent("ranked:") == 1
+    finally:
+        cluster.stop()

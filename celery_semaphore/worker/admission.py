@@ -82,7 +82,15 @@ class Admission:
         return waiter
 
     def wait(self, waiter: Waiter) -> None:
-        self.line.append(waiter)
+        """``waiter`` joins this worker's line: after those of its priority or higher
+        (``semaphore_priority``), ahead of lower ones, so that it enters the backend's queue
+        (ordered by priority there too) first."""
+        priority = waiter.guard.priority
+        if not self.line or self.line[-1].guard.priority >= priority:
+            self.line.append(waiter)
+        else:
+            index = next(i for i, w in enumerate(self.line) if w.guard.priority < priority)
+            self.line.insert(index, waiter)
         self.pump()
 
     def pool_size(self) -> int:
@@ -94,12 +102,15 @@ class Admission:
         return self.pool_size() - busy
 
     def pump(self) -> None:
-        """Move waiters from the line into the backend's queue while processes are free."""
+        """Move waiters from the line into the backend's queue while processes are free (as
+        many of one semaphore as processes are free; one whose priority is above the default
+        goes in at once, so that the backend's queue orders it ahead of lower ones: a grant
+        that then finds no free process is given back)."""
         free = self.free_processes()
         if free <= 0 or not self.line:
             return
         for waiter in list(self.line):
-            if self.queued.get(waiter.guard.name, 0) < free:
+            if self.queued.get(waiter.guard.name, 0) < free or waiter.guard.priority > 0:
                 self.line.remove(waiter)
                 self._move(waiter, WaitState.QUEUED)
                 self.gate.io.call(self._watch, waiter, waiter.holder)
@@ -255,7 +266,7 @@ class Admission:
         waiting room instead (True: it left)."""
         name = waiter.guard.name
         self.blocked_by_name[name] = self.blocked_by_name.get(name, 0) + 1  # drop undoes it
-        if not waiter.pulled and self.gate.parking.room(name) < 0:
+        if not waiter.pulled and self.gate.parking.room(name) < 0 and waiter.parks:
             self.gate.parking.park(waiter, "this worker holds its share of waiters already")
             return True
         self.raise_prefetch(waiter)

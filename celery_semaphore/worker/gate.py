@@ -248,7 +248,7 @@ class Gate:
         room = self.parking.room(guard.name)
         waiter = self.admission.add(request, guard, pulled=pulled)
         if full and waiter.waits:
-            if room <= 0 and not pulled:
+            if room <= 0 and not pulled and waiter.parks:
                 return self.parking.park(waiter, "this worker holds its share already")
             self.admission.raise_prefetch(waiter)
         self.admission.wait(waiter)
@@ -288,7 +288,10 @@ class Gate:
                         f"{settings.max_wait}s (semaphore_max_wait)"))
                     continue
             if now - waiter.entered > settings.worker_max_hold and waiter.waits:
-                self.parking.park(waiter, "semaphore_worker_max_hold passed")
+                if waiter.parks:
+                    self.parking.park(waiter, "semaphore_worker_max_hold passed")
+                else:  # a priority above the default: back to its queue, never behind a backlog
+                    self.requeue.requeue(waiter)
         self.releases.check_orphans()
         self.parking.check_tracked()
         self.admission.pump()

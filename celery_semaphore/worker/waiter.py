@@ -95,6 +95,13 @@ class Waiter:
         try (``wait=False``) and "full" skips or fails it."""
         return self.guard.settings.on_full == "wait"
 
+    @property
+    def parks(self) -> bool:
+        """It may go to the waiting room: not with a priority above the default, which would
+        put it behind the backlog of its semaphore there; it waits in this worker and enters
+        the backend's queue, where its priority orders it ahead of the parked ones."""
+        return self.guard.priority <= 0
+
     def move(self, to: WaitState) -> None:
         if to not in ALLOWED[self.state]:
             raise RuntimeError(f"waiter {self.holder}: {self.state.value} -> {to.value}")
