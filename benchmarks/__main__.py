@@ -10,7 +10,7 @@ import platform
 import sys
 from datetime import datetime, timezone
 
-from benchmarks import backends, backlog, keys, workload
+from benchmarks import backends, backlog, keys, traffic, workload
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -75,6 +75,14 @@ def markdown(data) -> str:
         table([r for r in data.get("keys", []) if r["shape"] == "state"],
               ["broker", "broker_before", "broker_after", "broker_60s_after",
                "backend_before", "backend_after", "backend_60s_after"]),
+        "W7, a cluster-wide rate (`semaphore_rate=\"50/s\"`, 300 x 10 ms) beside Celery's own "
+        "`rate_limit=\"25/s\"` on each of the two workers; W8, weighted slots (200 x 50 ms, "
+        "`semaphore_cost` 1, 2 or 4, limit 8 units) beside the ideal FIFO schedule of the same "
+        "costs with zero handoff:",
+        table(data.get("traffic", []), [
+            "workload", "setup", "tasks", "starts_per_s", "vs_asked", "max_starts_in_1s",
+            "unit_utilization", "ideal_fifo_utilization", "vs_ideal", "max_units",
+            "makespan_s", "deliveries_per_task"]),
         "The waiting room under a deep backlog: guarded tasks sent while their semaphore is "
         "full reach one worker (-c 4), parked on send (the default) or parked by the worker "
         "(`semaphore_park_on_send = False`). `parked_per_s`: on send, the sender's rate into "
@@ -158,6 +166,8 @@ def main(argv=None) -> int:
             data["workload"] = workload.run(url, rabbit, more)
         print("many keys (W6):", flush=True)
         data["keys"] = keys.run(url, rabbit, workload.broker_url(url))
+        print("rates and costs (W7, W8):", flush=True)
+        data["traffic"] = traffic.run(url)
         print("backlog:", flush=True)
         broker = workload.broker_url(url)
         data["backlog"] = []
