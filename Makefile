@@ -1,18 +1,18 @@
 # make test: the whole suite against real servers; make demo: the example, no server needed;
 # make bench: benchmarks/ into benchmarks/results/; make docs: the Sphinx site into docs/_build/html;
 # make chaos: the nemesis soak (chaos/), CHAOS_SECONDS long (300 by default), on private servers
-# it starts and stops itself.
+# it starts and stops itself; make compat: the worker tests on every Celery minor we claim.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo bench chaos lint servers clean docs
+.PHONY: test compat compat-ci demo bench chaos lint servers clean docs
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[all,test,bench,docs]'
+	$(BIN)/python -m pip install -q -e '.[all,test,bench,docs,compat]'
 	touch $(STAMP)
 
 servers:
@@ -26,6 +26,22 @@ test: $(STAMP) servers docs
 	$(BIN)/ruff check celery_semaphore tests benchmarks chaos example_project
 	$(BIN)/python -m pytest -n $(PYTEST_JOBS) -m "not serial"
 	$(BIN)/python -m pytest -m serial
+
+# make compat: the worker tests that touch Celery's internals, against every Celery minor that
+# setup.cfg claims (tox.ini: envs celery53 ... celery57, installed from PyPI), COMPAT_JOBS envs
+# at a time; make compat-ci: the oldest and the newest claimed only (.ci/run). Arguments for
+# pytest: make compat COMPAT_ARGS="-x".
+COMPAT_ENVS ?= celery53,celery54,celery55,celery56,celery57
+COMPAT_CI_ENVS ?= celery53,celery57
+COMPAT_JOBS ?= 2
+COMPAT_ARGS ?=
+TOX_PARALLEL = $(BIN)/tox run-parallel --parallel-live -p $(COMPAT_JOBS)
+
+compat: $(STAMP) servers
+	$(TOX_PARALLEL) -e $(COMPAT_ENVS) -- $(COMPAT_ARGS)
+
+compat-ci: $(STAMP) servers
+	$(TOX_PARALLEL) -e $(COMPAT_CI_ENVS) -- $(COMPAT_ARGS)
 
 demo: $(STAMP)
 	$(BIN)/python -m example_project.demo
@@ -47,4 +63,4 @@ lint: $(STAMP)
 	$(BIN)/ruff check celery_semaphore tests benchmarks chaos example_project
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache docs/_build
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache docs/_build .tox

@@ -67,7 +67,8 @@ def test_waiting_state_in_flower(flower_cluster):
 
     assert wait_until(lambda: state_of(waiter.id) == "WAITING", timeout=10, interval=0.05), seen
     info = _get(f"{base}/api/task/info/{waiter.id}")
-    assert waiter.state == "WAITING"  # the result backend too
+    # the result backend too (stored by the gate's I/O thread after the event is sent)
+    assert wait_until(lambda: waiter.state == "WAITING", timeout=5), waiter.state
     assert waiter.info.get("semaphore") == "slow"
     first.get(timeout=10)
     assert wait_until(lambda: state_of(waiter.id) == "SUCCESS", timeout=15, interval=0.02), seen

@@ -15,12 +15,14 @@ from tests.util import wait_until
 def test_calls_run_in_due_order_and_a_cancelled_one_never_runs():
     scheduler = Scheduler("test-order")
     ran, done = [], threading.Event()
-    scheduler.call(ran.append, 3, delay=0.06)
+    # Delays far apart: a loaded machine may pause this thread between two calls (60 ms
+    # apart, 3 came due before 1 was scheduled).
+    scheduler.call(ran.append, 3, delay=0.6)
     scheduler.call(ran.append, 1)
-    cancelled = scheduler.call(ran.append, "cancelled", delay=0.03)
-    scheduler.call(ran.append, 2, delay=0.03)
+    cancelled = scheduler.call(ran.append, "cancelled", delay=0.3)
+    scheduler.call(ran.append, 2, delay=0.3)
     cancelled.cancel()
-    scheduler.call(done.set, delay=0.1)
+    scheduler.call(done.set, delay=0.9)
     assert done.wait(5)
     scheduler.stop()
     assert ran == [1, 2, 3]

@@ -13,9 +13,11 @@ from tests import servers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: Worker node names are unique per broker (a RabbitMQ worker's pidbox queue is exclusive):
-#: the processes of a parallel test run (pytest-xdist's gw0, gw1, ...) add their own suffix.
-NAME_SUFFIX = f"-{os.environ['PYTEST_XDIST_WORKER']}" if os.environ.get("PYTEST_XDIST_WORKER") \
-    else ""
+#: the processes of a parallel test run (pytest-xdist's gw0, gw1, ...) add their own suffix,
+#: and so do test runs made side by side against the same broker (``CS_NODE_SUFFIX``: each
+#: tox env of ``make compat`` sets its own).
+NAME_SUFFIX = os.environ.get("CS_NODE_SUFFIX", "") + (
+    f"-{os.environ['PYTEST_XDIST_WORKER']}" if os.environ.get("PYTEST_XDIST_WORKER") else "")
 
 
 def children(pid: int) -> List[int]:

@@ -9,11 +9,15 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
+import celery
 from billiard.exceptions import WorkerLostError
 from celery.concurrency.prefork import TaskPool as PreforkPool
 from celery.exceptions import Terminated, TimeLimitExceeded
 from celery.worker import state as worker_state
 from kombu.utils.functional import maybe_list
+
+#: The Celery version, as (major, minor), for the shims below that only older versions need.
+CELERY_VERSION: Tuple[int, ...] = tuple(int(part) for part in celery.__version__.split(".")[:2])
 
 #: Endings the pool reports before the child process has exited.
 CHILD_KILLED = (TimeLimitExceeded, Terminated, WorkerLostError, SystemExit, KeyboardInterrupt)
@@ -68,6 +72,51 @@ def dropped_job_child(consumer: Any, request: Any, job: Any) -> Optional[Any]:
             or pool is None or job._job in pool._cache):
         return False
     return getattr(job, "_write_to", None)
+
+
+def keep_running_jobs_on_flush(pool: Any) -> bool:
+    """Celery 5.3 to 5.5 only: make the prefork pool's flush on a broker reconnect keep the
+    jobs a pool child has accepted, as Celery 5.6 does. True if the pool was wrapped (once).
+
+    ``AsynPool.flush`` of those versions empties the pool's whole job cache when no write to
+    a child is in progress (celery/celery#8541): a task running across a reconnect then
+    finishes in its child, but its callbacks never run in the worker, so its slot would be
+    held (its lease renewed) until the worker stops, and Celery counts it active for ever.
+    Jobs no child has accepted are still dropped (the broker redelivers their messages).
+    The consumer calls ``TaskPool.flush``, bound to the pool once it started; that attribute
+    is wrapped (call this after the pool started, e.g. when the consumer starts).
+    """
+    if CELERY_VERSION >= (5, 6) or not pool_forks(pool):
+        return False
+    flush = getattr(pool, "flush", None)
+    if flush is None or getattr(flush, "keeps_running_jobs", False):
+        return False
+
+    def flush_keeping_running_jobs() -> Any:
+        cache = getattr(getattr(pool, "_pool", None), "_cache", None)
+        running = {} if cache is None else {
+            key: job for key, job in list(cache.items()) if getattr(job, "_accepted", False)}
+        try:
+            return flush()
+        finally:
+            if cache is not None:
+                for key, job in running.items():
+                    cache.setdefault(key, job)
+
+    flush_keeping_running_jobs.keeps_running_jobs = True  # type: ignore[attr-defined]
+    pool.flush = flush_keeping_running_jobs
+    return True
+
+
+def consumer_connected(consumer: Any) -> bool:
+    """True while the consumer's broker connection is open. Celery 5.7 drops a lost
+    connection (``consumer.connection`` becomes None) before the consumer's steps stop;
+    Celery 5.3 to 5.6 keep the lost one there, collected by kombu (its ``connected`` is
+    False), until the Connection step stops."""
+    connection = consumer.connection
+    if connection is None:
+        return False
+    return CELERY_VERSION >= (5, 7) or bool(connection.connected)
 
 
 def revocations() -> Tuple[int, int]:

@@ -115,7 +115,7 @@ class Gate:
         with self.lock:
             if self.state is GateState.OPEN:
                 self.state = GateState.PAUSED  # pulls still on their way go back
-            connected = self.consumer.connection is not None
+            connected = celery_internals.consumer_connected(self.consumer)
             waiters = list(self.admission.waiters.values())
             if not connected and waiters:
                 logger.info("celery-semaphore: the broker connection is closed with %d tasks "

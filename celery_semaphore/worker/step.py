@@ -15,6 +15,7 @@ from ..exceptions import ConfigurationError
 from ..guards import Guards, check_options
 from ..settings import Settings, lookup
 from ..traffic import options_used
+from . import celery_internals
 from .gate import Gate
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ class SemaphoreStep(bootsteps.StartStopStep):
         consumer.semaphore_gate = self.gate
 
     def start(self, consumer: Any) -> None:
+        celery_internals.keep_running_jobs_on_flush(consumer.pool)  # Celery < 5.6
         if not self.announced:
             self.announced = True
             logger.info("celery-semaphore: gate on, backend %r; guarded tasks: %s",
