@@ -255,9 +255,11 @@ class ParkOnSend:
     def _publish_confirmed(self, name: str, args: Any, kwargs: Any, queue: Queue,
                            headers: Dict[str, Any], options: Dict[str, Any]) -> Any:
         """Publish a parked send on AMQP through this sender's own connection with publisher
-        confirms, ``mandatory``: a worker deletes a parking queue once it is empty, so the
-        broker may return the message (no such queue any more); then the queue is declared
-        again and the message published again. One parked send at a time per process."""
+        confirms, ``mandatory``: a parking queue unused for :data:`PARKING_QUEUE_EXPIRES` is
+        deleted by the broker (``x-expires``) while this process may still believe it
+        declared, so the broker may return the message (no such queue any more); then the
+        queue is declared again and the message published again, never dropped. One parked
+        send at a time per process."""
         for key in ("producer", "connection", "mandatory"):
             options.pop(key, None)
         with self._confirm_lock:

@@ -190,6 +190,23 @@ def detach_all_unacked(connection: Any) -> List[str]:
     return tags
 
 
+def detach_consumer_unacked(consumer: Any) -> List[str]:
+    """Forget every message still unacked on ``consumer``'s task channel without touching the
+    broker, if it is kombu's Redis transport (see :func:`detach_unacked`): what closing the
+    lost connection would restore through a transport it has detached (kombu 5.7 raises
+    AttributeError there, and the worker exits). Their delivery tags, for
+    :func:`restore_unacked`: tasks acknowledged late that were running, and messages Celery
+    held (ETA, reserved) that it forgets on the reconnect, as the broker delivers them again."""
+    channel = getattr(getattr(consumer, "task_consumer", None), "channel", None)
+    qos = getattr(channel, "qos", None)
+    delivered = getattr(qos, "_delivered", None)
+    if delivered is None or not hasattr(qos, "restore_by_tag"):
+        return []
+    tags = list(delivered)
+    delivered.clear()
+    return tags
+
+
 def restore_unacked(app: Any, tags: List[str]) -> None:
     """Move the messages with delivery ``tags`` from a Redis broker's unacked hash back to the
     head of their queues, through a connection of its own (kombu 5.x ``QoS.restore_by_tag``,

@@ -159,13 +159,15 @@ class Gate:
             # the parking lot restores these (ParkingLot.reset), maybe after stop() let go
             self.pulled_waiting_at_loss = {w.request.message.delivery_tag
                                            for w in waiters if w.pulled}
-        if detached:
-            self.io.call(self.restore_detached,
-                         [w.request.message.delivery_tag for w in detached], None,
-                         RETRY_FIRST, len(detached))
-        if bells:
-            self.io.call(self.restore_detached, [m.delivery_tag for m in bells], None,
-                         RETRY_FIRST, 0, len(bells))
+            # and whatever else is unacked on the task channel (a task acknowledged late that
+            # runs, requests Celery holds and forgets on the reconnect): closing the lost
+            # connection would restore them through a detached transport
+            others = celery_internals.detach_consumer_unacked(self.consumer)
+        tags = ([w.request.message.delivery_tag for w in detached]
+                + [m.delivery_tag for m in bells] + others)
+        if tags:
+            self.io.call(self.restore_detached, tags, None, RETRY_FIRST, len(detached),
+                         len(bells))
         self.io.call(self.parking.reset)
         return self._on_connection_lost(exc)
 

@@ -261,7 +261,6 @@ class ParkingLot:
         if ack:
             bell.message.ack_log_error(logger, self.gate.consumer.connection_errors)
             self.gate.consumer.qos.decrement_eventually()
-            self.gate.io.call(self._delete_if_empty, bell.lane)
 
     def held_bells(self) -> List[Any]:
         """The doorbell messages this worker holds."""
@@ -426,7 +425,7 @@ class ParkingLot:
     def _channel(self) -> Any:
         if self._connection is None:
             # AMQP: publisher confirms, so that a parked copy the broker returns (its queue
-            # was deleted once empty) is published again (:meth:`_park`)
+            # expired unused, x-expires) is published again (:meth:`_park`)
             self._connection = self.gate.app.connection_for_write(
                 transport_options={"confirm_publish": True})
             self._declared.clear()
@@ -477,7 +476,7 @@ class ParkingLot:
                              delivery_mode=2, mandatory=True)
                 if not self._returned:
                     break
-                self._declared.discard(parking.name)  # deleted once empty: declare it again
+                self._declared.discard(parking.name)  # expired unused: declare it again
             else:
                 raise RuntimeError(f"the broker returned the parked copy three times "
                                    f"(parking queue {parking.name})")
@@ -511,31 +510,6 @@ class ParkingLot:
                            "tasks wait for the next one): %s", semaphore_of(lane), exc)
             self.gate.loop.post(self._rung.pop, lane, None)
 
-    def _delete_if_empty(self, lane: str) -> None:
-        """The lane was found empty and its doorbell acked: on AMQP, delete its parking queue
-        if it is still empty (on its own channel: a refusal closes the channel it came on),
-        so that the broker keeps no queue per key past its backlog. A sender or worker that
-        parks into it afterwards has its message returned and declares the queue again
-        (publisher confirms, ``mandatory``). On Redis an empty list does not exist."""
-        if self._connection is None or self._connection.transport.driver_type != "amqp":
-            return
-        name = self._queue(lane).name
-        try:
-            channel = self._connection.channel()
-        except Exception as exc:
-            logger.debug("celery-semaphore: cannot delete parking queue %s: %s", name, exc)
-            return
-        try:
-            channel.queue_delete(queue=name, if_empty=True, if_unused=True)
-            self._declared.discard(name)
-        except Exception as exc:  # not empty (parked again meanwhile), or no such queue
-            logger.debug("celery-semaphore: parking queue %s not deleted: %s", name, exc)
-        finally:
-            try:
-                channel.close()
-            except Exception:
-                pass
-
     def _pull(self, lane: str, want: int, began: float) -> None:
         messages: List[Any] = []
         empty = False
@@ -566,7 +540,17 @@ class ParkingLot:
             message.ack_log_error(log, errors)
         else:
             message.reject_log_error(log, errors, requeue)
+        if not ack and requeue:  # back in the lane, which may have been proven empty since
+            self.gate.loop.post(self._back_in_lane, lane)
         self._settled(lane)
+
+    def _back_in_lane(self, lane: str) -> None:
+        """A pulled message went back to ``lane`` (Celery rejected it with requeue): the
+        lane must be proven empty anew before its doorbell goes."""
+        bell = self.bells.get(lane)
+        if bell is not None:
+            bell.state, bell.rung = BellState.PULLING, time.monotonic()
+            self.refill(lane)
 
     def _settled(self, lane: str) -> None:
         with self._unsettled_lock:
@@ -592,6 +576,7 @@ class ParkingLot:
             logger.debug("celery-semaphore: giving back pulled %s failed: %s",
                          message.delivery_tag, exc)
         if lane is not None:
+            self.gate.loop.post(self._back_in_lane, lane)
             self._settled(lane)
 
     def reset(self) -> None:
