@@ -190,17 +190,21 @@ def create_app(env):
         body(f"deployk:{part}:{key}", hold)
         return key
 
-    @task(semaphore="gpu", limit=8, semaphore_cost="{gb}")
-    def gpu(gb, key, hold=0.05):
-        """Holds ``gb`` units of the limit of 8 (its probe key ends with its cost)."""
-        body(f"gpu:{key}:{gb}", hold)
-        return key
+    # Costs and rates need a backend that applies them atomically: a worker on the RabbitMQ
+    # backends refuses to start with such a task, so they exist only on the others.
+    backend_url = env.get("CS_SEMAPHORE_BACKEND") or env.get("CS_BROKER_URL", "redis://")
+    if not backend_url.startswith("amqp"):
+        @task(semaphore="gpu", limit=8, semaphore_cost="{gb}")
+        def gpu(gb, key, hold=0.05):
+            """Holds ``gb`` units of the limit of 8 (its probe key ends with its cost)."""
+            body(f"gpu:{key}:{gb}", hold)
+            return key
 
-    @task(semaphore="paced", semaphore_rate="20/s")
-    def paced(key, hold=0.01):
-        """At most 20 starts a second, cluster-wide; no limit on how many run."""
-        body(f"paced:{key}", hold)
-        return key
+        @task(semaphore="paced", semaphore_rate="20/s")
+        def paced(key, hold=0.01):
+            """At most 20 starts a second, cluster-wide; no limit on how many run."""
+            body(f"paced:{key}", hold)
+            return key
 
     @task(semaphore="ranked", limit=1)
     def ranked(key, hold=0.05):

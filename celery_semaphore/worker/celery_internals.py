@@ -187,6 +187,7 @@ def detach_all_unacked(connection: Any) -> List[str]:
         return []
     tags = list(delivered)
     delivered.clear()
+    settle_nothing(qos)
     return tags
 
 
@@ -204,7 +205,19 @@ def detach_consumer_unacked(consumer: Any) -> List[str]:
         return []
     tags = list(delivered)
     delivered.clear()
+    settle_nothing(qos)
     return tags
+
+
+def settle_nothing(qos: Any) -> None:
+    """Make acks and rejects on the lost channel of ``qos`` (kombu's Redis transport) do
+    nothing: its unacked messages were detached and go back to their queues once the broker
+    answers (:func:`restore_unacked`), and kombu 5.7 raises AttributeError (not a connection
+    error) for an ack on a channel whose connection is gone, which Celery treats as
+    unrecoverable: a task acknowledged late that ends after the reconnect made the worker
+    exit."""
+    qos.ack = lambda delivery_tag: None
+    qos.reject = lambda delivery_tag, requeue=False: None
 
 
 def restore_unacked(app: Any, tags: List[str]) -> None:
