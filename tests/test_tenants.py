@@ -8,6 +8,7 @@ import pytest
 import redis
 
 from celery_semaphore import Semaphore
+from celery_semaphore.waiting_room import lane_of, parking_queue_name
 from tests import servers
 from tests.test_worker import Cluster, _parked, _waiting_elsewhere
 from tests.util import wait_until
@@ -139,4 +140,41 @@ def test_a_high_priority_task_passes_a_parked_backlog(redis_url, tmp_path):
         assert starts["ranked:high"] < min(starts[f"ranked:low{i}"] for i in range(30))
         assert cluster.probe.max_concurrent("ranked:") == 1
     finally:
+        cluster.stop()
+
+
+def test_an_undecodable_parked_entry_is_dropped_alone(redis_url, tmp_path):
+    """Defect 3b of #27: entries of a parking queue that are not messages (pushed by hand, or
+    by something else) are dropped one by one, logged; the pulled tasks around them are not
+    given back (before: each reset the parking connection, which restored every pulled, not
+    yet acked message, and some ran twice)."""
+    broker = servers.redis_broker(redis_url)
+    cluster = Cluster(str(tmp_path), redis_url, broker, redis_url, workers=0)
+    blocker = Semaphore("slow", 1, redis_url, key_prefix=cluster.env["CS_KEY_PREFIX"], ttl=60)
+    lease = blocker.acquire(timeout=10)
+    client = redis.Redis.from_url(broker)
+    parking = parking_queue_name(cluster.env["CS_KEY_PREFIX"],
+                                 lane_of("slow", None, cluster.env["CS_QUEUE"]))
+    try:
+        waiting = _waiting_elsewhere(cluster, "slow", 1)
+        slow = cluster.task("slow")
+        results = []
+        for round_ in range(3):
+            client.lpush(parking, b"\xff not a message %d" % round_)
+            results += [slow.delay(f"b{round_}{i}", 0.02) for i in range(3)]
+        assert client.llen(parking) == 12
+        worker = Worker(cluster.env, "decoder", 2)
+        cluster.workers.append(worker)
+        worker.wait_ready()
+        lease.release()
+        waiting.join(30)
+        assert sorted(r.get(timeout=60) for r in results) == sorted(
+            f"b{r}{i}" for r in range(3) for i in range(3))
+        assert all(n == 1 for n in cluster.probe.completed("slow:b").values())
+        output = worker.output()
+        assert output.count("dropped an undecodable entry") == 3, output[-3000:]
+        assert "broker unavailable" not in output
+        assert wait_until(lambda: client.llen(parking) == 0)
+    finally:
+        client.close()
         cluster.stop()
