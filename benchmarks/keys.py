@@ -85,7 +85,12 @@ def run_broker(label: str, broker: str, backend: str,
                         raise RuntimeError(f"W6 {label} {kind}: "
                                            f"{len(probe.completed(prefix))} of {total} ran")
                     time.sleep(0.05)
-                ends = [e for runs in probe.spans(prefix).values() for _, e in runs]
+                # every body's end line written (a read may race the last write)
+                while time.monotonic() < deadline and any(
+                        e is None for runs in probe.intervals().values() for _, e in runs):
+                    time.sleep(0.05)
+                ends = [e for key, runs in probe.intervals().items() if key.startswith(prefix)
+                        for _, e in runs if e is not None]
                 row[f"{kind}_s"] = round((max(ends) - began) / 1e9, 3)
                 row[f"{kind}_cpu_s_per_1000"] = round(
                     (sum(_cpu_seconds(p.pid) for p in procs) - cpu) * 1000 / total, 3)
