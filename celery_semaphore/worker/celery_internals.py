@@ -180,15 +180,7 @@ def detach_all_unacked(connection: Any) -> List[str]:
     broker, if it is kombu's Redis transport (see :func:`detach_unacked`); their delivery
     tags, for :func:`restore_unacked`. kombu 5.x keeps the channel in
     ``Connection._default_channel`` (None when it was never opened)."""
-    channel = getattr(connection, "_default_channel", None)
-    qos = getattr(channel, "qos", None)
-    delivered = getattr(qos, "_delivered", None)
-    if delivered is None or not hasattr(qos, "restore_by_tag"):
-        return []
-    tags = list(delivered)
-    delivered.clear()
-    settle_nothing(qos)
-    return tags
+    return _detach_channel(getattr(connection, "_default_channel", None))
 
 
 def detach_consumer_unacked(consumer: Any) -> List[str]:
@@ -198,7 +190,12 @@ def detach_consumer_unacked(consumer: Any) -> List[str]:
     AttributeError there, and the worker exits). Their delivery tags, for
     :func:`restore_unacked`: tasks acknowledged late that were running, and messages Celery
     held (ETA, reserved) that it forgets on the reconnect, as the broker delivers them again."""
-    channel = getattr(getattr(consumer, "task_consumer", None), "channel", None)
+    return _detach_channel(getattr(getattr(consumer, "task_consumer", None), "channel", None))
+
+
+def _detach_channel(channel: Any) -> List[str]:
+    """Forget every unacked message of ``channel`` (kombu's Redis transport), make its acks and
+    rejects do nothing, and return their delivery tags; [] for another transport."""
     qos = getattr(channel, "qos", None)
     delivered = getattr(qos, "_delivered", None)
     if delivered is None or not hasattr(qos, "restore_by_tag"):
