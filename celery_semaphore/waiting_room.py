@@ -375,8 +375,11 @@ class ParkOnSend:
             return None  # routed by exchange alone: no queue whose consumers may pull it
         if queue.exchange is not None and queue.exchange.type == "fanout":
             return None  # a broadcast: every worker runs it; the gate sees each copy
-        if not self.busy(guard.name, guard.limit if isinstance(guard.limit, int) else 1):
+        if guard.fair is None and not self.busy(
+                guard.name, guard.limit if isinstance(guard.limit, int) else 1):
             return None  # room, or nobody waits: the plain way, one acquire at the worker
+        # (with semaphore_fair_by every send is parked: its fair lanes, pulled in turn, are
+        # what serves the keys in turn behind a backlog that plain sends would overtake)
         return lane_of(guard.name, guard.fair, queue.name), destination
 
     def _exchange_and_routing_key(self, destination: Dict[str, Any]) -> Tuple[str, str]:
