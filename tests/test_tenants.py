@@ -109,7 +109,7 @@ def test_parked_tasks_a_killed_worker_held_are_found_without_a_new_send(redis_ur
         first.kill()
         lease.release()
         waiting.join(30)
-        assert sorted(r.get(timeout=40) for r in results) == [f"r{i}" for i in range(4)]
+        assert sorted(r.get(timeout=120) for r in results) == [f"r{i}" for i in range(4)]
         assert cluster.probe.max_concurrent("slow:r") == 1
         assert wait_until(lambda: _parked(cluster, "slow") == 0)
     finally:
