@@ -12,6 +12,7 @@ import sys
 import time
 import urllib.request
 
+from celery_semaphore.backends import get_backend
 from celery_semaphore.cli import worker_requests
 from celery_semaphore.metrics import METRICS, Collector, Templates, serve
 from celery_semaphore.waiting_room import parked_counts
@@ -230,7 +231,8 @@ def test_exporter_command_serves_every_metric_and_wrong_use_exits_2(redis_url):
 
 def test_top_once_and_json_piped(redis_url):
     cli = make_cli(redis_url)
-    backend = cli.backend
+    # The waiter must outlive three command-line starts on a loaded machine (5 s by default).
+    backend = get_backend(cli.url, key_prefix=cli.prefix, waiter_ttl=600)
     backend.acquire("images", "h1", limit=1, ttl=60, meta={}, wait=True)
     backend.acquire("images", "h2", limit=1, ttl=60, meta={}, wait=True)  # waits
     backend.acquire("api:5", "h1", limit=2, ttl=60, meta={}, wait=True)

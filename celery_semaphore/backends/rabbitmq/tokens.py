@@ -262,6 +262,7 @@ class TokenBackend(RabbitBackend):
                         meta: Meta, wait: bool, requested_at: float,
                         parked: List[amqp.Message]) -> Attempt:
         created = False
+        missed = 0
         for _ in range(limit + 64):
             self._take_token(hand)
             token = token_of(hand.message)
@@ -272,6 +273,15 @@ class TokenBackend(RabbitBackend):
             attempt = verdict.attempt
             if verdict.created and not created:
                 created = True  # the tokens exist now: look again
+                continue
+            if token is None and attempt.grant is None and not wait and verdict.free > 0 \
+                    and missed < verdict.free + 1:
+                # A try that found no token while the registry shows free slots: the tokens
+                # were in other callers' hands between their take and their transaction (or
+                # the queue was created after we looked). Each such hand is about to be
+                # admitted or to give its token back: look again, a bounded number of times,
+                # so that a try answers "full" only when the semaphore is.
+                missed += 1
                 continue
             if attempt.grant is not None or token is None:
                 break
