@@ -5,11 +5,14 @@ Where it sits: Celery hands every request that is due (after ETA and rate limits
 through. A guarded one is held in the main process (never in a pool process) until the backend
 grants a slot, then handed to the pool with its lease.
 
-Its parts: :mod:`.threads` (the loop thread owns every state, one I/O thread calls out),
-:mod:`.waiter` (a waiting request's state machine), :mod:`.admission` (line, backend queue,
-grant), :mod:`.parking` (the waiting room), :mod:`.release` (release on every ending),
-:mod:`.requeue` (when the waiting room cannot take a request), :mod:`.reporting` (events,
-WAITING, remote control) and :mod:`.celery_internals` (every touch of Celery's internals).
+Its parts: :mod:`.core` (every decision about a waiting request: events in, commands out,
+no threads, no Celery), :mod:`.admission` (the shell that feeds the core and carries out its
+commands), :mod:`.threads` (the loop thread owns every state, one I/O thread calls out),
+:mod:`.waiter` (a waiting request's state machine), :mod:`.parking` (the waiting room),
+:mod:`.release` (release on every ending), :mod:`.requeue` (when the waiting room cannot take
+a request), :mod:`.outcomes` (every result-backend write, in order), :mod:`.reporting`
+(events, WAITING, remote control) and :mod:`.celery_internals` (every touch of Celery's
+internals).
 """
 
 from __future__ import annotations
@@ -17,13 +20,12 @@ from __future__ import annotations
 import enum
 import logging
 import threading
-import time
 from collections import deque
 from typing import Any, Callable, Deque, List, Optional, Set
 
 from ..backends import close_all
 from ..backends.base import Backend
-from ..exceptions import ConfigurationError, SemaphoreError, SemaphoreFull, SemaphoreTimeout
+from ..exceptions import ConfigurationError, SemaphoreError, SemaphoreFull
 from ..guards import Guard, Guards
 from ..scheduler import Scheduler
 from ..settings import Settings
@@ -32,7 +34,9 @@ from ..states import SKIPPED_EVENT, SKIPPED_REASON
 from ..waiting_room import PARKED_HEADER
 from . import celery_internals
 from .admission import Admission
+from .core import How
 from .headers import check_gate_headers
+from .outcomes import Outcomes
 from .parking import ParkingLot
 from .release import Releases
 from .reporting import Reporting
@@ -67,6 +71,7 @@ class Gate:
         self.loop = LoopCaller(consumer.hub, self.lock, self.flush_handoffs)
         self.io = Scheduler("celery-semaphore-gate")
         self.admission = Admission(self)
+        self.outcomes = Outcomes(self)
         self.releases = Releases(self)
         self.requeue = Requeue(self)
         self.parking = ParkingLot(self)
@@ -80,6 +85,7 @@ class Gate:
         self._on_connection_lost = consumer.on_connection_error_after_connected
         consumer.on_connection_error_after_connected = self.on_connection_lost
         self.state = GateState.NEW
+        self._connected_at_stop = False
 
     @property
     def running(self) -> bool:
@@ -115,28 +121,32 @@ class Gate:
         with self.lock:
             if self.state is GateState.OPEN:
                 self.state = GateState.PAUSED  # pulls still on their way go back
-            connected = celery_internals.consumer_connected(self.consumer)
+            connected = self._connected_at_stop = celery_internals.consumer_connected(
+                self.consumer)
             waiters = list(self.admission.waiters.values())
             if not connected and waiters:
                 logger.info("celery-semaphore: the broker connection is closed with %d tasks "
                             "waiting for a slot; the broker delivers them again", len(waiters))
             for waiter in waiters:
-                self.admission.drop(waiter)
-                self.admission.leave_backend(waiter)
-                request = waiter.request
-                if waiter.pulled:
-                    self.parking.give_back(waiter)
-                elif connected and not waiter.detached:
-                    try:
-                        request.reject(requeue=True)
-                    except Exception as exc:  # the broker redelivers it all the same
-                        logger.debug("celery-semaphore: reject on stop failed: %s", exc)
-                else:
-                    request.acknowledged = True  # nothing to settle on this channel
-                celery_internals.task_ready(request)
+                self.admission.leave(waiter, How.GIVE_BACK)
             self.parking.let_go_of_bells(reject=connected)
             self.releases.after_flush()
         self.loop.stop()
+
+    def give_back(self, waiter: Any) -> None:
+        """The consumer stops with ``waiter`` still waiting (it left the core): its message
+        goes back to the broker (:meth:`stop`)."""
+        request = waiter.request
+        if waiter.pulled:
+            self.parking.give_back(waiter)
+        elif self._connected_at_stop and not waiter.detached:
+            try:
+                request.reject(requeue=True)
+            except Exception as exc:  # the broker redelivers it all the same
+                logger.debug("celery-semaphore: reject on stop failed: %s", exc)
+        else:
+            request.acknowledged = True  # nothing to settle on this channel
+        celery_internals.task_ready(request)
 
     def on_connection_lost(self, exc: BaseException) -> Any:
         """Wraps the consumer's ``on_connection_error_after_connected``.
@@ -233,9 +243,9 @@ class Gate:
             guard = self.guards.resolve(request)
             check_gate_headers(request, guard is not None, self.consumer)
         except SemaphoreError as exc:
-            return self.fail(request, exc)
+            return self.outcomes.fail(request, exc)
         except Exception as exc:  # a poison message fails its own task, never the worker
-            return self.fail(request, ConfigurationError(
+            return self.outcomes.fail(request, ConfigurationError(
                 f"task {request.name}: cannot resolve its semaphore: "
                 f"{type(exc).__name__}: {exc}"))
         if guard is None:
@@ -243,17 +253,7 @@ class Gate:
             self.handoffs.append(request)
             return
         pulled = PARKED_HEADER in (request.message.headers or {})
-        # This worker's waiters of the semaphore were told to wait: it is full. One more
-        # waits for it too (raising the prefetch), or, beyond this worker's share, goes to
-        # the waiting room without asking the backend again.
-        full = self.admission.blocked(guard.name) > 0
-        room = self.parking.room(guard.name)
-        waiter = self.admission.add(request, guard, pulled=pulled)
-        if full and waiter.waits:
-            if room <= 0 and not pulled and waiter.parks:
-                return self.parking.park(waiter, "this worker holds its share already")
-            self.admission.raise_prefetch(waiter)
-        self.admission.wait(waiter)
+        self.admission.arrive(request, guard, pulled)
 
     def flush_handoffs(self) -> None:
         """Hand granted and unguarded requests to the pool, outside the lock."""
@@ -274,44 +274,10 @@ class Gate:
         self.io.call(self._tick, delay=self.settings.poll_interval)
 
     def _check_bounds(self) -> None:
-        now, wall = time.monotonic(), time.time()
-        for waiter in list(self.admission.waiters.values()):
-            settings = waiter.guard.settings
-            with waiter.outcome_lock:  # no WAITING stored over the outcome settled here
-                if waiter.request.revoked():  # Celery's own test; announces and acks
-                    self.admission.drop(waiter)
-                    self.admission.leave_backend(waiter)
-                    continue
-                if settings.max_wait is not None and wall - waiter.first_wait > settings.max_wait:
-                    self.admission.drop(waiter)
-                    self.admission.leave_backend(waiter)
-                    self.fail(waiter.request, SemaphoreTimeout(
-                        f"no slot of semaphore {waiter.blocking or waiter.guard.name!r} in "
-                        f"{settings.max_wait}s (semaphore_max_wait)"))
-                    continue
-            if now - waiter.entered > settings.worker_max_hold and waiter.waits:
-                if waiter.parks:
-                    self.parking.park(waiter, "semaphore_worker_max_hold passed")
-                else:  # a priority above the default: back to its queue, never behind a backlog
-                    self.requeue.requeue(waiter)
+        self.admission.tick()
         self.releases.check_orphans()
         self.parking.check_tracked()
-        self.admission.pump()
         self.parking.refill_all()
-
-    def fail(self, request: Any, exc: BaseException) -> None:
-        """Fail a request that may never run guarded (bad template, max wait passed)."""
-        logger.error("celery-semaphore: task %s[%s] failed: %s", request.name, request.id, exc)
-        try:
-            request.task.backend.mark_as_failure(
-                request.id, exc, request=request._context, store_result=request.store_errors
-            )
-        except Exception as store_exc:
-            logger.warning("celery-semaphore: storing the failure of %s failed: %s",
-                           request.id, store_exc)
-        request.send_event("task-failed", exception=repr(exc), traceback="")
-        request.acknowledge()
-        celery_internals.task_ready(request)
 
     def full(self, request: Any, guard: Guard, limit: Any,
              blocking: Optional[str] = None) -> None:
@@ -324,30 +290,22 @@ class Gate:
         why = (f"semaphore {name!r} is full (limit {limit}); "
                f"semaphore_on_full={policy!r}")
         if policy == "fail":
-            return self.fail(request, SemaphoreFull(why))
+            return self.outcomes.fail(request, SemaphoreFull(why))
         logger.info("celery-semaphore: task %s[%s] skipped: %s", request.name, request.id, why)
-        try:
-            request.task.backend.mark_as_revoked(
-                request.id, f"{SKIPPED_REASON}: {why}", request=request._context,
-                store_result=request.store_errors)
-        except Exception as store_exc:
-            logger.warning("celery-semaphore: storing the skip of %s failed: %s",
-                           request.id, store_exc)
         request.send_event(SKIPPED_EVENT, semaphore=name, limit=limit, reason=why)
         try:
             task_skipped.send(sender=request.task, task_id=request.id, semaphore=name,
                               limit=limit, request=request)
         except Exception:  # a receiver's bug must not keep the message unacked
             logger.exception("celery-semaphore: a task_skipped receiver failed")
-        request.acknowledge()
-        celery_internals.task_ready(request)
+        self.outcomes.skip(request, f"{SKIPPED_REASON}: {why}")
 
     def fail_parked(self, task_id: str, task_name: str, exc: BaseException) -> None:
         """Fail a parked task (its message waits in the parking queue: whoever pulls it fails
         it again, acking it)."""
         logger.error("celery-semaphore: task %s[%s] failed: %s", task_name, task_id, exc)
         self.reporting.event("task-failed", task_id, exception=repr(exc), traceback="")
-        self.io.call(self.reporting.store, task_id, task_name, "failure", exc)
+        self.outcomes.parked_outcome(task_id, task_name, "failure", exc)
 
     def retry_io(self, again: Callable[[float], None], retry: float, left: float, what: str,
                  exc: BaseException) -> None:  # I/O thread

@@ -63,6 +63,7 @@ from ..waiting_room import (
     semaphore_of,
 )
 from . import celery_internals
+from .core import How
 from .headers import lane_or_none
 from .requeue import publish_copy
 from .waiter import Waiter
@@ -146,29 +147,32 @@ class ParkingLot:
 
     # -- decisions (loop thread) -------------------------------------------------------------
 
-    def room(self, name: str) -> int:
+    def room(self, name: str, waiting_of_name: Optional[int] = None,
+             waiting: Optional[int] = None) -> int:
         """How many more requests of ``name`` this worker should hold waiting, counting those
         it is pulling: what it can start soon (:data:`SHARE_PER_PROCESS` per pool process),
         within ``semaphore_worker_max_waiting`` in all. The rest wait in the parking queue,
         where any worker with room takes them, and a hot semaphore does not crowd out the
         others."""
         admission = self.gate.admission
-        share = (SHARE_PER_PROCESS * admission.pool_size() - admission.count(name)
+        if waiting_of_name is None:
+            waiting_of_name = admission.count(name)
+        if waiting is None:
+            waiting = len(admission)
+        share = (SHARE_PER_PROCESS * admission.pool_size() - waiting_of_name
                  - sum(self.pulling.get(lane, 0) for lane in self.lanes.get(name, ())))
-        total = (self.gate.settings.worker_max_waiting - len(admission)
+        total = (self.gate.settings.worker_max_waiting - waiting
                  - sum(self.pulling.values()))
         return min(share, total)
 
     def park(self, waiter: Waiter, why: str) -> None:
-        """Take ``waiter`` out of this worker and park it in its lane (its message is acked
-        once the parked copy is published, and a doorbell rung for the lane)."""
+        """Park ``waiter``, which left the core (:attr:`.How.PARK`), in its lane (its message
+        is acked once the parked copy is published, and a doorbell rung for the lane)."""
         queue = celery_internals.consumed_queue(self.gate.consumer, waiter.request)
         if queue is None:  # no lane whose doorbell would reach the workers of its queue
             self.gate.requeue.requeue(waiter)
             return
         lane = lane_of(waiter.guard.name, waiter.guard.fair, queue.name)
-        self.gate.admission.drop(waiter)
-        self.gate.admission.leave_backend(waiter)
         self.parking[lane] = self.parking.get(lane, 0) + 1
         logger.debug("celery-semaphore: parking %s (%s)", waiter.request.id, why)
         # stored before the copy exists: never after it ran
@@ -457,10 +461,7 @@ class ParkingLot:
     def _let_go_of_pulled(self) -> None:  # loop thread
         admission = self.gate.admission
         for waiter in [w for w in admission.waiters.values() if w.pulled]:
-            if admission.drop(waiter):
-                admission.leave_backend(waiter)
-                waiter.request.acknowledged = True  # its message is back in the broker
-                celery_internals.task_ready(waiter.request)
+            admission.leave(waiter, How.LET_GO)
 
     def _park(self, waiter: Waiter, lane: str, queue: Queue) -> None:
         try:

@@ -79,43 +79,48 @@ class Releases:
         """Wrap the request's pool callbacks: release its lease, and look for free processes."""
         on_success, on_failure = request.on_success, request.on_failure
 
+        # Pool callbacks run on the pool's thread (prefork: the loop thread; threads, gevent:
+        # others): each posts its ending to the loop thread, which owns the gate's state.
+        post = self.gate.loop.post
+
         def success(*args: Any, **kwargs: Any) -> Any:
             try:
                 return on_success(*args, **kwargs)
             finally:
-                self.finished(request)
+                post(self.finished, request)
 
         def failure(exc_info: Any, *args: Any, **kwargs: Any) -> Any:
             try:
                 return on_failure(exc_info, *args, **kwargs)
             finally:
-                self.finished(request, getattr(exc_info, "exception", None))
+                post(self.finished, request, getattr(exc_info, "exception", None))
 
         def time_limit(soft: bool, timeout: float) -> Any:  # billiard passes timeout=...
             try:
                 return on_timeout(soft, timeout)
             finally:
                 if not soft:  # the gevent pool never calls on_failure for a hard limit
-                    self.finished(request, TimeLimitExceeded(timeout))
+                    post(self.finished, request, TimeLimitExceeded(timeout))
 
         on_timeout = request.on_timeout
         request.on_success, request.on_failure, request.on_timeout = success, failure, time_limit
 
     def finished(self, request: Any, exc: Optional[BaseException] = None) -> None:
-        with self.gate.lock:
-            entry: Optional[Held] = getattr(request, "semaphore_held", None)
-            if entry is not None and self.held.pop(entry.lease.holder, None) is not None:
-                pid = request.worker_pid
-                exc = getattr(exc, "exc", exc)  # billiard's ExceptionWithTraceback
-                if (isinstance(exc, celery_internals.CHILD_KILLED) and pid
-                        and celery_internals.pool_forks(self.gate.consumer.pool)):
-                    # Celery reports these before the pool child has died; the body may
-                    # still run (a finally block, a handler): keep the slot until it exits.
-                    self.gate.io.call(self._release_after_exit, entry.lease, pid,
-                                      time.monotonic() + CHILD_EXIT_WAIT)
-                else:
-                    self._release_soon(entry.lease)
-            self.gate.admission.pump()
+        """``request`` ended (a pool callback, posted to the loop thread): release its slot,
+        and let waiters have the process it freed."""
+        entry: Optional[Held] = getattr(request, "semaphore_held", None)
+        if entry is not None and self.held.pop(entry.lease.holder, None) is not None:
+            pid = request.worker_pid
+            exc = getattr(exc, "exc", exc)  # billiard's ExceptionWithTraceback
+            if (isinstance(exc, celery_internals.CHILD_KILLED) and pid
+                    and celery_internals.pool_forks(self.gate.consumer.pool)):
+                # Celery reports these before the pool child has died; the body may still
+                # run (a finally block, a handler): keep the slot until it exits.
+                self.gate.io.call(self._release_after_exit, entry.lease, pid,
+                                  time.monotonic() + CHILD_EXIT_WAIT)
+            else:
+                self._release_soon(entry.lease)
+        self.gate.admission.pump()
 
     def _release_after_exit(self, lease: Lease, pid: int, deadline: float) -> None:  # I/O
         # At worker shutdown the pool has been stopped first: release now, not never.

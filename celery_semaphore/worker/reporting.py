@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from celery.worker.control import inspect_command
 
-from ..states import WAITING, WAITING_EVENT
+from ..states import WAITING_EVENT
 from .waiter import Waiter, WaitState
 
 if TYPE_CHECKING:
@@ -41,27 +41,7 @@ class Reporting:
         if parked:
             fields["parked"] = True
         waiter.request.send_event(WAITING_EVENT, **fields)
-        if not waiter.request.ignore_result:
-            self.gate.io.call(self._store_waiting, waiter, fields, parked)
-
-    def _store_waiting(self, waiter: Waiter, fields: Dict[str, Any],
-                       parked: bool = False) -> None:  # I/O thread
-        # A read of the loop's state: if it left meanwhile it may have run and stored its
-        # outcome already, which WAITING must not overwrite; the gate settles an outcome
-        # under the same lock.
-        with waiter.outcome_lock:
-            if waiter.state is not WaitState.QUEUED and not parked:
-                return
-            request = waiter.request
-            backend = request.task.backend
-            if (getattr(backend, "persistent", True)
-                    and type(backend).__name__ != "DisabledBackend"):
-                try:
-                    backend.store_result(request.id, fields, WAITING,
-                                         request=request._context)
-                except Exception as exc:
-                    logger.debug("celery-semaphore: storing WAITING for %s failed: %s",
-                                 request.id, exc)
+        self.gate.outcomes.waiting(waiter, fields, parked)
 
     def revoked_parked(self, task_id: str, task_name: str) -> None:
         """A parked task was revoked: announce it now, as Celery does for a request it holds
@@ -69,25 +49,12 @@ class Reporting:
         logger.info("celery-semaphore: discarding revoked parked task: %s[%s]", task_name,
                     task_id)
         self.event("task-revoked", task_id, terminated=False, signum=None, expired=False)
-        self.gate.io.call(self.store, task_id, task_name, "revoked", None)
+        self.gate.outcomes.parked_outcome(task_id, task_name, "revoked", None)
 
     def event(self, kind: str, task_id: str, **fields: Any) -> None:
         dispatcher = getattr(self.gate.consumer, "event_dispatcher", None)
         if dispatcher is not None and dispatcher.enabled:
             dispatcher.send(kind, uuid=task_id, **fields)
-
-    def store(self, task_id: str, task_name: str, outcome: str,
-              exc: Optional[BaseException]) -> None:  # I/O thread
-        task = self.gate.app.tasks.get(task_name)
-        backend = task.backend if task is not None else self.gate.app.backend
-        try:
-            if outcome == "revoked":
-                backend.mark_as_revoked(task_id, "revoked")
-            else:
-                backend.mark_as_failure(task_id, exc)
-        except Exception as store_exc:
-            logger.warning("celery-semaphore: storing %s for %s failed: %s", outcome, task_id,
-                           store_exc)
 
     def snapshot(self) -> Dict[str, List[Dict[str, Any]]]:
         gate = self.gate

@@ -54,10 +54,10 @@ class Requeue:
         self.gate = gate
 
     def requeue(self, waiter: Waiter) -> None:
-        """Publish a copy of the message with a backoff ETA, then ack the original (loop).
-        Only for what the waiting room cannot take (the broker refused the parked copy)."""
-        if self.gate.admission.drop(waiter):
-            self.gate.admission.leave_backend(waiter)
+        """Publish a copy of the message of ``waiter`` (which left the core) with a backoff
+        ETA, then ack the original (loop). Only for what the waiting room cannot take (the
+        broker refused the parked copy, no lane for its queue, a priority request held past
+        ``semaphore_worker_max_hold``)."""
         countdown = backoff(waiter)
         logger.warning("celery-semaphore: requeueing %s with a backoff of %.2fs: the waiting "
                        "room could not take it", waiter.request.id, countdown)

@@ -1,7 +1,7 @@
 """A guarded request's life in the worker before it runs, as one explicit state machine.
 
-Every transition happens on the consumer's loop thread (under the gate's lock with
-``synloop``); the I/O thread only makes backend calls and posts their answers back.
+Its transitions are made by the worker core (:mod:`.core`) alone, on the consumer's loop
+thread; the shell reads a waiter (its request, its timer) but never moves it.
 
 ::
 
@@ -14,7 +14,6 @@ Every transition happens on the consumer's loop thread (under the gate's lock wi
 from __future__ import annotations
 
 import enum
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Set
@@ -65,15 +64,12 @@ class Waiter:
     blocking: Optional[str] = None
     #: What its last attempt said it waits for: "slots", "units" or "rate".
     waits_for: Optional[str] = None
-    #: The next acquire attempt scheduled on the I/O thread.
+    #: The next acquire attempt scheduled on the I/O thread (the shell's).
     next_attempt: Optional[Timer] = None
     #: Monotonic time the first acquire was sent (None: it never reached the backend).
     first_sent: Optional[float] = None
     #: Acquire attempts sent so far; an answer to an older one than the last is stale.
     attempts_sent: int = 0
-    #: Held while WAITING is stored (I/O thread) and while the gate settles the request's
-    #: outcome (revoked, failed: loop thread), so that WAITING never overwrites an outcome.
-    outcome_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     last_sent: float = 0.0
     backend_down: bool = False
     #: Pulled from the parking queue: its message is acked on the parking channel, and it
@@ -106,9 +102,6 @@ class Waiter:
         if to not in ALLOWED[self.state]:
             raise RuntimeError(f"waiter {self.holder}: {self.state.value} -> {to.value}")
         self.state = to
-        if to is not WaitState.QUEUED and self.next_attempt is not None:
-            self.next_attempt.cancel()
-            self.next_attempt = None
 
     @property
     def requeues(self) -> int:
