@@ -10,7 +10,9 @@ import redis
 
 from celery_semaphore import BackendUnavailable, Semaphore
 from celery_semaphore.backends import get_backend
+from celery_semaphore.backends.base import EMPTY_TTL
 from celery_semaphore.backends.redis.backend import KEY_SUFFIXES, RedisBackend, _redis_url
+from celery_semaphore.traffic import traffic_meta
 from tests import servers
 from tests.util import hand_over, wait_until
 
@@ -167,6 +169,35 @@ def test_an_idle_semaphore_leaves_nothing_behind(backends, server, prefix):
     assert backend.status("idle").limit == 1
     assert wait_until(lambda: not our_keys(server, prefix), timeout=3.0)
     assert backend.status("idle") is None and backend.names() == []
+
+
+def test_an_empty_semaphore_is_forgotten_a_minute_after_it_empties(backends, server, prefix):
+    """A template's keys leave nothing behind soon after their backlog (EMPTY_TTL), but a
+    semaphore in use, one whose limit an operator pinned, or one whose rate has a start due
+    later keeps its state."""
+    backend = backends()  # idle_ttl: a week
+    config = backend.key_names("api:1")["config"]
+    week, empty = backend.idle_ttl * 1000, EMPTY_TTL * 1000
+    assert backend.acquire("api:1", "a", limit=1, ttl=30, meta={}, wait=True).grant
+    assert backend.acquire("api:1", "b", limit=1, ttl=30, meta={}, wait=True).position == 0
+    backend.cancel("api:1", "b")  # a waiter leaves; a holder stays
+    assert server.pttl(config) > empty
+    assert backend.release("api:1", "a")
+    assert 0 < server.pttl(config) <= empty
+    assert backend.names() == ["api:1"] and backend.status("api:1").limit == 1
+    assert backend.acquire("api:1", "c", limit=1, ttl=30, meta={}, wait=True).grant
+    assert all(server.pttl(key) > week - 60_000 for key in our_keys(server, prefix))
+    assert backend.release("api:1", "c") and 0 < server.pttl(config) <= empty
+
+    backend.resize("pinned", 3)  # an operator's limit stays
+    assert backend.acquire("pinned", "a", limit=1, ttl=30, meta={}, wait=True).grant
+    assert backend.release("pinned", "a")
+    assert server.pttl(backend.key_names("pinned")["config"]) > week - 60_000
+
+    hourly = traffic_meta(rate=(3600.0, 1))  # the next start is due in an hour
+    assert backend.acquire("hourly", "a", limit=2, ttl=30, meta=hourly, wait=True).grant
+    assert backend.release("hourly", "a")
+    assert 3_500_000 < server.pttl(backend.key_names("hourly")["config"]) <= 3_602_000
 
 
 # -- the client and the wake-up listener -----------------------------------------------------------

@@ -95,3 +95,31 @@ def test_a_blocked_wakeup_directory_costs_only_the_wakeups(tmp_path, caplog):
         assert "no wake-ups" in caplog.text
     finally:
         os.unlink(backend._socket_dir)
+
+
+def test_an_empty_semaphore_is_kept_a_minute_and_a_pinned_one_its_idle_ttl(tmp_path):
+    """Document backends (SQLite here; memory and PostgreSQL write the same expiry, from
+    ``State.keep_for``): an empty semaphore's row expires EMPTY_TTL after it empties."""
+    import sqlite3
+
+    from celery_semaphore.backends.base import EMPTY_TTL
+
+    path = tmp_path / "sem.db"
+    backend = get_backend(f"sqlite:///{path}")
+    backend.resize("pinned", 2)
+
+    def left():
+        with sqlite3.connect(path) as conn:
+            rows = conn.execute("SELECT name, expires FROM semaphores").fetchall()
+        prefix = backend.key_prefix
+        return {name[len(prefix):]: expires - time.time() for name, expires in rows}
+
+    for name in ("api:1", "pinned"):
+        assert backend.acquire(name, "a", limit=1, ttl=30, meta={}, wait=True).grant
+    assert all(seconds > EMPTY_TTL for seconds in left().values())
+    for name in ("api:1", "pinned"):
+        assert backend.release(name, "a")
+    seconds = left()
+    assert 0 < seconds["api:1"] <= EMPTY_TTL and seconds["pinned"] > EMPTY_TTL
+    assert backend.acquire("api:1", "b", limit=1, ttl=30, meta={}, wait=True).grant
+    assert left()["api:1"] > EMPTY_TTL  # in use again: kept

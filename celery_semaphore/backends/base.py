@@ -127,6 +127,14 @@ WakeCallback = Callable[[], None]
 DEFAULT_WAITER_TTL = 5.0
 #: Default seconds an idle semaphore's state (limit included) is kept.
 DEFAULT_IDLE_TTL = 7 * 24 * 3600.0
+#: Seconds the state of an *empty* semaphore is kept after its last holder or waiter left:
+#: nobody holds or waits, no operator pinned its limit and its rate (if any) has no start
+#: due later. Then it is forgotten (at most ``idle_ttl``): a template's thousands of keys
+#: leave nothing behind a minute after their backlog. What it forgets: the limit in force
+#: (the next caller's declaration sets it again), the declared limits seen, its counters and
+#: histograms; fencing epochs stay increasing (:func:`.model.next_epoch`: never below the
+#: server's clock).
+EMPTY_TTL = 60.0
 
 
 class FencingToken(NamedTuple):

@@ -62,7 +62,8 @@ class MemoryBackend(DocumentBackend):
         if txn.state is None:
             self._states.pop(txn.name, None)
         else:
-            self._states[txn.name] = (txn.state, txn.now + self.idle_ttl)
+            self._states[txn.name] = (txn.state,
+                                      txn.now + txn.state.keep_for(txn.now, self.idle_ttl))
         return True
 
     def _stored_names(self) -> List[str]:

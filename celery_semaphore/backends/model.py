@@ -15,6 +15,7 @@ from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Se
 from ..exceptions import ConfigurationError
 from ..stats import FIRST_WAIT_META, WORKER_COUNTERS, SemaphoreStats, observe
 from .base import (
+    EMPTY_TTL,
     Attempt,
     Grant,
     HolderInfo,
@@ -264,6 +265,14 @@ class State:
 
     def count(self, counter: str, n: int = 1) -> None:
         self.stats[counter] = self.stats.get(counter, 0) + n
+
+    def keep_for(self, now: float, idle_ttl: float) -> float:
+        """Seconds to keep this state after a write at ``now``: ``idle_ttl`` while anyone
+        holds or waits or an operator pinned the limit; else :data:`.base.EMPTY_TTL`, or
+        until the rate's next start is due if that is later, never above ``idle_ttl``."""
+        if self.holders or self.waiters or self.pinned:
+            return idle_ttl
+        return min(idle_ttl, max(EMPTY_TTL, self.tat - now + 1.0))
 
     def prune(self, now: float, idle_ttl: float) -> None:
         for holder in [h for h, v in self.holders.items() if v.expires <= now]:

@@ -454,7 +454,8 @@ class PostgresBackend(DocumentBackend):
                 if txn.exists:
                     conn.execute(self._sql["delete"], (key,))
             else:
-                state, expires = txn.state.dumps(), txn.now + self.idle_ttl
+                state = txn.state.dumps()
+                expires = txn.now + txn.state.keep_for(txn.now, self.idle_ttl)
                 if txn.exists:
                     conn.execute(self._sql["update"], (state, expires, key))
                 elif conn.execute(self._sql["insert"], (key, state, expires)).rowcount == 0:

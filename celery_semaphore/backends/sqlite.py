@@ -155,7 +155,7 @@ class SQLiteBackend(DocumentBackend):
         else:
             conn.execute(
                 "INSERT OR REPLACE INTO semaphores (name, state, expires) VALUES (?, ?, ?)",
-                (key, txn.state.dumps(), txn.now + self.idle_ttl),
+                (key, txn.state.dumps(), txn.now + txn.state.keep_for(txn.now, self.idle_ttl)),
             )
 
     def _stored_names(self) -> List[str]:

@@ -99,6 +99,9 @@ class Outcomes:
     def _settle(self, request: Any) -> None:  # loop thread
         request.acknowledge()
         celery_internals.task_ready(request)
+        # it counted as a busy process until now (Celery's reserved requests): waiters in
+        # the line may have one now
+        self.gate.admission.pump()
 
     def parked_outcome(self, task_id: str, task_name: str, outcome: str,
                        exc: Optional[BaseException]) -> None:

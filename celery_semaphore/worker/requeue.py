@@ -91,3 +91,4 @@ class Requeue:
         else:
             request.reject(requeue=True)
         celery_internals.task_ready(request)
+        self.gate.admission.pump()  # it counted as a busy process until now

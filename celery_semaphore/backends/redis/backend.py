@@ -14,8 +14,10 @@ Guarantees:
   see :meth:`RedisBackend.acquire_all`, never sent to a Redis Cluster): on a Redis Cluster
   every script runs on the one node serving that slot. There is no index of names:
   :meth:`RedisBackend.names` scans for the ``config`` keys (on a cluster, on every master).
-  Every key has a TTL: none expires while the semaphore is used, and an idle semaphore
-  leaves nothing behind after ``idle_ttl``.
+  Every key has a TTL: none expires while the semaphore is used, an empty one (nobody holds
+  or waits, no pinned limit, no rate start due later) leaves nothing behind
+  :data:`~celery_semaphore.backends.base.EMPTY_TTL` after it empties, and any other idle one
+  after ``idle_ttl``.
 * Wake-ups: a script that makes waiters admissible publishes ``name\\nholder`` on the channel
   ``<prefix>wake:<client id>`` of each waiter's process; one daemon thread per backend instance
   listens, resubscribing after connection loss (with Sentinel, to the current master) within
@@ -71,6 +73,7 @@ from ..base import (
     COST_KEY,
     DEFAULT_IDLE_TTL,
     DEFAULT_WAITER_TTL,
+    EMPTY_TTL,
     LISTENER_RETRY_FIRST,
     Attempt,
     Backend,
@@ -126,7 +129,8 @@ def _sources() -> Dict[str, Tuple[str, str]]:
             return f.read()
 
     buckets = ", ".join(str(int(bound * 1e6)) for bound in stats.BUCKETS)
-    prelude = f"local STAT_BUCKETS = {{{buckets}}}\n" + read("prelude")
+    prelude = (f"local STAT_BUCKETS = {{{buckets}}}\n"
+               f"local EMPTY_MS = {int(EMPTY_TTL * 1000)}\n" + read("prelude"))
     sources = {name: prelude + "\n" + read(name) for name in _SCRIPTS}
     return {name: (source, hashlib.sha1(source.encode()).hexdigest())
             for name, source in sources.items()}

@@ -4,4 +4,5 @@ if before then
   unqueue(ARGV[4], nil)
 end
 wake(before)
+forget_if_empty()
 return 0

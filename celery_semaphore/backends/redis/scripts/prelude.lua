@@ -236,6 +236,24 @@ local function keep(touched, ...)
   end
 end
 
+-- An empty semaphore (nobody holds or waits, no pinned limit) keeps its config for EMPTY_MS
+-- only (base.py's EMPTY_TTL), or until its rate's next start is due if later, at most idle_ms;
+-- 'touched' goes, so that the next use gives every key idle_ms again (keep). The other keys are
+-- empty, so Redis has deleted them, but wfair, which keeps its TTL.
+local function forget_if_empty()
+  if redis.call('ZCARD', holders) > 0 or redis.call('ZCARD', queue) > 0
+      or redis.call('HGET', config, 'pinned') == '1' then
+    return
+  end
+  local ms = EMPTY_MS
+  local tat = redis.call('HGET', config, 'tat')
+  if tat then ms = math.max(ms, math.ceil((tonumber(tat) - now) / 1000) + 1000) end
+  ms = math.min(ms, idle_ms)
+  redis.call('HDEL', config, 'touched')
+  redis.call('PEXPIRE', config, ms)
+  redis.call('PEXPIRE', wfair, ms)
+end
+
 -- Declared limits not seen for idle_ms are forgotten (status also hides them).
 local function prune_declared()
   local fields = redis.call('HGETALL', config)

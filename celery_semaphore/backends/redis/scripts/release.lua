@@ -10,4 +10,5 @@ if removed == 1 then
   end
 end
 wake(before)
+forget_if_empty()
 return removed
