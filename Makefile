@@ -1,13 +1,14 @@
 # make test: the whole suite against real servers; make demo: the example, no server needed;
 # make bench: benchmarks/ into benchmarks/results/; make docs: the Sphinx site into docs/_build/html;
 # make chaos: the nemesis soak (chaos/), CHAOS_SECONDS long (300 by default), on private servers
-# it starts and stops itself; make compat: the worker tests on every Celery minor we claim.
+# it starts and stops itself; make compat: the worker tests on every Celery minor we claim;
+# make typecheck: mypy --strict over the package (pyproject.toml's [tool.mypy]; in make test).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test compat compat-ci demo bench chaos lint servers clean docs
+.PHONY: test compat compat-ci demo bench chaos lint typecheck servers clean docs
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,6 +25,7 @@ PYTEST_JOBS ?= 3
 
 test: $(STAMP) servers docs
 	$(BIN)/ruff check celery_semaphore tests benchmarks chaos example_project
+	$(BIN)/python -m mypy --config-file pyproject.toml
 	$(BIN)/python -m pytest -n $(PYTEST_JOBS) -m "not serial"
 	$(BIN)/python -m pytest -m serial
 
@@ -62,5 +64,8 @@ chaos: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check celery_semaphore tests benchmarks chaos example_project
 
+typecheck: $(STAMP)
+	$(BIN)/python -m mypy --config-file pyproject.toml
+
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache docs/_build .tox
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache .mypy_cache docs/_build .tox

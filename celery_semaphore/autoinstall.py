@@ -111,15 +111,15 @@ def _hook_task_classes() -> None:
         return
     previous = Task.__dict__.get("__init_subclass__")
 
-    def __init_subclass__(cls: Any, **kwargs: Any) -> None:
+    def __init_subclass__(cls: Any, /, **kwargs: Any) -> None:
         if previous is not None:
             previous.__func__(cls, **kwargs)
         else:
             super(Task, cls).__init_subclass__(**kwargs)
         _task_class_made(cls)
 
-    Task.__init_subclass__ = classmethod(__init_subclass__)  # type: ignore[assignment]
-    Task._celery_semaphore_hooked = True  # type: ignore[attr-defined]
+    Task.__init_subclass__ = classmethod(__init_subclass__)
+    Task._celery_semaphore_hooked = True
 
 
 signals.worker_init.connect(install_for_worker, weak=False,

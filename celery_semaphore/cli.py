@@ -16,7 +16,19 @@ import json
 import math
 import sys
 import time
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence
+from typing import (
+    IO,
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    Dict,
+    Iterable,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    cast,
+)
 from urllib.parse import urlsplit
 
 import click
@@ -380,7 +392,15 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
     return value
 
 
-class PositiveInt(click.ParamType):
+if TYPE_CHECKING:
+    # Newer click makes ParamType generic over the value it converts to; older releases
+    # (Celery 5.3 allows click 8.1) cannot be subscripted at run time.
+    _IntParamType = click.ParamType[int]
+else:
+    _IntParamType = click.ParamType
+
+
+class PositiveInt(_IntParamType):
     """A limit: a positive integer, else a usage error (exit 2, with the usage line)."""
 
     name = "limit"
@@ -439,7 +459,9 @@ BACKEND_HELP = "Semaphore backend URL (default: the app's semaphore_backend)."
 
 def _late_backend(ctx: click.Context, param: click.Parameter, value: Optional[str]) -> None:
     if value is not None:
-        ctx.find_object(Context).backend_url = value
+        obj = ctx.find_object(Context)
+        assert obj is not None  # the group's callback made it before any subcommand option
+        obj.backend_url = value
 
 
 def backend_option(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -738,7 +760,9 @@ def top(obj: Context, interval: float, sort: str, pattern: Optional[str], by_tem
             click.echo("\n".join(view.render(rows, snap, backend_where, sort,
                                              interval=interval or None)))
         return
-    stdout = click.get_text_stream("stdout")
+    # click 8.5 deprecates get_text_stream and serves it from a module __getattr__ (typed
+    # object); it is still the stream click itself writes to.
+    stdout = cast(Callable[[str], IO[str]], click.get_text_stream)("stdout")
     terminal = stdout.isatty()
     keys = sys.stdin if terminal and sys.stdin.isatty() else None
     live = view.Live(read, backend_where, interval, sort, pattern, by_template, out=stdout,

@@ -202,7 +202,7 @@ def check_definitions_and_sends(app: Any) -> None:
         return
     original_apply_async = base.apply_async
 
-    def __init_subclass__(cls: Any, **kwargs: Any) -> None:
+    def __init_subclass__(cls: Any, /, **kwargs: Any) -> None:
         super(base, cls).__init_subclass__(**kwargs)
         check_task_definition(cls)
 

@@ -12,12 +12,15 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import TYPE_CHECKING, Dict
+from typing import TYPE_CHECKING, Dict, Union
 
 from .scheduler import Scheduler, Timer
 
 if TYPE_CHECKING:
-    from .semaphore import Lease
+    from .semaphore import Lease, LeaseGroup
+
+    #: What the keeper renews: a lease, or a group of leases renewed as one.
+    Renewable = Union[Lease, LeaseGroup]
 
 logger = logging.getLogger(__name__)
 
@@ -37,13 +40,13 @@ class LeaseKeeper:
 
     def _forked(self) -> None:
         self._lock = threading.Lock()
-        self._timers: Dict["Lease", Timer] = {}
+        self._timers: Dict["Renewable", Timer] = {}
 
-    def add(self, lease: "Lease") -> None:
+    def add(self, lease: "Renewable") -> None:
         """Renew ``lease`` every third of its TTL until it is discarded, released or lost."""
         self._reschedule(lease, lease.ttl / 3, add=True)
 
-    def discard(self, lease: "Lease") -> None:
+    def discard(self, lease: "Renewable") -> None:
         with self._lock:
             timer = self._timers.pop(lease, None)
         if timer is not None:
@@ -52,7 +55,7 @@ class LeaseKeeper:
     def __len__(self) -> int:
         return len(self._timers)
 
-    def _renew(self, lease: "Lease") -> None:
+    def _renew(self, lease: "Renewable") -> None:
         try:
             renewed = lease.renew()
         except Exception as exc:
@@ -72,7 +75,7 @@ class LeaseKeeper:
             logger.error("lease %r lost: the backend no longer holds it", lease)
             self.discard(lease)
 
-    def _reschedule(self, lease: "Lease", delay: float, add: bool = False) -> None:
+    def _reschedule(self, lease: "Renewable", delay: float, add: bool = False) -> None:
         with self._lock:
             old = self._timers.get(lease)
             if old is None and not add:  # discarded meanwhile

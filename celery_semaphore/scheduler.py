@@ -28,7 +28,7 @@ class Timer:
 
     __slots__ = ("due", "fn", "args", "cancelled")
 
-    def __init__(self, due: float, fn: Callable[..., Any], args: tuple) -> None:
+    def __init__(self, due: float, fn: Callable[..., Any], args: Tuple[Any, ...]) -> None:
         self.due = due
         self.fn = fn
         self.args = args

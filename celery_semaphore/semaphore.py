@@ -250,7 +250,8 @@ class Semaphore:
                 f"({self.backend.idle_ttl:g}s), which forgets a semaphore nobody touches"
             )
 
-    def _lease(self, holder: str, grant: Grant, requested_at: float, meta: Meta, limit: Any):
+    def _lease(self, holder: str, grant: Grant, requested_at: float, meta: Meta,
+               limit: Any) -> Lease:
         lease = Lease(
             self.backend, self.name, holder, grant, requested_at, limit=limit, meta=meta
         )

@@ -22,7 +22,8 @@ LOST_LEASE_POLICIES = ("log", "terminate")
 ON_FULL_POLICIES = ("wait", "skip", "fail")
 
 
-def _seconds(key: str, value: Any, *, allow_none: bool = False, allow_zero: bool = False):
+def _seconds(key: str, value: Any, *, allow_none: bool = False,
+             allow_zero: bool = False) -> Optional[float]:
     if value is None and allow_none:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
@@ -236,7 +237,7 @@ def check_unknown(app: Any) -> None:
             f"unknown setting{'s' if len(problems) > 1 else ''}: {'; '.join(problems)}")
 
 
-def lookup(app: Any, name: str):
+def lookup(app: Any, name: str) -> Tuple[bool, str, Any]:
     """(found, key as the user wrote it, value) for a setting, honouring a namespace."""
     namespace = getattr(app, "namespace", None)
     written = f"{namespace}_{name.upper()}" if namespace else name

@@ -58,7 +58,7 @@ class LeaseRecord:
 
     @classmethod
     def from_header(cls, header: Dict[str, Any]) -> "LeaseRecord":
-        return cls(**{key: header.get(key) for key in cls.__dataclass_fields__
+        return cls(**{key: header[key] for key in cls.__dataclass_fields__
                       if key in header})
 
     @property

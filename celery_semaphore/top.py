@@ -19,7 +19,7 @@ import os
 import select
 import sys
 import time
-from typing import IO, Any, Callable, Dict, List, Optional
+from typing import IO, Any, Callable, Dict, List, Optional, Tuple
 
 from .metrics import Row, Snapshot
 
@@ -203,7 +203,7 @@ class Live:
 
 
 def once(read: Callable[[], Snapshot], interval: float, by_template: bool,
-         pattern: Optional[str]) -> tuple:
+         pattern: Optional[str]) -> Tuple[List[Dict[str, Any]], Snapshot]:
     """Two snapshots ``interval`` apart (one when 0): (rows, last snapshot)."""
     before = read() if interval > 0 else None
     if before is not None:

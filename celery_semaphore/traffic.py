@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 import string
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, overload
 
 from .backends.base import COST_KEY, MAX_PRIORITY, PRIORITY_KEY, RATE_KEY, WEIGHT_KEY, Meta
 from .exceptions import ConfigurationError
@@ -50,6 +50,10 @@ def check_template(value: str, what: str, example: str = "{gigabytes}") -> str:
     return value
 
 
+@overload
+def validate_cost(value: int, what: str = ..., limit: Optional[int] = ...) -> int: ...
+@overload
+def validate_cost(value: Any, what: str = ..., limit: Optional[int] = ...) -> Any: ...
 def validate_cost(value: Any, what: str = "semaphore_cost",
                   limit: Optional[int] = None) -> Any:
     """An int from 1 to the limit (``limit``, when known; else the largest limit), or a
@@ -129,7 +133,8 @@ def weight_for(weights: Any, key: Optional[str], filled: Optional[str] = None) -
     if weights is None or key is None:
         return 1
     if isinstance(weights, dict):
-        return weights.get(key, weights.get("*", 1))
+        table: Dict[str, int] = weights  # validate_fair_weights checked it
+        return table.get(key, table.get("*", 1))
     try:
         weight = int(str(filled).strip())
     except ValueError:
@@ -155,10 +160,10 @@ def traffic_meta(cost: int = 1, priority: int = 0, rate: Optional[Tuple[float, i
 
 
 def options_used(cost: Any = 1, rate: Any = None, priority: Any = 0,
-                 weights: Any = None) -> list:
+                 weights: Any = None) -> List[str]:
     """Names (``"cost"``, ...) of the options these values use, for
     :meth:`.backends.base.Backend.check_traffic`."""
-    used = []
+    used: List[str] = []
     if cost not in (None, 1):
         used.append("cost")
     if rate is not None:

@@ -272,6 +272,7 @@ class ParkOnSend:
                         exchange_type="direct", headers=headers, producer=producer,
                         mandatory=True, **options)
                 except Exception:  # a new connection for the next send
+                    assert self._confirm is not None  # _confirm_producer made it
                     connection, self._confirm = self._confirm[0], None
                     try:
                         connection.close()
@@ -385,7 +386,7 @@ class ParkOnSend:
     def _exchange_and_routing_key(self, destination: Dict[str, Any]) -> Tuple[str, str]:
         """Where Celery would publish a send routed to ``destination`` (as celery 5.x
         ``AMQP.send_task_message`` decides it)."""
-        queue = destination.get("queue")
+        queue: Any = destination.get("queue")  # a kombu Queue: Celery's router always sets one
         exchange = destination.get("exchange")
         exchange = getattr(exchange, "name", exchange)
         routing_key = destination.get("routing_key")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple, Type
@@ -71,9 +72,9 @@ def register_backend(scheme: str, backend: "Type[Backend] | str") -> None:
 def _entry_points() -> Dict[str, Any]:
     from importlib.metadata import entry_points
 
-    try:
+    if sys.version_info >= (3, 10):
         eps = entry_points(group=ENTRY_POINT_GROUP)
-    except TypeError:  # Python 3.9
+    else:  # Python 3.9: no selection by group
         eps = entry_points().get(ENTRY_POINT_GROUP, [])
     return {ep.name.lower(): ep for ep in eps}
 
@@ -87,12 +88,15 @@ def known_schemes() -> Dict[str, Any]:
 
 
 def _load(target: Any) -> Type[Backend]:
+    cls: Type[Backend]
     if isinstance(target, str):
         module, _, attr = target.partition(":")
-        return getattr(importlib.import_module(module), attr)
-    if hasattr(target, "load"):  # an entry point
-        return target.load()
-    return target
+        cls = getattr(importlib.import_module(module), attr)
+    elif hasattr(target, "load"):  # an entry point
+        cls = target.load()
+    else:
+        cls = target
+    return cls
 
 
 def backend_class(url: str) -> Type[Backend]:

@@ -110,7 +110,18 @@ import time
 import uuid
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    FrozenSet,
+    List,
+    Mapping,
+    NamedTuple,
+    Optional,
+    Sequence,
+    Tuple,
+)
 
 from ..stats import SemaphoreStats
 
@@ -450,7 +461,7 @@ class Backend(abc.ABC):
         poll interval, at most a third of ``waiter_ttl`` (each try keeps its place in line),
         and no later than just after the earliest holder's lease can expire."""
         pause = min(poll_interval, self.waiter_ttl / 3)
-        rate_due = getattr(attempt, "rate_due", None)
+        rate_due: Optional[float] = getattr(attempt, "rate_due", None)
         if rate_due is not None:
             # Held back by the rate alone: nothing but time frees it, so the next try is
             # when the start is due (a wake-up cannot come earlier), not the poll interval.
@@ -461,7 +472,7 @@ class Backend(abc.ABC):
 
     #: Which of ``"cost"``, ``"rate"``, ``"priority"``, ``"fair_weight"`` this backend
     #: implements (module docs); :meth:`check_traffic` refuses the others.
-    traffic_options: frozenset = frozenset({"cost", "rate", "priority", "fair_weight"})
+    traffic_options: FrozenSet[str] = frozenset({"cost", "rate", "priority", "fair_weight"})
 
     def check_traffic(self, options: Sequence[str], where: str = "") -> None:
         """Raise :class:`~celery_semaphore.exceptions.ConfigurationError` naming this backend

@@ -29,7 +29,7 @@ I/O that a retry cannot undo; anything it must remember across attempts lives in
 
 from __future__ import annotations
 
-from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, TypeVar
+from typing import Any, Callable, ContextManager, Dict, List, Mapping, Optional, Sequence, TypeVar
 
 from ..exceptions import BackendUnavailable
 from .base import Attempt, Backend, Meta, MultiAttempt, Requests, SemaphoreStatus
@@ -112,7 +112,7 @@ class DocumentBackend(Backend):
 
     # -- the engine ------------------------------------------------------------------------
 
-    def _transact(self, name: str, rule: Rule, *, write: bool = True) -> Any:
+    def _transact(self, name: str, rule: Rule[Result], *, write: bool = True) -> Result:
         """Apply ``rule`` to ``name``'s state atomically and return its result; ``write``
         False: a read, nothing is stored."""
         for attempt in range(self.max_attempts):
@@ -136,8 +136,8 @@ class DocumentBackend(Backend):
             "to other clients"
         )
 
-    def _transact_many(self, names: Sequence[str], rule: Callable[[Dict[str, Transaction]], Any]
-                       ) -> Any:
+    def _transact_many(self, names: Sequence[str],
+                       rule: Callable[[Dict[str, Transaction]], Result]) -> Result:
         """:meth:`_transact` over several documents in one transaction (``multi_document``)."""
         names = sorted(set(names))  # one lock order for everyone
         for attempt in range(self.max_attempts):
@@ -177,10 +177,11 @@ class DocumentBackend(Backend):
         requests = list(requests)
 
         def rule(txns: Dict[str, Transaction]) -> MultiAttempt:
+            declared: Dict[str, State] = {}
             for name, limit in requests:
-                self._declare(txns[name], limit)
+                declared[name] = self._declare(txns[name], limit)
             return acquire_all(
-                {name: txn.state for name, txn in txns.items()}, requests, holder, ttl=ttl,
+                {name: declared[name] for name in txns}, requests, holder, ttl=ttl,
                 meta=meta, wait=wait, client=self.client_id, now=min(t.now for t in
                                                                      txns.values()),
                 waiter_ttl=self.waiter_ttl)
@@ -228,7 +229,7 @@ class DocumentBackend(Backend):
     def cancel(self, name: str, holder: str) -> None:
         self._transact(name, lambda txn: txn.state.cancel(holder) if txn.state else None)
 
-    def count(self, name: str, counts: Dict[str, int]) -> None:
+    def count(self, name: str, counts: Mapping[str, int]) -> None:
         self._transact(name, lambda txn: txn.state.add_counts(counts) if txn.state else None)
 
     def resize(self, name: str, limit: int) -> bool:

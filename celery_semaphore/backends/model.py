@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Set, Tuple
 
 from ..exceptions import ConfigurationError
 from ..stats import FIRST_WAIT_META, WORKER_COUNTERS, SemaphoreStats, observe
@@ -179,8 +179,8 @@ class State:
 
     def costly(self) -> bool:
         """A holder or waiter holds or needs more than one unit."""
-        return any(cost_of(v.meta) > 1 for v in (*self.holders.values(),
-                                                  *self.waiters.values()))
+        return (any(cost_of(h.meta) > 1 for h in self.holders.values())
+                or any(cost_of(w.meta) > 1 for w in self.waiters.values()))
 
     def rate_wait(self, now: float, ahead: int = 0) -> float:
         """Seconds until the rate allows the start of a caller with ``ahead`` waiters before
@@ -413,7 +413,7 @@ class State:
     def cancel(self, holder: str) -> None:
         self.waiters.pop(holder, None)
 
-    def add_counts(self, counts: Dict[str, int]) -> None:
+    def add_counts(self, counts: Mapping[str, int]) -> None:
         """Add worker-side counts (:data:`.stats.WORKER_COUNTERS` only)."""
         for counter, n in counts.items():
             if counter in WORKER_COUNTERS and n > 0:
@@ -465,8 +465,9 @@ def acquire_all(
         states[name].declare_rate(meta)
     limits = {name: states[name].limit for name, _ in requests}
     current = {name: states[name].holders.get(holder) for name, _ in requests}
-    if all(h is not None for h in current.values()):
-        return MultiAttempt({name: h.grant(now) for name, h in current.items()},
+    held_all = {name: h for name, h in current.items() if h is not None}
+    if len(held_all) == len(current):
+        return MultiAttempt({name: h.grant(now) for name, h in held_all.items()},
                             limits=limits)
     places = {name: states[name].place(holder, meta, None, now)
               for name, _ in requests if current[name] is None}
@@ -479,6 +480,7 @@ def acquire_all(
                 grants[name] = held.grant(now)
             else:
                 spot = places[name]
+                assert spot.slot is not None  # none refused
                 grants[name] = states[name].grant(holder, spot.slot, spot.round, ttl, meta,
                                                   now)
         return MultiAttempt(grants, limits=limits)

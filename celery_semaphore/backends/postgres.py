@@ -351,7 +351,7 @@ class PostgresBackend(DocumentBackend):
 
     # -- storage -------------------------------------------------------------------------------
 
-    def _transact(self, name: str, rule: Rule, *, write: bool = True) -> Any:
+    def _transact(self, name: str, rule: Rule[Result], *, write: bool = True) -> Result:
         """The engine's transaction, tried once more after a stale connection; creates the
         table when a write finds none, and answers a read on a missing table as on an absent
         semaphore."""
@@ -359,14 +359,18 @@ class PostgresBackend(DocumentBackend):
                                                                             write=write),
                               lambda: rule(Transaction(name, None, time.time())), write)
 
-    def _transact_many(self, names: Sequence[str], rule: Callable[[Dict[str, Transaction]], Any]
-                       ) -> Any:
+    def _transact_many(self, names: Sequence[str],
+                       rule: Callable[[Dict[str, Transaction]], Result]) -> Result:
         """:meth:`_transact` over several rows: one transaction locks them ``FOR UPDATE`` one
         by one in sorted name order (so two such transactions never deadlock)."""
         return self._retrying(lambda: super(PostgresBackend, self)._transact_many(names, rule),
-                              lambda: None, True)
+                              None, True)
 
-    def _retrying(self, run: Callable[[], Any], absent: Callable[[], Any], write: bool) -> Any:
+    def _retrying(self, run: Callable[[], Result], absent: Optional[Callable[[], Result]],
+                  write: bool) -> Result:
+        """``run()``, again after a stale connection or once the missing table is created;
+        ``absent()`` (a read's answer when the table is missing: reads pass one) instead
+        of creating it when ``write`` is False."""
         stale = created = False
         while True:
             try:
@@ -377,6 +381,7 @@ class PostgresBackend(DocumentBackend):
                 stale = True
             except _NoTable:
                 if not write:
+                    assert absent is not None
                     return absent()
                 if created:
                     raise BackendUnavailable(
@@ -439,10 +444,12 @@ class PostgresBackend(DocumentBackend):
         for txn in txns:
             if not self._write(txn):
                 return False
+        first = txns[0]
+        assert isinstance(first, PgTransaction)  # as _write checked
         try:
-            txns[0].version.execute("COMMIT")
+            first.version.execute("COMMIT")
         except psycopg.Error as exc:
-            self._raise(txns[0].version, txns[0].fresh, exc)
+            self._raise(first.version, first.fresh, exc)
         return True
 
     def _write(self, txn: Transaction) -> bool:

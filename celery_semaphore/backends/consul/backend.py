@@ -355,6 +355,7 @@ class ConsulBackend(DocumentBackend):
             raise
         session = admission.session
         if attempt.grant is None and attempt.position is not None:
+            assert attempt.limit is not None  # the model's acquire always gives it
             # Queued. Within one round of holders from admission (or with a spare at hand),
             # get the session now, so that the admission is one read and one check-and-set.
             if session is None and (attempt.position < attempt.limit

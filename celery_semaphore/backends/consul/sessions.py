@@ -58,7 +58,7 @@ class Sessions:
     def new_contender(self, name: str, ttl: int) -> str:
         """A session (TTL ``ttl`` seconds) and its contender key ``<prefix><session>``."""
         backend = self.backend
-        session = backend.call(
+        session: str = backend.call(
             backend.client.session.create, name=f"celery-semaphore {name}", behavior="delete",
             ttl=ttl, lock_delay=0,
         )

@@ -15,7 +15,7 @@ import socket
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple, TypeVar
 
 import amqp
 from amqp import exceptions as amqp_errors
@@ -25,6 +25,8 @@ from ...exceptions import BackendUnavailable
 from ...scheduler import Timers
 
 logger = logging.getLogger(__name__)
+#: What a function run by :meth:`AMQPLink.call` returns.
+Result = TypeVar("Result")
 
 #: Errors after which the connection is unusable. BackendUnavailable is an OSError too (a
 #: ConnectionError) but is raised by this module for a wait that timed out, with the
@@ -54,7 +56,7 @@ class AMQPLink:
         self.on_connection_lost = on_connection_lost
         self.kombu: Optional[Connection] = None
         self.conn: Optional[amqp.Connection] = None
-        self._commands: "queue.SimpleQueue[Tuple[Callable[..., Any], tuple, Future]]"
+        self._commands: "queue.SimpleQueue[Tuple[Callable[..., Any], Tuple[Any, ...], Future[Any]]]"
         self._commands = queue.SimpleQueue()
         self._timers = Timers()  # touched by the I/O thread only
         self._wake_r, self._wake_w = socket.socketpair()
@@ -65,12 +67,12 @@ class AMQPLink:
 
     # -- used from any thread ------------------------------------------------------------
 
-    def call(self, fn: Callable[..., Any], *args: Any, timeout: float = 60.0) -> Any:
+    def call(self, fn: Callable[..., Result], *args: Any, timeout: float = 60.0) -> Result:
         if threading.current_thread() is self._thread:
             return fn(*args)
         if self._stopped:
             raise BackendUnavailable("the AMQP backend was closed")
-        future: Future = Future()
+        future: "Future[Result]" = Future()
         self._commands.put((fn, args, future))
         self._poke()
         return future.result(timeout)

@@ -39,14 +39,27 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Generic,
+    Iterator,
+    List,
+    Optional,
+    Set,
+    Tuple,
+    Type,
+    TypeVar,
+    cast,
+)
 
 import amqp
 from amqp import exceptions as amqp_errors
 
 from ...exceptions import BackendUnavailable, ConfigurationError
 from ..base import Attempt, Meta
-from ..engine import DocumentBackend, Transaction
+from ..engine import DocumentBackend, Result, Rule, Transaction
 from ..model import State, as_json
 from .link import CONNECTION_ERRORS, AMQPLink
 
@@ -105,6 +118,10 @@ class Hand:
         return False
 
 
+#: The hands of a backend (its :attr:`RabbitBackend.hand_class`).
+HandT = TypeVar("HandT", bound=Hand)
+
+
 class RegistryTransaction(Transaction):
     """A semaphore's registry message held (``version``; None when there is no registry
     yet), its state, and the token generations the token backend stores beside it."""
@@ -131,7 +148,7 @@ class RegistryTransaction(Transaction):
         return json.dumps(document, separators=(",", ":"))
 
 
-class RabbitBackend(DocumentBackend):
+class RabbitBackend(DocumentBackend, Generic[HandT]):
     """Base of the RabbitMQ backends: the registry (see module docstring) and the hands.
 
     Subclasses implement the physical side: :meth:`_create_physical`, :meth:`_resize_physical`,
@@ -139,7 +156,7 @@ class RabbitBackend(DocumentBackend):
     :attr:`hand_class`.
     """
 
-    hand_class = Hand
+    hand_class: Type[Hand] = Hand
     #: Priorities and fair weights are orderings of the registry's queue and work as
     #: elsewhere; a cost would need several tokens (slot queues) claimed at once, and a rate
     #: a start that a slot handed back (a token that cannot be claimed) would not undo: both
@@ -166,7 +183,7 @@ class RabbitBackend(DocumentBackend):
         self.broker_url = self._broker_url(url)
         self._link_lock = threading.Lock()
         self._link: Optional[AMQPLink] = None
-        self._hands: Dict[Tuple[str, str], Hand] = {}
+        self._hands: Dict[Tuple[str, str], HandT] = {}
         self._reset_connection_state()
 
     @staticmethod
@@ -178,7 +195,7 @@ class RabbitBackend(DocumentBackend):
         self._channels: Dict[str, amqp.Channel] = {}
         self._retired: List[amqp.Channel] = []
         self._known: Set[str] = set()  # registry queues seen to exist
-        self._owners: Dict[int, Hand] = {}  # id(channel) -> the hand using it
+        self._owners: Dict[int, HandT] = {}  # id(channel) -> the hand using it
         self._spare: List[amqp.Channel] = []
         self._tainted: Set[int] = set()
         self._wake_queue: Optional[str] = None
@@ -238,20 +255,20 @@ class RabbitBackend(DocumentBackend):
             hand.lost = True
         self._evidence_lost(hands)
 
-    def _evidence_lost(self, hands: List[Hand]) -> None:
+    def _evidence_lost(self, hands: List[HandT]) -> None:
         """The broker took these hands' evidence back; wake their waiters to re-try."""
         for hand in hands:
             if not hand.granted:
                 self._notify(hand.name, hand.holder)
 
-    def _open_hand(self, name: str, holder: str) -> Hand:
+    def _open_hand(self, name: str, holder: str) -> HandT:
         hand = self._hands.get((name, holder))
         if hand is not None and hand.channel.is_open and not hand.lost:
             return hand
         while self._spare and not self._spare[-1].is_open:
             self._spare.pop()
         channel = self._spare.pop() if self._spare else self._new_hand_channel()
-        hand = self.hand_class(name, holder, channel)
+        hand = cast(HandT, self.hand_class(name, holder, channel))  # a subclass sets it to HandT
         self._owners[id(channel)] = hand
         self._hands[(name, holder)] = hand
         return hand
@@ -262,7 +279,7 @@ class RabbitBackend(DocumentBackend):
         watch_channel(channel, functools.partial(self._channel_closed, channel))
         return channel
 
-    def _rehome(self, hand: Hand) -> None:
+    def _rehome(self, hand: HandT) -> None:
         """Move a hand that holds nothing to a fresh channel (the broker closed its own)."""
         old = hand.channel
         self._tainted.discard(id(old))
@@ -286,7 +303,7 @@ class RabbitBackend(DocumentBackend):
             hand.forget_evidence()
             self._evidence_lost([hand])
 
-    def _close_hand(self, hand: Hand) -> None:
+    def _close_hand(self, hand: HandT) -> None:
         """Forget the hand; its channel, holding nothing now, is kept for the next one."""
         if self._hands.get((hand.name, hand.holder)) is hand:
             del self._hands[(hand.name, hand.holder)]
@@ -303,19 +320,19 @@ class RabbitBackend(DocumentBackend):
         except amqp_errors.ChannelError:
             pass
 
-    def _arm_deadline(self, hand: Hand, ttl: float, requested_at: float) -> None:
+    def _arm_deadline(self, hand: HandT, ttl: float, requested_at: float) -> None:
         """Give the evidence up if the lease is not renewed before its local deadline."""
         hand.deadline = requested_at + ttl
         self.link.call_at(hand.deadline, functools.partial(self._deadline_passed, hand))
 
-    def _deadline_passed(self, hand: Hand) -> None:
+    def _deadline_passed(self, hand: HandT) -> None:
         if hand.granted and not hand.lost and time.monotonic() >= hand.deadline:
             logger.info("semaphore %r: lease of %s passed its deadline unrenewed; giving it "
                         "up", hand.name, hand.holder)
             hand.lost = True  # kept in _hands, so that renewal reports the loss
             self._drop_evidence(hand, keep=True)
 
-    def _drop_evidence(self, hand: Hand, keep: bool) -> None:
+    def _drop_evidence(self, hand: HandT, keep: bool) -> None:
         """Give the slot's evidence back to the broker (``keep``: for the next holder)."""
         raise NotImplementedError
 
@@ -454,8 +471,10 @@ class RabbitBackend(DocumentBackend):
 
     # -- the engine's storage: the registry message (I/O thread) ---------------------------
 
-    def _transact(self, name: str, rule: Any, *, write: bool = True) -> Any:
-        return self.link.call(functools.partial(super()._transact, write=write), name, rule)
+    def _transact(self, name: str, rule: Rule[Result], *, write: bool = True) -> Result:
+        transact: Callable[[str, Rule[Result]], Result] = functools.partial(
+            super()._transact, write=write)
+        return self.link.call(transact, name, rule)
 
     @contextmanager
     def _load(self, name: str) -> Iterator[Transaction]:

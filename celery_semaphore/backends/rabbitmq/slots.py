@@ -54,7 +54,7 @@ class SlotHand(Hand):
         self.claimed = False
 
 
-class SlotQueueBackend(RabbitBackend):
+class SlotQueueBackend(RabbitBackend[SlotHand]):
     """The slot-queue semaphore on RabbitMQ. Options: ``lock_retries`` (default 5),
     ``overshoot`` (default 8), and those of :class:`.registry.RabbitBackend`."""
 
@@ -93,11 +93,13 @@ class SlotQueueBackend(RabbitBackend):
             channel.queue_delete(self.slot_queue(name, slot))
 
     def _create_physical(self, txn: RegistryTransaction) -> None:
+        assert txn.state is not None  # a registry is created for a state
         limit = txn.state.limit
         self._delete_slots(txn.name, limit, limit)  # leftovers of an earlier life
         self._declare_slots(txn.name, range(limit))
 
     def _resize_physical(self, txn: RegistryTransaction) -> None:
+        assert txn.state is not None and txn.loaded_limit is not None  # a stored state resized
         limit, old_limit = txn.state.limit, txn.loaded_limit
         if limit > old_limit:
             self._declare_slots(txn.name, range(old_limit, limit))
@@ -105,6 +107,7 @@ class SlotQueueBackend(RabbitBackend):
             self._delete_slots(txn.name, limit, old_limit)
 
     def _delete_physical(self, txn: RegistryTransaction) -> None:
+        assert txn.loaded_limit is not None  # the stored state reset
         self._delete_slots(txn.name, 0, txn.loaded_limit)
 
     def _claimed_by_another_hand(self, hand: SlotHand, slot: int) -> bool:

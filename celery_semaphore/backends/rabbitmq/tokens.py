@@ -45,13 +45,13 @@ from __future__ import annotations
 import functools
 import json
 import time
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import amqp
 
 from ..base import Attempt, Meta
-from ..engine import Transaction
-from ..model import next_epoch
+from ..engine import Result, Transaction
+from ..model import State, next_epoch
 from .registry import Hand, RabbitBackend, RegistryTransaction, _text
 
 
@@ -98,7 +98,7 @@ class TokenVerdict(NamedTuple):
     twin_holds: bool  # another holder of our task holds: we may not be admitted yet
 
 
-class TokenBackend(RabbitBackend):
+class TokenBackend(RabbitBackend[TokenHand]):
     """The token-queue semaphore on RabbitMQ. Options: ``heartbeat`` (s, default 10),
     ``connect_timeout``, ``registry_timeout``, plus the common backend options."""
 
@@ -122,6 +122,7 @@ class TokenBackend(RabbitBackend):
             )
 
     def _create_physical(self, txn: RegistryTransaction) -> None:
+        assert txn.state is not None  # a registry is created for a state
         name, limit = txn.name, txn.state.limit
         channel = self._channel("confirm")
         queue_name = self.tokens_queue(name)
@@ -134,6 +135,7 @@ class TokenBackend(RabbitBackend):
         self._publish_tokens(name, range(limit), generation)
 
     def _resize_physical(self, txn: RegistryTransaction) -> None:
+        assert txn.state is not None and txn.loaded_limit is not None  # a stored state resized
         name, tokens, limit, old_limit = txn.name, txn.tokens, txn.state.limit, txn.loaded_limit
         if limit > old_limit:
             # Published before the registry lists them: if we die first, they are stale
@@ -332,23 +334,23 @@ class TokenBackend(RabbitBackend):
         attempt = self._admit(txn, holder, limit, ttl, meta, wait, slots=slots)
         return TokenVerdict(attempt, created, stale, slot_held, free, twin_holds)
 
-    def _with_tokens(self, name: str, rule: Callable[[Transaction], Any], missing: Any
-                     ) -> Tuple[Any, Optional[Dict[str, int]]]:
+    def _with_tokens(self, name: str, rule: Callable[[State, float], Result], missing: Result
+                     ) -> Tuple[Result, Optional[Dict[str, int]]]:
         """Apply ``rule`` to the semaphore (``missing`` when it does not exist); also return
         the current token generations (None when the semaphore is gone): whether a held token
         goes back to the queue or away."""
 
-        def with_tokens(txn: Transaction) -> Tuple[Any, Optional[Dict[str, int]]]:
+        def with_tokens(txn: Transaction) -> Tuple[Result, Optional[Dict[str, int]]]:
             assert isinstance(txn, RegistryTransaction)
             if txn.state is None:
                 return missing, None
-            return rule(txn), dict(txn.tokens)
+            return rule(txn.state, txn.now), dict(txn.tokens)
 
         return self._transact(name, with_tokens)
 
     def _release_here(self, name: str, holder: str) -> bool:
         released, tokens = self._with_tokens(
-            name, lambda txn: txn.state.release(holder, txn.now), False
+            name, lambda state, now: state.release(holder, now), False
         )
         hand = self._hands.get((name, holder))
         if hand is not None:
@@ -373,7 +375,7 @@ class TokenBackend(RabbitBackend):
             self._transact(name, lambda txn: txn.state.count("lost") if txn.state else None)
             return None
         expiry, tokens = self._with_tokens(
-            name, lambda txn: txn.state.renew(holder, ttl, txn.now), None
+            name, lambda state, now: state.renew(holder, ttl, now), None
         )
         if hand is not None:
             if expiry is None:

@@ -59,7 +59,18 @@ import os
 import socket
 import threading
 import time
-from typing import Any, Callable, Dict, List, Mapping, NoReturn, Optional, Sequence, Tuple
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    List,
+    Mapping,
+    NoReturn,
+    Optional,
+    Sequence,
+    Tuple,
+    TypeVar,
+)
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import redis
@@ -93,6 +104,8 @@ from ..base import (
 from . import deployments
 
 logger = logging.getLogger(__name__)
+#: What an operation run by :meth:`RedisBackend._riding` returns.
+Result = TypeVar("Result")
 
 _SCRIPTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
 #: The keys of one semaphore, in the order the scripts receive them (see scripts/prelude.lua).
@@ -114,7 +127,7 @@ _FAILOVER = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ReadOnl
              redis.exceptions.AskError, redis.exceptions.RedisClusterException)
 
 
-def _busy(exc: redis.RedisError) -> bool:
+def _busy(exc: Exception) -> bool:
     # A pipeline prefixes the reply: "Command # 1 (TIME) of pipeline caused error: BUSY ...".
     return isinstance(exc, redis.ResponseError) and str(exc).rpartition(
         "caused error: ")[2].startswith("BUSY ")
@@ -250,7 +263,7 @@ class RedisBackend(Backend):
             raise exc
         raise BackendUnavailable(f"semaphore backend {url} unavailable: {exc}") from exc
 
-    def _riding(self, operation: Callable[[], Any]) -> Any:
+    def _riding(self, operation: Callable[[], Result]) -> Result:
         """Run ``operation``; with Sentinel or Cluster, again with backoff for up to
         ``failover_timeout`` while it fails as a failover does. Errors go through
         :meth:`_unavailable`."""
@@ -364,7 +377,8 @@ class RedisBackend(Backend):
                             **self._refused(position, retry_after, rest))
 
     def release(self, name: str, holder: str) -> bool:
-        return self._call("release", name, holder) == 1
+        done: int = self._call("release", name, holder)  # 1 or 0
+        return done == 1
 
     def renew(self, name: str, holder: str, ttl: float) -> Optional[float]:
         expires = self._call("renew", name, holder, int(ttl * 1e6))
@@ -372,13 +386,15 @@ class RedisBackend(Backend):
 
     def verify(self, name: str, holder: str) -> bool:
         # A script, though read-only: on a cluster, the clock of the node holding the lease.
-        return self._call("verify", name, holder) == 1
+        done: int = self._call("verify", name, holder)  # 1 or 0
+        return done == 1
 
     def cancel(self, name: str, holder: str) -> None:
         self._call("cancel", name, holder)
 
     def resize(self, name: str, limit: int) -> bool:
-        return self._call("resize", name, int(limit)) == 1
+        done: int = self._call("resize", name, int(limit))  # 1 or 0
+        return done == 1
 
     def unpin(self, name: str) -> Optional[int]:
         limit = self._call("unpin", name)
@@ -406,7 +422,8 @@ class RedisBackend(Backend):
                 for name in chunk:
                     pipe.evalsha(sha, len(KEY_SUFFIXES), *self._keys(name),
                                  self._idle_ms, self._channel_prefix, name)
-                return pipe.execute()
+                replies: List[Any] = pipe.execute()
+                return replies
 
             for name, reply in zip(chunk, self._riding(run)):
                 status = self._status_of(name, reply)
@@ -472,7 +489,8 @@ class RedisBackend(Backend):
         return self._riding(scan)
 
     def reset(self, name: str) -> bool:
-        return self._call("reset", name) == 1
+        done: int = self._call("reset", name)  # 1 or 0
+        return done == 1
 
     def ping(self) -> None:
         """One try, no riding through a failover: says whether Redis answers now."""

@@ -8,10 +8,12 @@ too: it writes to the command's stdout/stderr and raises ``CommandError`` (with 
 ``returncode``) instead of exiting.
 """
 
+import argparse
 import os
 import sys
 from contextlib import redirect_stderr, redirect_stdout
 from types import SimpleNamespace
+from typing import Any, List, Optional, Sequence
 
 from django.core.management.base import BaseCommand, CommandError
 
@@ -19,7 +21,7 @@ from django.core.management.base import BaseCommand, CommandError
 DJANGO_OPTIONS = ("--settings", "--pythonpath")
 
 
-def find_app():
+def find_app() -> Any:
     from celery_semaphore.contrib.django.apps import find_app as find
 
     try:
@@ -28,9 +30,10 @@ def find_app():
         raise CommandError(str(exc)) from None
 
 
-def click_args(args):
+def click_args(args: Sequence[str]) -> List[str]:
     """``args`` without Django's ``--settings``/``--pythonpath`` (already applied)."""
-    out, skip = [], False
+    out: List[str] = []
+    skip = False
     for i, arg in enumerate(args):
         if skip:
             skip = False
@@ -43,7 +46,7 @@ def click_args(args):
     return out
 
 
-def prog_name(argv0, subcommand):
+def prog_name(argv0: str, subcommand: str) -> str:
     name = os.path.basename(argv0)
     return f"{'python -m django' if name == '__main__.py' else name} {subcommand}"
 
@@ -51,7 +54,7 @@ def prog_name(argv0, subcommand):
 class Command(BaseCommand):
     help = "Inspect, resize and reset celery-semaphore semaphores (see `semaphore --help`)."
 
-    def run_from_argv(self, argv):
+    def run_from_argv(self, argv: List[str]) -> None:
         from celery_semaphore.cli import semaphore
 
         try:
@@ -64,17 +67,18 @@ class Command(BaseCommand):
                        obj=SimpleNamespace(app=app), standalone_mode=True)
         sys.exit(0)
 
-    def print_help(self, prog_name, subcommand):  # `manage.py help semaphore`
+    def print_help(self, prog_name: str, subcommand: str) -> None:  # `manage.py help semaphore`
         from celery_semaphore.cli import semaphore
 
         semaphore.main(args=["--help"], prog_name=f"{prog_name} {subcommand}",
                        standalone_mode=False)
 
-    def create_parser(self, prog_name, subcommand, **kwargs):
+    def create_parser(self, prog_name: str, subcommand: str, **kwargs: Any) -> Any:
         parser = super().create_parser(prog_name, subcommand, **kwargs)
         parse_args = parser.parse_args
 
-        def pass_through(args=None, namespace=None):
+        def pass_through(args: Optional[Sequence[str]] = None,
+                         namespace: Optional[argparse.Namespace] = None) -> Any:
             # call_command(): Django's defaults, and every argument left to click
             options = parse_args([], namespace)
             options.args = list(args or [])
@@ -83,7 +87,7 @@ class Command(BaseCommand):
         parser.parse_args = pass_through
         return parser
 
-    def handle(self, *args, **options):  # call_command()
+    def handle(self, *args: str, **options: Any) -> None:  # call_command()
         import click
 
         from celery_semaphore.cli import semaphore
