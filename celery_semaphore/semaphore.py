@@ -539,7 +539,7 @@ def acquire_all(semaphores: Sequence[Semaphore], timeout: Optional[float] = None
             if attempt.grants is not None:
                 granted = True
                 return _group(semaphores, backend, holder, attempt, requested_at, meta)
-            pause = backend.pause_after(attempt, first.poll_interval)  # type: ignore[arg-type]
+            pause = backend.pause_after(attempt, first.poll_interval)
             if deadline is not None:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:

@@ -121,6 +121,7 @@ from typing import (
     Optional,
     Sequence,
     Tuple,
+    Union,
 )
 
 from ..stats import SemaphoreStats
@@ -456,7 +457,8 @@ class Backend(abc.ABC):
         extend it to drop the parent's listener and connections."""
         self._new_identity()
 
-    def pause_after(self, attempt: Attempt, poll_interval: float) -> float:
+    def pause_after(self, attempt: Union[Attempt, "MultiAttempt"],
+                    poll_interval: float) -> float:
         """Seconds a waiter should wait for a wake-up before it tries ``acquire`` again: the
         poll interval, at most a third of ``waiter_ttl`` (each try keeps its place in line),
         and no later than just after the earliest holder's lease can expire."""

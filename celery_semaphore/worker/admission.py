@@ -281,7 +281,7 @@ class Admission:
             return LeaseGroup({
                 name: Lease(self.backend, name, answer.holder, grant, answer.requested_at,
                             limit=attempt.limits.get(name), meta=meta)
-                for name, grant in attempt.grants.items()})
+                for name, grant in (attempt.grants or {}).items()})
         return Lease(self.backend, waiter.guard.name, answer.holder, attempt.grant,
                      answer.requested_at, limit=attempt.limit, meta=meta)
 

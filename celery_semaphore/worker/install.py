@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 from celery import signals
 from celery import states as celery_states
@@ -80,8 +80,8 @@ def _store_started(sender: Any = None, task: Any = None, task_id: str = "",
     ``AsyncResult.state`` does not say WAITING for the whole run."""
     request = getattr(task, "request", None)
     lease = lease_record(request)
-    if (lease is None or not lease.waited or request.is_eager or task.track_started
-            or task.ignore_result):
+    if (lease is None or request is None or not lease.waited or request.is_eager
+            or task.track_started or task.ignore_result):
         return
     try:
         task.backend.store_result(task_id, {"pid": os.getpid(), "hostname": request.hostname},
@@ -90,7 +90,7 @@ def _store_started(sender: Any = None, task: Any = None, task_id: str = "",
         logger.warning("celery-semaphore: storing STARTED for %s failed: %s", task_id, exc)
 
 
-def _strip_gate_headers(headers: Optional[dict] = None, **kwargs: Any) -> None:
+def _strip_gate_headers(headers: Optional[Dict[str, Any]] = None, **kwargs: Any) -> None:
     """Keep what the gate adds to a running request out of messages it publishes: a retry
     copies the request's custom headers, and would carry the lease record and the requeue
     count and first-wait time (so ``semaphore_max_wait`` would count from the first run's

@@ -134,15 +134,15 @@ class ParkingLot:
         self.tracked: "OrderedDict[str, ParkedTask]" = OrderedDict()  # task id -> parked task
         self._deadlines: List[Tuple[float, str]] = []  # heap of (deadline, task id)
         self._revocations: Tuple[int, int] = (0, 0)
-        self.parked_total: Counter = Counter()  # name -> requests this worker parked
-        self.pulled_total: Counter = Counter()  # name -> requests this worker pulled back
+        self.parked_total: Counter[str] = Counter()  # name -> requests this worker parked
+        self.pulled_total: Counter[str] = Counter()  # name -> requests it pulled back
         # I/O thread
         self._connection: Any = None
         self._declared: Set[str] = set()
         self._producer_of: Optional[Tuple[Any, Producer]] = None
         self._returned: List[Any] = []
         # lane -> pulled messages not acked or rejected yet (loop and I/O threads)
-        self._unsettled: Counter = Counter()
+        self._unsettled: Counter[str] = Counter()
         self._unsettled_lock = threading.Lock()
 
     # -- decisions (loop thread) -------------------------------------------------------------
@@ -379,7 +379,7 @@ class ParkingLot:
         """Hand a pulled message to Celery's strategy for its task, as the consumer does for a
         delivery, with acks and rejects going to the parking channel on the I/O thread."""
         headers = message.headers or {}
-        self.tracked.pop(headers.get("id"), None)
+        self.tracked.pop(str(headers.get("id")), None)
         route = headers.get(ROUTE_HEADER)
         if isinstance(route, (list, tuple)) and len(route) == 2:  # retries go where it was sent
             message.delivery_info.update(exchange=route[0], routing_key=route[1])

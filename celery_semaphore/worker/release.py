@@ -16,20 +16,23 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Union
 
 from celery import signals
 from celery.exceptions import TimeLimitExceeded
 
 from ..guards import Guard
 from ..keeper import default_keeper
-from ..semaphore import Lease
+from ..semaphore import Lease, LeaseGroup
 from . import celery_internals
 
 if TYPE_CHECKING:
     from .gate import Gate
 
 logger = logging.getLogger(__name__)
+
+#: One semaphore's lease, or the leases of a request under several.
+AnyLease = Union[Lease, LeaseGroup]
 
 #: Seconds to wait for a timed-out or terminated pool child to exit before releasing anyway.
 CHILD_EXIT_WAIT = 30.0
@@ -40,7 +43,7 @@ class Held:
     """A guarded request that holds its slot: handed to the pool, running, or ending."""
 
     request: Any
-    lease: Lease
+    lease: AnyLease
     guard: Guard
     job: Any = None  # the pool's ApplyResult, once handed to the pool
     orphan_of: Optional[int] = None  # the pool child running it with no callbacks left
@@ -61,7 +64,7 @@ class Releases:
     def disconnect(self) -> None:
         signals.task_revoked.disconnect(self._on_task_revoked)
 
-    def hold(self, request: Any, lease: Lease, guard: Guard) -> Held:
+    def hold(self, request: Any, lease: AnyLease, guard: Guard) -> Held:
         """``request`` got its slot and goes to the pool: renew its lease until it ends."""
         entry = self.held[lease.holder] = Held(request, lease, guard)
         request.semaphore_held = entry
@@ -122,7 +125,7 @@ class Releases:
                 self._release_soon(entry.lease)
         self.gate.admission.pump()
 
-    def _release_after_exit(self, lease: Lease, pid: int, deadline: float) -> None:  # I/O
+    def _release_after_exit(self, lease: AnyLease, pid: int, deadline: float) -> None:  # I/O
         # At worker shutdown the pool has been stopped first: release now, not never.
         if (self.gate.running and celery_internals.process_alive(pid)
                 and time.monotonic() < deadline):
@@ -131,7 +134,7 @@ class Releases:
         default_keeper.discard(lease)
         self.release(lease)
 
-    def release(self, lease: Lease, retry: float = 0.0) -> None:  # I/O thread
+    def release(self, lease: AnyLease, retry: float = 0.0) -> None:  # I/O thread
         """Release ``lease``; while the backend cannot be reached, try again with backoff
         until it answers or the lease would have expired anyway (its TTL then frees it)."""
         try:
@@ -149,7 +152,7 @@ class Releases:
         for entry in held:
             self._release_soon(entry.lease)
 
-    def _release_soon(self, lease: Lease) -> None:
+    def _release_soon(self, lease: AnyLease) -> None:
         """Stop renewing ``lease`` and release it on the I/O thread."""
         default_keeper.discard(lease)
         self.gate.io.call(self.release, lease)
@@ -215,6 +218,7 @@ class Releases:
         orphans: List[Held] = [e for e in self.held.values() if e.orphan_of is not None]
         for entry in orphans:
             pid = entry.orphan_of
+            assert pid is not None
             if not celery_internals.process_alive(pid) or celery_internals.runs_in_child(pid):
                 self._forget(entry)
             elif celery_internals.child_is_up(self.gate.consumer.pool, pid):

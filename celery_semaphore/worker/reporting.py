@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, Optional
 
 from celery.worker.control import inspect_command
 
@@ -56,7 +56,7 @@ class Reporting:
         if dispatcher is not None and dispatcher.enabled:
             dispatcher.send(kind, uuid=task_id, **fields)
 
-    def snapshot(self) -> Dict[str, List[Dict[str, Any]]]:
+    def snapshot(self) -> Dict[str, Any]:
         gate = self.gate
         with gate.lock:
             return {

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any, Dict, Optional
 
 from ..waiting_room import FIRST_WAIT_HEADER, PARKED_BY_HEADER, PARKED_HEADER, ROUTE_HEADER
 from . import celery_internals
-from .waiter import REQUEUES_HEADER, Waiter
+from .headers import REQUEUES_HEADER
+from .waiter import Waiter
 
 if TYPE_CHECKING:
     from .gate import Gate
@@ -24,7 +25,8 @@ def backoff(waiter: Waiter) -> float:
     """Seconds until the requeued copy is due: ``semaphore_retry_backoff`` doubling per
     requeue up to ``semaphore_retry_backoff_max``, with jitter if ``semaphore_retry_jitter``."""
     settings = waiter.guard.settings
-    delay = min(settings.retry_backoff * 2 ** min(waiter.requeues, 64), settings.retry_backoff_max)
+    delay: float = min(settings.retry_backoff * 2 ** min(waiter.requeues, 64),
+                       settings.retry_backoff_max)
     if settings.retry_jitter:
         delay = random.uniform(delay / 2, delay)
     return delay

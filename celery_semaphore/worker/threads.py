@@ -32,7 +32,7 @@ class LoopCaller:
         self.hub = hub
         self.lock = lock
         self.after = after  # runs after each call, outside the lock
-        self._calls: Deque[Tuple[Callable[..., Any], tuple]] = deque()
+        self._calls: Deque[Tuple[Callable[..., Any], Tuple[Any, ...]]] = deque()
         self._rfd = self._wfd = -1
         # Held while the pipe is written or closed: a write racing stop() could otherwise hit
         # the fd number after it was closed and reused (the reconnected broker's socket).
@@ -83,7 +83,7 @@ class LoopCaller:
             fn, args = self._calls.popleft()
             self._run(fn, args)
 
-    def _run(self, fn: Callable[..., Any], args: tuple) -> None:
+    def _run(self, fn: Callable[..., Any], args: Tuple[Any, ...]) -> None:
         try:
             with self.lock:
                 fn(*args)
