@@ -102,12 +102,17 @@ class Scheduler:
             if self._stopped:
                 timer = Timer(0.0, fn, args)
             else:
+                earliest = self._timers.next_due()
                 timer = self._timers.add(time.monotonic() + delay, fn, *args)
                 if self._thread is None:
                     self._thread = threading.Thread(target=self._run, name=self.name,
                                                     daemon=True)
                     self._thread.start()
-                self._cond.notify()
+                # The thread sleeps until the earliest call is due: wake it only when this
+                # one is earlier (a lease keeper adds a renewal due in a third of a TTL per
+                # task; waking its thread for each would cost a context switch per task).
+                if earliest is None or timer.due < earliest:
+                    self._cond.notify()
                 return timer
         self._run_one(timer)
         return timer

@@ -28,6 +28,22 @@ def test_calls_run_in_due_order_and_a_cancelled_one_never_runs():
     assert ran == [1, 2, 3]
 
 
+def test_a_call_due_sooner_than_the_sleeping_threads_next_one_runs_on_time():
+    """The thread is woken only for a call due before the one it sleeps until: an earlier
+    call added later still runs when due, and a later one waits its turn."""
+    scheduler = Scheduler("test-wake")
+    ran = {}
+    scheduler.call(lambda: ran.setdefault("late", time.monotonic()), delay=30)
+    time.sleep(0.05)  # the thread sleeps until the late call
+    sent = time.monotonic()
+    scheduler.call(lambda: ran.setdefault("soon", time.monotonic()), delay=0.2)
+    scheduler.call(lambda: ran.setdefault("later", time.monotonic()), delay=0.4)
+    assert wait_until(lambda: "later" in ran, timeout=10)
+    assert 0.2 <= ran["soon"] - sent < 0.4 + 2 and ran["later"] - sent >= 0.4
+    assert "late" not in ran
+    scheduler.stop()
+
+
 def test_a_stopped_scheduler_runs_what_is_left_and_its_thread_ends():
     """Releases scheduled a little ahead (waiting for a pool child to exit) must not be dropped
     when the worker shuts down."""
