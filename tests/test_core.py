@@ -212,12 +212,33 @@ def test_requests_enter_the_backends_queue_only_while_processes_are_free():
     second, commands, _ = arrive(core)
     assert commands == [] and second.state is WaitState.LINED  # one process: one per name
     other, commands, _ = arrive(core, guard("other"))
-    assert kinds(commands) == ["Watch", "SendAttempt"]  # another semaphore has its own share
+    assert commands == []  # the first attempt may take the one process
+    commands = core.handle(answer(first, wait_answer()))  # told to wait: it needs none
+    assert [c.waiter for c in commands if isinstance(c, Watch)] == [other]
     world.processes = 0
     assert core.handle(CapacityChanged()) == []
-    world.processes = 2
+    world.processes = 3
     commands = core.handle(CapacityChanged())
     assert kinds(commands) == ["Watch", "SendAttempt"] and commands[0].waiter is second
+
+
+def test_first_attempts_of_many_keys_never_outnumber_the_free_processes():
+    """A thousand keys with room (W6): each first attempt is a grant, so no more go out than
+    processes are free; none is granted only to be given back."""
+    core, world = make(processes=4)
+    waiters = [arrive(core, guard(f"t:{k}"))[0] for k in range(40)]
+    assert sum(w.state is WaitState.QUEUED for w in waiters) == 4 and core.trying == 4
+    started = 0
+    for _ in range(40):
+        queued = next(w for w in waiters if w.state is WaitState.QUEUED)
+        commands = core.handle(answer(queued, Attempt(GRANT)))
+        assert "GiveBackGrant" not in kinds(commands)
+        started += 1
+        world.processes -= 1  # it runs
+        world.processes += 1  # ...and ends before the next answer
+        core.handle(CapacityChanged())
+        assert core.trying <= 4
+    assert started == 40 and len(core) == 0 and core.trying == 0
 
 
 def test_a_priority_request_enters_the_queue_at_once_and_lines_up_ahead():

@@ -297,6 +297,9 @@ class AdmissionCore:
         self.waiters: Dict[str, Waiter] = {}  # holder -> waiter
         self.line: Deque[Waiter] = deque()  # LINED, by priority then arrival
         self.counts = _Counts()
+        #: QUEUED waiters the backend has not told to wait yet: each is about to take a pool
+        #: process (a grant) or to stop needing one (told to wait).
+        self.trying = 0
         self._out: List[Command] = []
 
     # -- reading -----------------------------------------------------------------------------
@@ -345,7 +348,10 @@ class AdmissionCore:
         self._pump()
 
     def _answered(self, event: Answered) -> None:
-        waiter, answer = event.waiter, event.answer
+        self._answer(event.waiter, event.answer)
+        self._pump()  # a process it was counted on may be free for the line now
+
+    def _answer(self, waiter: Waiter, answer: Answer) -> None:
         current = waiter.holder == answer.holder
         if waiter.state is not WaitState.QUEUED or not current:
             return self._late_answer(waiter, answer, current)
@@ -374,6 +380,8 @@ class AdmissionCore:
         if not waiter.waits:  # semaphore_on_full skip or fail: it never queued
             return self._exit(waiter, How.FULL, limit=attempt.limit, blocking=blocking)
         waiter.attempts += 1
+        if waiter.attempts == 1:
+            self.trying -= 1  # it waits for a slot, not for a process
         if waiter.attempts == 1 and self._told_to_wait(waiter):
             return
         waits_for = getattr(attempt, "waits_for", None)
@@ -453,19 +461,26 @@ class AdmissionCore:
             self.line.insert(index, waiter)
 
     def _pump(self) -> None:
-        """Move waiters from the line into the backend's queue while processes are free (as
-        many of one semaphore as processes are free; one whose priority is above the default
-        goes in at once, so that the backend's queue orders it ahead of lower ones: a grant
-        that then finds no free process is given back)."""
+        """Move waiters from the line into the backend's queue while processes are free: no
+        more first attempts on their way than free processes, whatever their semaphores (with
+        a thousand keys each with room, every first attempt is a grant, and a grant beyond the
+        free processes would only be given back), and no more of one semaphore in its queue
+        than processes are free; one whose priority is above the default goes in at once, so
+        that the backend's queue orders it ahead of lower ones (a grant that then finds no
+        free process is given back)."""
         if not self.line:
             return
         free = self.free_processes()
         if free <= 0:
             return
+        budget = free - self.trying
         for waiter in list(self.line):
-            if self.counts.queued.get(waiter.guard.name, 0) < free or waiter.guard.priority > 0:
+            urgent = waiter.guard.priority > 0
+            if urgent or (budget > 0 and self.counts.queued.get(waiter.guard.name, 0) < free):
                 self.line.remove(waiter)
                 self._move(waiter, WaitState.QUEUED)
+                if waiter.attempts == 0:
+                    budget -= 1
                 self._out.append(Watch(waiter))
                 self._send(waiter)
 
@@ -528,11 +543,15 @@ class AdmissionCore:
         name = waiter.guard.name
         if waiter.state is WaitState.QUEUED:
             _Counts.add(self.counts.queued, name, -1)
+            if waiter.attempts == 0:
+                self.trying -= 1
         if waiter.state is WaitState.QUEUED and to is not WaitState.QUEUED:
             self._out.append(StopAttempts(waiter))
         waiter.move(to)
         if to is WaitState.QUEUED:
             _Counts.add(self.counts.queued, name, 1)
+            if waiter.attempts == 0:
+                self.trying += 1
 
     def _exit(self, waiter: Waiter, how: How, **details: Any) -> None:
         """The one way out of the core (module docstring)."""
