@@ -36,14 +36,20 @@ class World:
     """The core's surroundings and clocks, set by the test."""
 
     def __init__(self, processes=4, room=100):
-        self.processes = processes  # pool processes not busy with anything but our waiters
+        self.processes = processes  # pool processes
+        self.reserved = 0  # requests Celery holds: the core's waiters and those running
         self.rooms = {}
         self.default_room = room
         self.now = 1000.0
         self.wall = 1_700_000_000.0
 
     def free_processes(self, waiting):
-        return self.processes
+        return self.processes - (self.reserved - waiting)
+
+    def ended(self, core):
+        """A task that ran ends: its process is free."""
+        self.reserved -= 1
+        return core.handle(CapacityChanged())
 
     def room(self, name, waiting_of_name, waiting):
         return self.rooms.get(name, self.default_room) - waiting_of_name
@@ -68,6 +74,7 @@ _ids = iter(range(10**6))
 
 def arrive(core, g=None, pulled=False):
     n = next(_ids)
+    core.surroundings.reserved += 1
     request = SimpleNamespace(id=f"t{n}", name="tasks.t", request_dict={})
     commands = core.handle(Arrived(request, g or guard(), f"t{n}:h", pulled))
     waiter = next((w for w in core.waiters.values() if w.request is request), None)
@@ -228,17 +235,24 @@ def test_first_attempts_of_many_keys_never_outnumber_the_free_processes():
     core, world = make(processes=4)
     waiters = [arrive(core, guard(f"t:{k}"))[0] for k in range(40)]
     assert sum(w.state is WaitState.QUEUED for w in waiters) == 4 and core.trying == 4
-    started = 0
+    running = 0
     for _ in range(40):
-        queued = next(w for w in waiters if w.state is WaitState.QUEUED)
-        commands = core.handle(answer(queued, Attempt(GRANT)))
-        assert "GiveBackGrant" not in kinds(commands)
-        started += 1
-        world.processes -= 1  # it runs
-        world.processes += 1  # ...and ends before the next answer
-        core.handle(CapacityChanged())
-        assert core.trying <= 4
-    assert started == 40 and len(core) == 0 and core.trying == 0
+        queued = [w for w in waiters if w.state is WaitState.QUEUED]
+        assert len(queued) + running <= 4
+        if not queued or running == 4:
+            world.ended(core)  # a task ends
+            running -= 1
+            continue
+        commands = core.handle(answer(queued[0], Attempt(GRANT)))
+        assert exit_of(commands).how is How.START and "GiveBackGrant" not in kinds(commands)
+        running += 1
+    while running:
+        world.ended(core)
+        running -= 1
+        for w in [w for w in waiters if w.state is WaitState.QUEUED]:
+            core.handle(answer(w, Attempt(GRANT)))
+            running += 1
+    assert len(core) == 0 and core.trying == 0
 
 
 def test_a_priority_request_enters_the_queue_at_once_and_lines_up_ahead():
@@ -360,3 +374,41 @@ def test_the_shell_carries_out_every_command_the_core_can_emit():
 
     shell = Admission(SimpleNamespace(backend=None))
     assert set(shell._carry_out) == set(Command.__args__)
+
+
+def test_wake_ups_beyond_the_free_processes_wait_for_one():
+    """Many keys' waiters woken at once (500 keys x 2): as many try as processes are free, the
+    others once one is, instead of being granted a slot only to give it back."""
+    core, world = make(processes=2)
+    waiters = [arrive(core, guard(f"t:{k}"))[0] for k in range(2)]
+    for waiter in waiters:
+        core.handle(answer(waiter, wait_answer()))  # both told to wait: no attempt in flight
+    waiters += [arrive(core, guard(f"t:{k}"))[0] for k in range(2, 4)]
+    for waiter in waiters[2:]:
+        core.handle(answer(waiter, wait_answer()))
+    assert core.trying == 0 and all(w.state is WaitState.QUEUED for w in waiters)
+    world.processes = 1
+    sent = [kinds(core.handle(Woken(w, w.holder))) for w in waiters]
+    assert sent == [["SendAttempt"], [], [], []] and core.trying == 1
+    assert list(core.woken) == waiters[1:]
+    assert exit_of(core.handle(answer(waiters[0], Attempt(GRANT)))).how is How.START
+    assert core.trying == 0 and len(core.woken) == 3  # it runs in the one process
+    world.processes = 2  # another process is free
+    commands = world.ended(core)  # ...and the task ended
+    assert [c.waiter for c in commands if isinstance(c, SendAttempt)] == waiters[1:3]
+    assert core.trying == 2 and list(core.woken) == waiters[3:]
+    core.handle(Leave(waiters[3], How.GIVE_BACK))  # a pending one leaves: skipped later
+    core.handle(answer(waiters[1], wait_answer()))  # taken by someone else: waits again
+    assert core.trying == 1 and not waiters[3].wake_pending  # its entry is dropped when reached
+
+
+def test_a_wake_up_with_every_process_busy_tries_so_that_the_slot_moves_on():
+    """No process free and none promised: the woken waiter tries anyway; a grant is given back
+    at once, and the backend wakes whoever waits behind it (in a worker with room)."""
+    core, world = make(processes=1)
+    waiter, _, _ = arrive(core)
+    core.handle(answer(waiter, wait_answer()))
+    world.processes = 0  # busy with other work
+    assert kinds(core.handle(Woken(waiter, waiter.holder))) == ["SendAttempt"]
+    commands = core.handle(answer(waiter, Attempt(GRANT)))
+    assert "GiveBackGrant" in kinds(commands)

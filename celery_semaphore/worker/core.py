@@ -297,9 +297,11 @@ class AdmissionCore:
         self.waiters: Dict[str, Waiter] = {}  # holder -> waiter
         self.line: Deque[Waiter] = deque()  # LINED, by priority then arrival
         self.counts = _Counts()
-        #: QUEUED waiters the backend has not told to wait yet: each is about to take a pool
-        #: process (a grant) or to stop needing one (told to wait).
+        #: QUEUED waiters with an attempt in flight (:attr:`.Waiter.in_flight`): each may take
+        #: a pool process (a grant) when its answer comes.
         self.trying = 0
+        #: QUEUED waiters woken while no process was free for their attempt, in wake order.
+        self.woken: Deque[Waiter] = deque()
         self._out: List[Command] = []
 
     # -- reading -----------------------------------------------------------------------------
@@ -348,7 +350,11 @@ class AdmissionCore:
         self._pump()
 
     def _answered(self, event: Answered) -> None:
-        self._answer(event.waiter, event.answer)
+        waiter, answer = event.waiter, event.answer
+        if (waiter.in_flight and waiter.holder == answer.holder
+                and answer.sent == waiter.attempts_sent):
+            self._land(waiter)
+        self._answer(waiter, answer)
         self._pump()  # a process it was counted on may be free for the line now
 
     def _answer(self, waiter: Waiter, answer: Answer) -> None:
@@ -380,8 +386,6 @@ class AdmissionCore:
         if not waiter.waits:  # semaphore_on_full skip or fail: it never queued
             return self._exit(waiter, How.FULL, limit=attempt.limit, blocking=blocking)
         waiter.attempts += 1
-        if waiter.attempts == 1:
-            self.trying -= 1  # it waits for a slot, not for a process
         if waiter.attempts == 1 and self._told_to_wait(waiter):
             return
         waits_for = getattr(attempt, "waits_for", None)
@@ -400,8 +404,19 @@ class AdmissionCore:
 
     def _woken(self, event: Woken) -> None:
         waiter = event.waiter
-        if waiter.state is WaitState.QUEUED and waiter.holder == event.holder:
+        if waiter.state is not WaitState.QUEUED or waiter.holder != event.holder:
+            return
+        free = self.free_processes()
+        if (waiter.in_flight or waiter.guard.priority > 0 or free - self.trying > 0
+                or (free <= 0 and self.trying == 0)):
+            # (no process free and none promised: a grant is given back at once, and the
+            # slot goes on to whoever waits behind it in another worker)
             self._send(waiter)
+        elif not waiter.wake_pending:
+            # the free processes are promised to attempts in flight: try once they land,
+            # rather than be granted a slot only to give it back
+            waiter.wake_pending = True
+            self.woken.append(waiter)
 
     def _grant_returned(self, event: GrantReturned) -> None:
         waiter = event.waiter
@@ -468,19 +483,24 @@ class AdmissionCore:
         than processes are free; one whose priority is above the default goes in at once, so
         that the backend's queue orders it ahead of lower ones (a grant that then finds no
         free process is given back)."""
-        if not self.line:
+        if not self.line and not self.woken:
             return
         free = self.free_processes()
         if free <= 0:
             return
         budget = free - self.trying
+        while self.woken and budget > 0:
+            waiter = self.woken.popleft()
+            if waiter.wake_pending and waiter.state is WaitState.QUEUED:
+                waiter.wake_pending = False
+                budget -= 0 if waiter.in_flight else 1
+                self._send(waiter)
         for waiter in list(self.line):
             urgent = waiter.guard.priority > 0
             if urgent or (budget > 0 and self.counts.queued.get(waiter.guard.name, 0) < free):
                 self.line.remove(waiter)
                 self._move(waiter, WaitState.QUEUED)
-                if waiter.attempts == 0:
-                    budget -= 1
+                budget -= 1
                 self._out.append(Watch(waiter))
                 self._send(waiter)
 
@@ -490,6 +510,9 @@ class AdmissionCore:
             waiter.first_sent = now
         waiter.last_sent = now + delay
         waiter.attempts_sent += 1
+        if delay == 0 and not waiter.in_flight:
+            waiter.in_flight = True
+            self.trying += 1
         self._out.append(SendAttempt(waiter, waiter.holder, waiter.attempts_sent, delay))
 
     def _told_to_wait(self, waiter: Waiter) -> bool:
@@ -543,15 +566,19 @@ class AdmissionCore:
         name = waiter.guard.name
         if waiter.state is WaitState.QUEUED:
             _Counts.add(self.counts.queued, name, -1)
-            if waiter.attempts == 0:
-                self.trying -= 1
+            self._land(waiter)
+            waiter.wake_pending = False  # left in self.woken, skipped there
         if waiter.state is WaitState.QUEUED and to is not WaitState.QUEUED:
             self._out.append(StopAttempts(waiter))
         waiter.move(to)
         if to is WaitState.QUEUED:
             _Counts.add(self.counts.queued, name, 1)
-            if waiter.attempts == 0:
-                self.trying += 1
+
+    def _land(self, waiter: Waiter) -> None:
+        """``waiter``'s attempt in flight is answered (or it left the queue)."""
+        if waiter.in_flight:
+            waiter.in_flight = False
+            self.trying -= 1
 
     def _exit(self, waiter: Waiter, how: How, **details: Any) -> None:
         """The one way out of the core (module docstring)."""

@@ -72,6 +72,11 @@ class Waiter:
     attempts_sent: int = 0
     last_sent: float = 0.0
     backend_down: bool = False
+    #: An attempt sent at once (a first one, or after a wake-up) has not been answered: it
+    #: may come back a grant, which needs a free pool process (:attr:`.AdmissionCore.trying`).
+    in_flight: bool = False
+    #: Woken while no process was free for another attempt in flight: it tries once one is.
+    wake_pending: bool = False
     #: Pulled from the parking queue: its message is acked on the parking channel, and it
     #: never raises the consumer's prefetch.
     pulled: bool = False
