@@ -412,3 +412,22 @@ def test_a_wake_up_with_every_process_busy_tries_so_that_the_slot_moves_on():
     assert kinds(core.handle(Woken(waiter, waiter.holder))) == ["SendAttempt"]
     commands = core.handle(answer(waiter, Attempt(GRANT)))
     assert "GiveBackGrant" in kinds(commands)
+
+
+def test_peers_lined_behind_a_first_attempt_report_waiting_once_it_is_told_to_wait():
+    """Flower's case: three of one key reach the worker in a burst while the slot is held; the
+    first asks, the others wait in the line; once the first is told to wait, the others show
+    WAITING too (they wait for the same slot), once each."""
+    core, world = make(processes=1)
+    first, _, _ = arrive(core)
+    lined = [arrive(core)[0] for _ in range(2)]
+    assert all(w.state is WaitState.LINED for w in lined)
+    commands = core.handle(answer(first, wait_answer(position=0)))
+    reports = [c for c in commands if isinstance(c, ReportWaiting)]
+    assert [(r.waiter, r.position) for r in reports] == [(lined[0], None), (lined[1], None),
+                                                         (first, 0)]
+    assert kinds(commands).count("RaisePrefetch") == 3
+    other, _, _ = arrive(core)  # arriving now: reported at once, and only then
+    assert other.announced
+    commands = core.handle(answer(first, wait_answer(position=0)))
+    assert not [c for c in commands if isinstance(c, ReportWaiting)]

@@ -343,9 +343,7 @@ class AdmissionCore:
         if full and waiter.waits:
             if room <= 0 and not event.pulled and waiter.parks:
                 return self._exit(waiter, How.PARK, why="this worker holds its share already")
-            self._raise_prefetch(waiter)
-            # it waits for the slot its peers wait for: say so, as they do
-            self._out.append(ReportWaiting(waiter, None, guard.limit))
+            self._announce_lined(waiter)
         self._line_up(waiter)
         self._pump()
 
@@ -527,7 +525,20 @@ class AdmissionCore:
             self._exit(waiter, How.PARK, why="this worker holds its share of waiters already")
             return True
         self._raise_prefetch(waiter)
+        # those of its semaphore still in the line (they arrived while its first attempt was
+        # on its way) wait for the same slot: say so now
+        for lined in [w for w in self.line if w.guard.name == name and not w.announced]:
+            self._announce_lined(lined)
         return False
+
+    def _announce_lined(self, waiter: Waiter) -> None:
+        """``waiter`` is in the line while its semaphore is full: it waits for the slot its
+        peers wait for, not for a pool process. Raise the prefetch for it and report it
+        waiting (no position: it has not asked the backend yet), once."""
+        waiter.announced = True
+        if waiter.waits:
+            self._raise_prefetch(waiter)
+            self._out.append(ReportWaiting(waiter, None, waiter.guard.limit))
 
     def _raise_prefetch(self, waiter: Waiter) -> None:
         """``waiter`` waits for its semaphore (not for a pool process): raise the consumer's

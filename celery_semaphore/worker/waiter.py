@@ -77,6 +77,8 @@ class Waiter:
     in_flight: bool = False
     #: Woken while no process was free for another attempt in flight: it tries once one is.
     wake_pending: bool = False
+    #: Reported WAITING while still in the line (its semaphore full): once is enough.
+    announced: bool = False
     #: Pulled from the parking queue: its message is acked on the parking channel, and it
     #: never raises the consumer's prefetch.
     pulled: bool = False
