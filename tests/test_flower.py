@@ -42,6 +42,7 @@ class Flower:
         )
         self.base = f"http://127.0.0.1:{port}"
         self.history = {}  # task id -> the states seen, in order, without repeats
+        self.probes = set()  # ids of the tasks wait_for_events sent
 
     def log(self):
         with open(self.log_path, errors="replace") as f:
@@ -63,6 +64,7 @@ class Flower:
         unguarded = self.cluster.task("unguarded")
         for attempt in range(30):
             probe = unguarded.delay(f"flower-probe{attempt}")
+            self.probes.add(probe.id)
             if wait_until(lambda: self.state_of(probe.id) == "SUCCESS", timeout=1, interval=0.05):
                 return
         raise AssertionError(f"Flower shows no task events: {self.log()[-3000:]}")
@@ -195,11 +197,11 @@ def test_no_internal_message_shows_as_a_task(watched, park_on_send):
         return result
 
     def foreign():
-        """Tasks in Flower's list that the test did not send (its event probes aside)."""
+        """Tasks in Flower's list that the test did not send (a probe of wait_for_events
+        whose task-received went before Flower listened may show with no name: not ours)."""
         return {task_id: (info.get("name"), info.get("state"))
                 for task_id, info in flower.tasks().items()
-                if task_id not in sent
-                and not str(info.get("args")).startswith("('flower-probe")}
+                if task_id not in sent and task_id not in flower.probes}
 
     holder = send("slow", "np0", 4.0)
     assert wait_until(lambda: cluster.started("slow:np0"), timeout=10)
@@ -230,3 +232,23 @@ def test_no_internal_message_shows_as_a_task(watched, park_on_send):
     assert sent <= set(listed)
     types = flower.get("/api/task/types") or {}
     assert not [t for t in types.get("task-types", []) if str(t).startswith("celery_semaphore")]
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "Flower shows WAITING but not what the task waits for: Flower's /api/task/info, /api/tasks "
+    "and task page show only celery.events.state.Task._fields, and the task-waiting event's "
+    "semaphore, limit and position are not among them (the result backend has them)"))
+def test_flower_shows_what_a_waiting_task_waits_for(watched):
+    cluster, flower = watched(concurrency=2)
+    per_customer = cluster.task("per_customer")
+    per_customer.delay(8, "hold", 3.0)
+    assert wait_until(lambda: cluster.started("customer-8:hold"), timeout=10)
+    waiter = per_customer.delay(8, "w", 0.05)
+    assert wait_until(lambda: flower.state_of(waiter.id) == "WAITING", timeout=10,
+                      interval=0.05), flower.history.get(waiter.id)
+    assert wait_until(lambda: waiter.state == "WAITING", timeout=5)
+    assert waiter.info["semaphore"] == "api:8"  # the result backend says it
+    info = flower.info(waiter.id)
+    assert info.get("semaphore") == "api:8", info
+    listed = flower.tasks()[waiter.id]
+    assert listed.get("semaphore") == "api:8", listed
