@@ -11,6 +11,7 @@ test clusters on the shared broker never show in it.
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -22,7 +23,7 @@ from tests import servers
 from tests.servers import free_port
 from tests.test_worker import Cluster, _parked
 from tests.util import wait_until
-from tests.workers import ROOT
+from tests.workers import NAME_SUFFIX, ROOT
 
 pytestmark = pytest.mark.slow
 
@@ -141,7 +142,7 @@ def test_waiting_state_in_flower(watched):
     assert os.path.exists(cluster.env["CS_PROBE"])
 
 
-def _all_waiting(cluster, flower, results):
+def _all_waiting(cluster, flower, results, timeout=20):
     """Every one of ``results`` shows WAITING in Flower at one moment; the message says what
     each showed instead."""
     shown = {}
@@ -151,7 +152,7 @@ def _all_waiting(cluster, flower, results):
         shown.update({r.id: flower.state_of(r.id) for r in results})
         return all(state == "WAITING" for state in shown.values())
 
-    return wait_until(check, timeout=20, interval=0.1), shown
+    return wait_until(check, timeout=timeout, interval=0.1), shown
 
 
 @pytest.mark.parametrize("park_on_send", [True, False], ids=["park-on-send", "plain-send"])
@@ -177,6 +178,40 @@ def test_every_task_waiting_behind_a_holder_shows_waiting(watched, park_on_send)
         assert result.get(timeout=5) == f"w{i}"
     assert holder.get(timeout=10) == "hold"
     assert cluster.probe.max_concurrent("customer-7:") == 1
+
+
+@pytest.mark.xfail(strict=False, reason=(
+    "worker/core.py: a request that lines up behind a peer whose first attempt is still in "
+    "flight (Arrived while blocked() == 0) is never reported WAITING when the peer's 'wait' "
+    "answer comes (_answered/_told_to_wait report only the peer): it shows RECEIVED in Flower "
+    "and PENDING in the result backend for the whole wait. A race: fails about one run in two"))
+def test_tasks_arriving_together_behind_a_holder_all_show_waiting(watched):
+    """The same scenario, the 3 arriving at the worker in one burst (sent to a queue the worker
+    starts consuming only then): the first asks the backend, the other two line up behind it
+    while its attempt is in flight. All 3 show WAITING in Flower (and in the result backend)
+    while the holder runs."""
+    cluster, flower = watched(concurrency=2, names="flowerburst",
+                              settings={"semaphore_park_on_send": False})
+    per_customer = cluster.task("per_customer")
+    holder = per_customer.delay(9, "hold", 12.0)
+    assert wait_until(lambda: cluster.started("customer-9:hold"), timeout=10)
+    later = f"{cluster.env['CS_QUEUE']}.later"
+    waiters = [per_customer.apply_async((9, f"w{i}", 0.05), queue=later) for i in range(3)]
+    replies = cluster.app.control.add_consumer(
+        later, reply=True, timeout=5,
+        destination=[f"flowerburst0{NAME_SUFFIX}@{socket.gethostname()}"])
+    assert len(replies) == 1, replies
+    every_one, shown = _all_waiting(cluster, flower, waiters, timeout=8)
+    assert every_one, (
+        f"expected WAITING for all 3 while the holder runs; Flower shows {shown} (states seen "
+        f"{[flower.history.get(r.id) for r in waiters]}), result backend "
+        f"{[(r.id, r.state) for r in waiters]}")
+    assert wait_until(lambda: all(r.state == "WAITING" for r in waiters), timeout=5), \
+        [(r.id, r.state) for r in waiters]
+    assert not holder.ready()
+    for result in waiters:
+        assert result.get(timeout=30)
+    assert holder.get(timeout=10) == "hold"
 
 
 @pytest.mark.parametrize("park_on_send", [True, False], ids=["park-on-send", "parked-by-worker"])
