@@ -71,8 +71,11 @@ def main() -> None:
         holder = per_customer.delay(7, "hold", 60.0)
         assert wait_until(lambda: cluster.started("customer-7:hold"), timeout=10)
         waiters = [per_customer.delay(7, f"w{i}", 0.05) for i in range(3)]
-        assert wait_until(lambda: all(flower.state_of(r.id) == "WAITING" for r in waiters),
-                          timeout=20), [flower.history.get(r.id) for r in waiters]
+        if not wait_until(lambda: all(flower.state_of(r.id) == "WAITING" for r in waiters),
+                          timeout=5):
+            # a known race of the worker (docs/operations/flower.md, "Tested"): run it again
+            holder.revoke(terminate=True)
+            sys.exit(f"not all 3 WAITING: {[flower.history.get(r.id) for r in waiters]}")
         screenshot(f"{flower.base}/tasks", output)
         # still waiting once the picture was taken: the page showed them WAITING
         assert all(flower.state_of(r.id) == "WAITING" for r in waiters)
