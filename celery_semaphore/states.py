@@ -30,6 +30,26 @@ SKIPPED_REASON = "skipped"
 PRECEDES = "STARTED"
 
 
+#: The ``task-waiting`` event's fields that Celery's event state keeps for a task (Flower's
+#: ``/api/task/info``, ``/api/tasks`` and task page show ``Task._fields`` only). They keep
+#: their last values once the task runs (Celery's ``task-started`` event carries none of them).
+EVENT_FIELDS = ("semaphore", "semaphores", "limit", "position", "waits_for", "parked")
+
+
+def register_event_fields() -> None:
+    """Add :data:`EVENT_FIELDS` to ``celery.events.state.Task._fields`` (default None), so
+    that Flower shows what a WAITING task waits for (idempotent; in every process that
+    installs celery-semaphore, Flower's included)."""
+    from celery.events.state import Task
+
+    missing = tuple(name for name in EVENT_FIELDS if name not in Task._fields)
+    for name in missing:
+        if hasattr(Task, name):  # a name Celery uses itself: leave it alone
+            continue
+        setattr(Task, name, None)
+        Task._fields = Task._fields + (name,)
+
+
 def register_precedence() -> None:
     """Rank WAITING just below STARTED in ``celery.states`` (idempotent).
 

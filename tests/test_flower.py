@@ -157,21 +157,6 @@ def _all_waiting(flower, results, holder, timeout=20):
     return False, shown
 
 
-#: The race of worker/core.py this reproduces (not fixed here: another engineer owns it): a
-#: request that arrives while its semaphore's first waiter in the worker is still asking the
-#: backend lines up behind it unannounced (``Arrived`` while ``blocked() == 0``), and when that
-#: peer is told to wait only the peer reports WAITING (``_answered``, ``_told_to_wait``): the
-#: request shows RECEIVED in Flower and PENDING in the result backend until it asks the backend
-#: itself, after the holder ends. Sent plainly, the 3 arrive within milliseconds of each other
-#: and the race is hit in most runs; parked on send (2 of them pulled back a little later),
-#: about one run in eight. Not strict: a race, so the test passes in some runs; remove the mark
-#: once core.py reports them.
-LINED_UP_UNANNOUNCED = (
-    "worker/core.py: a request lined up behind a peer whose first attempt is in flight is not "
-    "reported WAITING when the peer is told to wait (a race)")
-
-
-@pytest.mark.xfail(strict=False, reason=LINED_UP_UNANNOUNCED)
 @pytest.mark.parametrize("park_on_send", [True, False], ids=["park-on-send", "plain-send"])
 def test_every_task_waiting_behind_a_holder_shows_waiting(watched, park_on_send):
     """Issue #29's scenario: one prefork worker of 2 processes, a template semaphore
@@ -252,10 +237,6 @@ def test_no_internal_message_shows_as_a_task(watched, park_on_send):
     assert not [t for t in types.get("task-types", []) if str(t).startswith("celery_semaphore")]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Flower shows WAITING but not what the task waits for: Flower's /api/task/info, /api/tasks "
-    "and task page show only celery.events.state.Task._fields, and the task-waiting event's "
-    "semaphore, limit and position are not among them (the result backend has them)"))
 def test_flower_shows_what_a_waiting_task_waits_for(watched):
     cluster, flower = watched(concurrency=2)
     per_customer = cluster.task("per_customer")

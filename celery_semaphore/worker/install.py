@@ -45,6 +45,7 @@ def install(app: Any) -> Any:
     if getattr(app, INSTALLED, False):
         return app
     states.register_precedence()
+    states.register_event_fields()
     app.steps["consumer"].add(SemaphoreStep)
     guard_eager_calls(app)
     check_definitions_and_sends(app)
