@@ -11,6 +11,7 @@ from celery_semaphore.exceptions import ConfigurationError, SemaphoreTimeout
 from celery_semaphore.guards import Guard
 from celery_semaphore.settings import Settings
 from celery_semaphore.worker.core import (
+    WAKE_DEFER_MAX,
     AdmissionCore,
     Answer,
     Answered,
@@ -388,8 +389,10 @@ def test_wake_ups_beyond_the_free_processes_wait_for_one():
         core.handle(answer(waiter, wait_answer()))
     assert core.trying == 0 and all(w.state is WaitState.QUEUED for w in waiters)
     world.processes = 1
-    sent = [kinds(core.handle(Woken(w, w.holder))) for w in waiters]
-    assert sent == [["SendAttempt"], [], [], []] and core.trying == 1
+    sent = [core.handle(Woken(w, w.holder)) for w in waiters]
+    assert [kinds(c) for c in sent] == [["SendAttempt"]] * 4 and core.trying == 1
+    # the first tries at once; the others at the latest after WAKE_DEFER_MAX
+    assert [c[0].delay for c in sent] == [0, WAKE_DEFER_MAX, WAKE_DEFER_MAX, WAKE_DEFER_MAX]
     assert list(core.woken) == waiters[1:]
     assert exit_of(core.handle(answer(waiters[0], Attempt(GRANT)))).how is How.START
     assert core.trying == 0 and len(core.woken) == 3  # it runs in the one process

@@ -40,6 +40,9 @@ from .waiter import Waiter, WaitState
 
 logger = logging.getLogger(__name__)
 
+#: Seconds a woken waiter waits at most for a free pool process before it tries anyway.
+WAKE_DEFER_MAX = 0.1
+
 
 class Surroundings(Protocol):
     """What the core reads of the rest of the worker (main-process memory, never I/O)."""
@@ -412,9 +415,11 @@ class AdmissionCore:
             self._send(waiter)
         elif not waiter.wake_pending:
             # the free processes are promised to attempts in flight: try once they land,
-            # rather than be granted a slot only to give it back
+            # rather than be granted a slot only to give it back; at the latest after
+            # WAKE_DEFER_MAX (a token-queue backend's wake-up hands this waiter the token)
             waiter.wake_pending = True
             self.woken.append(waiter)
+            self._send(waiter, delay=WAKE_DEFER_MAX)
 
     def _grant_returned(self, event: GrantReturned) -> None:
         waiter = event.waiter
