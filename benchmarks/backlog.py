@@ -31,7 +31,7 @@ from typing import Any, Dict
 import redis
 
 from benchmarks.workload import _start_worker, new_run
-from celery_semaphore.waiting_room import parking_queue_name
+from celery_semaphore.waiting_room import lane_of, parking_queue_name
 from tests.probe import Probe
 
 
@@ -112,7 +112,8 @@ def run(broker: str, backend: str, tasks: int = 20000, drain: bool = False,
         park_on_send: bool = True) -> Dict[str, Any]:
     tmp, tag, env, bench_app = new_run("backlog", broker, backend, 1, park_on_send)
     client = redis.Redis.from_url(broker)
-    parked_key = parking_queue_name(f"{tag}:", "bench")
+    # the lane of semaphore "bench" in the run's task queue (new_run routes every task there)
+    parked_key = parking_queue_name(f"{tag}:", lane_of("bench", None, f"{tag}.q"))
     behind = min(UNGUARDED_BEHIND, tasks)
     row: Dict[str, Any] = {"tasks": tasks,
                            "parked": "on send" if park_on_send else "by the worker"}

@@ -286,9 +286,12 @@ class AdmissionCore:
 
     Guarantees: a request enters the backend's queue only while a pool process is free for
     it (as many per semaphore as processes are free; one with a priority above the default
-    at once); a grant that finds no free process is given back before the request lines up
-    again; an answer to an attempt older than the last one sent decides only if it is a
-    grant; a request leaves exactly once, and every way out emits the same cleanup.
+    at once); attempts sent at once and not answered yet (:attr:`trying`) never outnumber the
+    free processes, except a priority request's, or a woken one's when no process is free and
+    none is promised (its grant moves on), or one deferred past :data:`WAKE_DEFER_MAX`; a
+    grant that finds no free process is given back before the request lines up again; an
+    answer to an attempt older than the last one sent decides only if it is a grant; a
+    request leaves exactly once, and every way out emits the same cleanup.
     """
 
     def __init__(self, surroundings: Surroundings, *,
