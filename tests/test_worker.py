@@ -169,8 +169,10 @@ def test_unguarded_tasks_flow_while_guarded_ones_wait(cluster):
     stamped = slow.s("s1", 0.05)
     stamped.stamp(batch="cancel-me")
     stamped = stamped.apply_async()
+    # (sent behind a backlog, it may be parked on send and pulled once a worker has room:
+    # under a parallel run that takes longer than a plain delivery)
     assert wait_until(lambda: any(f"[{stamped.id}] received" in w.output()
-                                  for w in cluster.workers), timeout=5)
+                                  for w in cluster.workers), timeout=20)
     cluster.app.control.revoke_by_stamped_headers({"batch": "cancel-me"})
     assert wait_until(lambda: stamped.state == "REVOKED", timeout=5)
     # Revoke with terminate frees the slot at once: the waiters run, one at a time.
