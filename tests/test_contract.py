@@ -318,10 +318,12 @@ def test_renew_after_expiry_fails_and_does_not_reacquire(spec):
 
 
 def test_renew_extends_a_live_lease(spec):
-    sem = spec.semaphore("extend", 1, ttl=0.6)
+    # 4 renewals half a TTL apart outlive the first TTL twice over; a TTL of 1.2 s leaves a
+    # RabbitMQ backend's renewal (several broker round trips) time under a parallel run
+    sem = spec.semaphore("extend", 1, ttl=1.2)
     lease = sem.acquire()
     for _ in range(4):
-        time.sleep(0.3)
+        time.sleep(0.6)
         assert lease.renew()
     assert lease.verify() and sem.try_acquire() is None
     assert lease.release() is True
