@@ -530,9 +530,44 @@ class Chaos:
                            faults=self.faults, ttl=s.lease_ttl, declared=chaos_app.limit_of,
                            held_at_end=held, horizon=horizon)
         report.details["send_failures"] = self.send_failures
+        report.details["lost_where"] = self.where(report.details.get("lost_tasks") or [])
         report.details["unexpected_worker_exits"] = self.unexpected_exits
         report.details["worker_log_errors"] = self.log_errors()
         return report
+
+    def where(self, task_ids: List[str]) -> Dict[str, List[str]]:
+        """Where the broker holds each of ``task_ids`` at the end of the drain (a list: a task
+        queue or a parking queue; ``unacked``: delivered to a worker, not acknowledged, with
+        the seconds since), so that a lost task says where it stranded."""
+        import redis
+
+        if not task_ids or self.broker is None:
+            return {}
+        found: Dict[str, List[str]] = {task_id: [] for task_id in task_ids}
+        client = redis.Redis(port=self.broker.port, socket_timeout=10)
+        try:
+            for key in client.scan_iter(count=1000):
+                kind = client.type(key)
+                if kind == b"list":
+                    entries = client.lrange(key, 0, -1)
+                elif kind == b"hash":
+                    entries = list(client.hgetall(key).values())
+                else:
+                    continue
+                for entry in entries:
+                    for task_id in task_ids:
+                        if task_id.encode() in entry:
+                            found[task_id].append(key.decode(errors="replace"))
+            for tag, score in client.zrange("unacked_index", 0, -1, withscores=True):
+                raw = client.hget("unacked", tag) or b""
+                for task_id in task_ids:
+                    if task_id.encode() in raw:
+                        found[task_id].append(f"unacked for {time.time() - score:.0f} s")
+        except Exception as exc:  # a diagnosis only
+            return {"error": [repr(exc)]}
+        finally:
+            client.close()
+        return {task_id: places or ["nowhere"] for task_id, places in found.items()}
 
     def log_errors(self) -> List[str]:
         """The workers' CRITICAL lines, and each traceback as the line that logged it and the

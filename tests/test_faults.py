@@ -208,12 +208,12 @@ def test_a_redis_broker_outage_loses_no_worker_and_no_task(redis_url, tmp_path):
         broker.kill()
 
 
-def test_a_redis_broker_outage_counts_waiting_and_running_tasks_apart(redis_url, tmp_path):
-    """As above, with the running task acknowledged late (its message, pulled from the waiting
-    room, is unacknowledged while it runs): the worker says 5 tasks waited when the broker
-    was lost, and after the outage that those 5 are back and, apart, that 1 task that had
-    left the gate for the pool is delivered again (before: "6 tasks that were waiting ...
-    are back", after "5 tasks waiting")."""
+def test_a_redis_broker_outage_does_not_run_a_running_task_again(redis_url, tmp_path):
+    """As above, with the running task acknowledged late, and the broker down until its body
+    has ended (its ack cannot reach the broker): the worker says 5 tasks waited, that those 5
+    are back, and that the running one stays unacknowledged until it ends; once the broker is
+    back its ack lands, and it never runs again (#27 defect 3a: it was put back with the
+    waiting ones, "delivered again", and ran twice)."""
     broker = PersistentRedis(tmp_path / "broker")
     cluster = Cluster(str(tmp_path), redis_url, broker.url, redis_url, workers=1)
     try:
@@ -221,16 +221,25 @@ def test_a_redis_broker_outage_counts_waiting_and_running_tasks_apart(redis_url,
         broker.kill()
         assert wait_until(lambda: "Cannot connect to redis" in worker.output()
                           or "re-establish" in worker.output(), timeout=10)
-        time.sleep(2)
+        # the body ends while the broker is away: its acknowledgement cannot be made now
+        assert wait_until(lambda: cluster.probe.completed("slow:a0"), timeout=20)
         broker.start()
         assert [r.get(timeout=60) for r in results] == [f"a{i}" for i in range(6)]
-        assert wait_until(lambda: "delivered again" in worker.output(), timeout=10)
+        client = redis.Redis.from_url(broker.url)
+        try:  # every message settled in the broker: nothing left to deliver again
+            assert wait_until(lambda: client.hlen("unacked") == 0
+                              and not any(client.llen(k) for k in client.scan_iter("*")
+                                          if client.type(k) == b"list"), timeout=20)
+        finally:
+            client.close()
+        assert cluster.probe.completed("slow:a") == {f"slow:a{i}": 1 for i in range(6)}
+        assert cluster.probe.max_concurrent("slow:a") == 1
         output = worker.output()
         assert output.count("closed with 5 tasks waiting for a slot") == 1, output[-3000:]
         assert waiting_back(output) == 5
-        assert "1 tasks that had left the gate for the pool" in output
+        assert "1 tasks that left for the pool stay unacknowledged" in output, output[-3000:]
+        assert "delivered again" not in output.replace("(not delivered again)", "")
         assert worker.proc.poll() is None
-        assert cluster.probe.max_concurrent("slow:a") == 1
     finally:
         cluster.stop()
         broker.kill()

@@ -103,6 +103,12 @@ def test_parked_tasks_a_killed_worker_held_are_found_without_a_new_send(redis_ur
         first.wait_ready()
         # it took the doorbell and pulled all four (its share): they wait for the slot
         assert wait_until(lambda: _parked(cluster, "slow") == 0, timeout=20)
+        # whoever puts them back (here kombu's visibility timeout) puts them in their task
+        # queue, not in their lane: the lane's doorbell, restored apart (it may have been
+        # delivered long before them), may have been proven empty and acked by then
+        queue = cluster.env["CS_QUEUE"]
+        assert wait_until(lambda: [key for _, key in _unacked_routes(cluster, results)]
+                          == [queue] * 4, timeout=10), _unacked_routes(cluster, results)
         survivor = Worker(cluster.env, "survivor", 4)  # idle, with room, runs throughout
         cluster.workers.append(survivor)
         survivor.wait_ready()
@@ -114,6 +120,22 @@ def test_parked_tasks_a_killed_worker_held_are_found_without_a_new_send(redis_ur
         assert wait_until(lambda: _parked(cluster, "slow") == 0)
     finally:
         cluster.stop()
+
+
+def _unacked_routes(cluster, results):
+    """(exchange, routing key) that a restore of each of ``results``' messages unacked in the
+    Redis broker would use (kombu keeps ``[payload, exchange, routing key]`` per message)."""
+    client = redis.Redis.from_url(cluster.env["CS_BROKER_URL"])
+    try:
+        ids = {r.id for r in results}
+        routes = []
+        for raw in client.hvals("unacked"):
+            payload, exchange, routing_key = json.loads(raw)
+            if payload["headers"].get("id") in ids:
+                routes.append((exchange, routing_key))
+        return routes
+    finally:
+        client.close()
 
 
 def test_a_high_priority_task_passes_a_parked_backlog(redis_url, tmp_path):

@@ -7,7 +7,7 @@ structure it expects is left alone (the function reports that it did nothing).
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import celery
 from billiard.exceptions import WorkerLostError
@@ -175,46 +175,99 @@ def detach_unacked(message: Any) -> bool:
     return delivered.pop(message.delivery_tag, None) is not None
 
 
-def detach_all_unacked(connection: Any) -> List[str]:
-    """Forget every unacked message of ``connection``'s default channel without touching the
-    broker, if it is kombu's Redis transport (see :func:`detach_unacked`); their delivery
-    tags, for :func:`restore_unacked`. kombu 5.x keeps the channel in
-    ``Connection._default_channel`` (None when it was never opened)."""
-    return _detach_channel(getattr(connection, "_default_channel", None))
-
-
-def detach_consumer_unacked(consumer: Any) -> List[str]:
-    """Forget every message still unacked on ``consumer``'s task channel without touching the
-    broker, if it is kombu's Redis transport (see :func:`detach_unacked`): what closing the
-    lost connection would restore through a transport it has detached (kombu 5.7 raises
-    AttributeError there, and the worker exits). Their delivery tags, for
-    :func:`restore_unacked`: tasks acknowledged late that were running, and messages Celery
-    held (ETA, reserved) that it forgets on the reconnect, as the broker delivers them again."""
-    return _detach_channel(getattr(getattr(consumer, "task_consumer", None), "channel", None))
-
-
-def _detach_channel(channel: Any) -> List[str]:
-    """Forget every unacked message of ``channel`` (kombu's Redis transport), make its acks and
-    rejects do nothing, and return their delivery tags; [] for another transport."""
+def redis_qos(channel: Any) -> Any:
+    """``channel``'s QoS if it is kombu's Redis transport (kombu 5.x ``redis.QoS``: delivered
+    messages in ``_delivered``, the broker's ``unacked`` hash behind it), else None."""
     qos = getattr(channel, "qos", None)
-    delivered = getattr(qos, "_delivered", None)
-    if delivered is None or not hasattr(qos, "restore_by_tag"):
-        return []
+    if (getattr(qos, "_delivered", None) is None or not hasattr(qos, "restore_by_tag")
+            or not hasattr(qos, "unacked_key")):
+        return None
+    return qos
+
+
+def parking_channel(connection: Any) -> Any:
+    """The channel of ``connection`` the parking lot pulls on: kombu 5.x keeps the default
+    channel in ``Connection._default_channel`` (None when it was never opened)."""
+    return getattr(connection, "_default_channel", None)
+
+
+def task_channel(consumer: Any) -> Any:
+    """The channel ``consumer`` receives its task messages on."""
+    return getattr(getattr(consumer, "task_consumer", None), "channel", None)
+
+
+def forget_unacked(qos: Any) -> List[str]:
+    """Forget every unacked message of a Redis transport's ``qos`` without touching the
+    broker (they stay in its unacked hash); their delivery tags."""
+    delivered = qos._delivered
     tags = list(delivered)
     delivered.clear()
-    settle_nothing(qos)
     return tags
 
 
-def settle_nothing(qos: Any) -> None:
-    """Make acks and rejects on the lost channel of ``qos`` (kombu's Redis transport) do
-    nothing: its unacked messages were detached and go back to their queues once the broker
-    answers (:func:`restore_unacked`), and kombu 5.7 raises AttributeError (not a connection
-    error) for an ack on a channel whose connection is gone, which Celery treats as
-    unrecoverable: a task acknowledged late that ends after the reconnect made the worker
-    exit."""
-    qos.ack = lambda delivery_tag: None
-    qos.reject = lambda delivery_tag, requeue=False: None
+def handed_to_pool() -> Set[str]:
+    """Delivery tags of the requests that left for the pool: Celery's active requests, the
+    reserved ones it handed a pool job (celery 5.x ``Request._apply_result``), and those it
+    acknowledged (celery.worker.state; read on the consumer's thread, or copied again if
+    another thread changed a set meanwhile)."""
+    from celery.worker import state
+
+    for _ in range(10):
+        try:
+            active = tuple(state.active_requests)
+            requests = active + tuple(state.reserved_requests)
+            break
+        except RuntimeError:  # "changed size during iteration"
+            continue
+    else:
+        return set()
+    handed = set()
+    for request in requests:
+        if (request in active or getattr(request, "_apply_result", None) is not None
+                or getattr(request, "acknowledged", False)):
+            tag = getattr(getattr(request, "message", None), "delivery_tag", None)
+            if tag is not None:
+                handed.add(tag)
+    return handed
+
+
+def reroute_unacked(channel: Any, reroutes: List[Tuple[Any, str, str]]) -> None:
+    """Make every later restore of each pulled ``(message, exchange, routing_key)`` of
+    ``channel`` (kombu's Redis transport: the visibility timeout's, a reject with requeue, the
+    gate's after a lost connection) put the message where ``exchange`` routes
+    ``routing_key``, instead of back where it was pulled from: kombu 5.x restores from the
+    ``[payload, exchange, routing_key]`` it keeps in the broker's unacked hash
+    (``QoS.append``), which this rewrites in one pipeline. Does nothing on another
+    transport."""
+    qos = redis_qos(channel)
+    if qos is None or not reroutes:
+        return
+    from kombu.utils.json import dumps
+
+    with channel.conn_or_acquire() as client:
+        pipe = client.pipeline()
+        for message, exchange, routing_key in reroutes:
+            pipe.hset(qos.unacked_key, message.delivery_tag,
+                      dumps([message._raw, exchange, routing_key]))
+        pipe.execute()
+
+
+def settle_unacked(app: Any, settlements: List[Tuple[str, bool]],
+                   landed: Callable[[str], None]) -> None:
+    """Settle messages of a Redis broker's unacked hash by delivery tag through a connection
+    of its own: ``(tag, True)`` puts the message back at the head of its queue (kombu 5.x
+    ``QoS.restore_by_tag``), ``(tag, False)`` removes it (``QoS._remove_from_indices``: an
+    ack). Calls ``landed(tag)`` after each. A tag already gone is skipped. Raises when the
+    broker cannot be reached."""
+    with app.connection_for_read() as connection:
+        connection.ensure_connection(max_retries=1, interval_start=0)
+        qos = connection.default_channel.qos
+        for tag, requeue in settlements:
+            if requeue:
+                qos.restore_by_tag(tag, leftmost=True)
+            else:
+                qos._remove_from_indices(tag).execute()
+            landed(tag)
 
 
 def restore_unacked(app: Any, tags: List[str]) -> None:

@@ -41,6 +41,7 @@ from .parking import ParkingLot
 from .release import Releases
 from .reporting import Reporting
 from .requeue import Requeue
+from .settlements import Settlements
 from .tally import Tally
 from .threads import RETRY_FIRST, RETRY_MAX, LoopCaller
 
@@ -77,6 +78,7 @@ class Gate:
         self.parking = ParkingLot(self)
         self.reporting = Reporting(self)
         self.tally = Tally(self)
+        self.settlements = Settlements(self)
         #: Delivery tags of the pulled requests that waited when the broker connection was
         #: last lost (their count in :meth:`restore_detached`'s log line).
         self.pulled_waiting_at_loss: Set[str] = set()
@@ -169,10 +171,12 @@ class Gate:
             # the parking lot restores these (ParkingLot.reset), maybe after stop() let go
             self.pulled_waiting_at_loss = {w.request.message.delivery_tag
                                            for w in waiters if w.pulled}
-            # and whatever else is unacked on the task channel (a task acknowledged late that
-            # runs, requests Celery holds and forgets on the reconnect): closing the lost
-            # connection would restore them through a detached transport
-            others = celery_internals.detach_consumer_unacked(self.consumer)
+            # and whatever else is unacked on the task channel: requests Celery holds and
+            # forgets on the reconnect go back; tasks that left for the pool (acknowledged
+            # late, or whose ack the broker did not take) are settled as they end
+            # (Settlements): closing the lost connection would restore them all through a
+            # detached transport, and run them twice
+            others = self.settlements.detach(celery_internals.task_channel(self.consumer))
         tags = ([w.request.message.delivery_tag for w in detached]
                 + [m.delivery_tag for m in bells] + others)
         if tags:
@@ -188,10 +192,10 @@ class Gate:
         reset) back in their queue, retrying until the broker answers (or the worker stops:
         then the transport's visibility timeout restores them); then post ``then`` to the
         loop. ``waiting``: how many of them were requests waiting for a slot (None: counted
-        here, for messages pulled from the waiting room; the others had left the gate for
-        the pool, unacknowledged), ``doorbells``: how many were doorbells this worker held.
-        The log lines count each kind, so that they agree with :meth:`stop`'s count of
-        waiting requests."""
+        here, for messages pulled from the waiting room; the others are requests Celery held
+        and had not handed to the pool: those it had stay, :class:`.Settlements`),
+        ``doorbells``: how many were doorbells this worker held. The log lines count each
+        kind, so that they agree with :meth:`stop`'s count of waiting requests."""
         if waiting is None:
             pulled_waiting = self.pulled_waiting_at_loss | {
                 w.request.message.delivery_tag for w in list(self.admission.waiters.values())
@@ -214,7 +218,7 @@ class Gate:
             logger.info("celery-semaphore: %d doorbells held when the broker connection was "
                         "lost are back in their queue", doorbells)
         if len(tags) > waiting + doorbells:
-            logger.info("celery-semaphore: %d tasks that had left the gate for the pool, not "
+            logger.info("celery-semaphore: %d tasks not handed to the pool yet, not "
                         "acknowledged when the broker connection was lost, are back in their "
                         "queue (delivered again)", len(tags) - waiting - doorbells)
         if then is not None:
@@ -227,6 +231,7 @@ class Gate:
         self.releases.release_all()
         self.state = GateState.CLOSED
         self.io.call(self.parking.close)  # after the acks and rejects already on their way
+        self.io.call(self.settlements.final_flush)
         self.io.call(self.tally.flush)
         self.io.stop()
         close_all()  # this process's backends: wake-up listeners, connections, socket files
@@ -234,6 +239,7 @@ class Gate:
     # -- entry -------------------------------------------------------------------------------
 
     def on_task_request(self, request: Any) -> None:
+        self.settlements.watch(getattr(request.message, "channel", None))
         with self.lock:
             self._admit(request)
         self.flush_handoffs()

@@ -46,6 +46,7 @@ from ..waiting_room import (
     PARKED_BY_HEADER,
     PARKED_HEADER,
     ROUTE_HEADER,
+    parking_queue_name,
     semaphore_of,
 )
 
@@ -116,6 +117,21 @@ def from_consumer(request: Any, consumer: Any) -> Optional[bool]:
     return getattr(request.message, "channel", None) is channel
 
 
+def _route_back(request: Any, headers: Dict[str, Any]) -> None:
+    """A message pulled from a parking queue and put back in its task queue (a Redis broker:
+    :meth:`.ParkingLot._reroute`) still says it was delivered from its parking queue: its
+    retries go where it was first routed (``semaphore_route``), as a pulled one's do."""
+    lane = lane_or_none(headers.get(PARKED_HEADER))
+    route: Any = headers.get(ROUTE_HEADER)
+    if lane is None or not _route_ok(route) or not route[1]:
+        return
+    exchange, routing_key = str(route[0]), str(route[1])
+    delivery = getattr(request, "delivery_info", None)
+    if isinstance(delivery, dict) and str(delivery.get("routing_key") or "").endswith(
+            parking_queue_name("", lane)):
+        delivery.update(exchange=exchange, routing_key=routing_key)
+
+
 def check_gate_headers(request: Any, guarded: bool, consumer: Any) -> None:
     """Check (guarded requests) and clean (every request) the gate's headers of a request
     entering the gate; see the module docstring for what each bad value does. Raises
@@ -130,6 +146,7 @@ def check_gate_headers(request: Any, guarded: bool, consumer: Any) -> None:
         requeues_of(request_dict, request)
         first_wait_of(request_dict, request)
         if from_consumer(request, consumer):
+            _route_back(request, headers)
             drop += [key for key in PULLED_MARKS if key in headers or key in request_dict]
         elif PARKED_HEADER in headers:
             if lane_or_none(headers[PARKED_HEADER]) is None:

@@ -434,7 +434,9 @@ class ParkingLot:
                 transport_options={"confirm_publish": True})
             self._declared.clear()
         self._connection.ensure_connection(max_retries=1, interval_start=0)
-        return self._connection.default_channel
+        channel = self._connection.default_channel
+        self.gate.settlements.watch(channel)  # an ack the broker does not take is made again
+        return channel
 
     def _declared_queue(self, lane: str) -> Queue:
         """The lane's parking queue bound to the parking channel, declared once (on Redis
@@ -529,10 +531,32 @@ class ParkingLot:
                     empty = True
                     break
                 messages.append(message)
+            self._reroute(queue.channel, messages)
         except Exception as exc:
             self._lost(exc, f"pulling parked requests of {semaphore_of(lane)!r}")
             messages, empty = [], False  # back in the broker with the connection
         self.gate.loop.post(self._pulled, lane, want, messages, empty, began)
+
+    def _reroute(self, channel: Any, messages: List[Any]) -> None:
+        """On a Redis broker, a pulled message of a task this worker knows goes back to the
+        task queue it was routed to, not to its lane, whoever puts it back (I/O thread): the
+        visibility timeout after this worker is killed, a requeue, the restore after a lost
+        connection. A doorbell does not go with it (its lane's doorbell may have been proven
+        empty and acked meanwhile: in the lane it would wait for a doorbell that never comes);
+        in its task queue every worker that consumes the queue sees it, and the gate admits it
+        or parks it again. (On AMQP the broker puts a message back in its parking queue, and
+        the doorbell held with it, in the same instant.) A task this worker does not know stays
+        routed to its lane, for the workers that know it."""
+        reroutes = []
+        strategies = self.gate.consumer.strategies
+        for message in messages:
+            headers = message.headers or {}
+            route = headers.get(ROUTE_HEADER)
+            if (headers.get("task") in strategies and isinstance(route, (list, tuple))
+                    and len(route) == 2 and all(isinstance(part, str) for part in route)
+                    and route[1]):
+                reroutes.append((message, route[0], route[1]))
+        celery_internals.reroute_unacked(channel, reroutes)
 
     def _settle(self, message: Any, lane: str, ack: bool, log: Any, errors: Any,
                 requeue: bool = False) -> None:
@@ -592,7 +616,7 @@ class ParkingLot:
             self._unsettled.clear()
         if connection is None:
             return
-        tags = celery_internals.detach_all_unacked(connection)
+        tags = self.gate.settlements.detach(celery_internals.parking_channel(connection))
         try:
             connection.close()
         except Exception:
