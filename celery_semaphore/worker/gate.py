@@ -21,7 +21,7 @@ import enum
 import logging
 import threading
 from collections import deque
-from typing import Any, Callable, Deque, List, Optional, Set
+from typing import Any, Callable, Deque, List, Optional
 
 from ..backends import close_all
 from ..backends.base import Backend
@@ -79,9 +79,6 @@ class Gate:
         self.reporting = Reporting(self)
         self.tally = Tally(self)
         self.settlements = Settlements(self)
-        #: Delivery tags of the pulled requests that waited when the broker connection was
-        #: last lost (their count in :meth:`restore_detached`'s log line).
-        self.pulled_waiting_at_loss: Set[str] = set()
         self.original: Callable[[Any], Any] = consumer.on_task_request
         consumer.on_task_request = self.on_task_request
         self._on_connection_lost = consumer.on_connection_error_after_connected
@@ -131,6 +128,11 @@ class Gate:
                             "waiting for a slot; the broker delivers them again", len(waiters))
             for waiter in waiters:
                 self.admission.leave(waiter, How.GIVE_BACK)
+            pulled = sum(1 for waiter in waiters if waiter.pulled)
+            if not connected and pulled:  # given back on the parking connection, which the
+                # lost connection reset (ParkingLot.reset): they land once the broker answers
+                logger.info("celery-semaphore: %d tasks that were waiting when the broker "
+                            "connection was lost go back to their queue", pulled)
             self.parking.let_go_of_bells(reject=connected)
             self.releases.after_flush()
         self.loop.stop()
@@ -168,15 +170,16 @@ class Gate:
             for waiter in detached:
                 waiter.detached = True
             bells = [m for m in self.parking.held_bells() if celery_internals.detach_unacked(m)]
-            # the parking lot restores these (ParkingLot.reset), maybe after stop() let go
-            self.pulled_waiting_at_loss = {w.request.message.delivery_tag
-                                           for w in waiters if w.pulled}
+            # (the pulled ones are given back by the parking lot: ParkingLot.reset)
             # and whatever else is unacked on the task channel: requests Celery holds and
             # forgets on the reconnect go back; tasks that left for the pool (acknowledged
             # late, or whose ack the broker did not take) are settled as they end
             # (Settlements): closing the lost connection would restore them all through a
             # detached transport, and run them twice
-            others = self.settlements.detach(celery_internals.task_channel(self.consumer))
+            handed = celery_internals.handed_to_pool() | {
+                r.message.delivery_tag for r in self.handoffs}  # granted, on their way
+            others = self.settlements.detach(celery_internals.task_channel(self.consumer),
+                                             handed)
         tags = ([w.request.message.delivery_tag for w in detached]
                 + [m.delivery_tag for m in bells] + others)
         if tags:
@@ -186,21 +189,16 @@ class Gate:
         return self._on_connection_lost(exc)
 
     def restore_detached(self, tags: List[str], then: Optional[Callable[[], None]] = None,
-                         retry: float = RETRY_FIRST, waiting: Optional[int] = None,
+                         retry: float = RETRY_FIRST, waiting: int = 0,
                          doorbells: int = 0) -> None:  # I/O
-        """Put messages detached by :meth:`on_connection_lost` (or by the parking lot's
-        reset) back in their queue, retrying until the broker answers (or the worker stops:
-        then the transport's visibility timeout restores them); then post ``then`` to the
-        loop. ``waiting``: how many of them were requests waiting for a slot (None: counted
-        here, for messages pulled from the waiting room; the others are requests Celery held
-        and had not handed to the pool: those it had stay, :class:`.Settlements`),
-        ``doorbells``: how many were doorbells this worker held. The log lines count each
-        kind, so that they agree with :meth:`stop`'s count of waiting requests."""
-        if waiting is None:
-            pulled_waiting = self.pulled_waiting_at_loss | {
-                w.request.message.delivery_tag for w in list(self.admission.waiters.values())
-                if w.pulled}
-            waiting = sum(1 for tag in tags if tag in pulled_waiting)
+        """Put messages detached by :meth:`on_connection_lost` back in their queue, retrying
+        until the broker answers (or the worker stops: then the transport's visibility
+        timeout restores them); then post ``then`` to the loop. ``waiting``: how many of them
+        were requests waiting for a slot, ``doorbells``: how many were doorbells this worker
+        held; the others are requests Celery held and had not handed to the pool (those it
+        had stay: :class:`.Settlements`). The log lines count each kind, so that they agree
+        with :meth:`stop`'s count of waiting requests (the pulled ones are counted by the
+        parking lot, which gives them back)."""
         try:
             celery_internals.restore_unacked(self.app, tags)
         except Exception as exc:

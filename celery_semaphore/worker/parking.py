@@ -66,6 +66,7 @@ from . import celery_internals
 from .core import How
 from .headers import lane_or_none
 from .requeue import publish_copy
+from .settlements import EVERY_MESSAGE, Settle
 from .waiter import Waiter
 
 if TYPE_CHECKING:
@@ -244,7 +245,12 @@ class ParkingLot:
 
     def _drained(self, bell: Bell) -> None:
         """A pull begun late enough found ``bell``'s lane empty: ack the doorbell once no task
-        pulled from the lane is unsettled (else when the last one is: :meth:`_settled`)."""
+        pulled from the lane is unsettled (else when the last one is: :meth:`_settled`). While
+        a message this worker gives back has not reached the broker yet (:class:`.Settlements`
+        after a lost connection), the lane is not proven empty: look again later."""
+        if len(self.gate.settlements):
+            self.gate.io.call(self.gate.loop.post, self._recheck, bell, delay=RECHECK_AFTER)
+            return
         bell.state = BellState.DRAINED
         with self._unsettled_lock:
             if self._unsettled.get(bell.lane):
@@ -452,18 +458,32 @@ class ParkingLot:
         return queue
 
     def _lost(self, exc: BaseException, what: str) -> None:
-        """A call on the parking connection failed (I/O thread): every message pulled on it
-        and not settled goes back to its parking queue (:meth:`reset`), and this worker lets
-        go of those still waiting (:meth:`_let_go_of_pulled`) rather than run them beside
-        their next pull."""
+        """A call on the parking connection failed (I/O thread): the connection is dropped
+        and every message pulled on it and not settled yet is settled by whoever holds it
+        (:meth:`reset`)."""
         logger.warning("celery-semaphore: %s: broker unavailable: %s", what, exc)
         self.reset()
-        self.gate.loop.post(self._let_go_of_pulled)
 
-    def _let_go_of_pulled(self) -> None:  # loop thread
+    def _let_go_of_pulled(self, channel: Any) -> None:  # loop thread
+        """The parking connection of ``channel`` is gone: the requests pulled on it that still
+        wait leave the gate, rather than run beside their next delivery. On a Redis broker
+        each goes back to its queue through :class:`.Settlements` once the broker answers
+        (AMQP requeued them as the connection closed). Then every held lane is pulled again,
+        and proven empty anew before its doorbell goes."""
         admission = self.gate.admission
-        for waiter in [w for w in admission.waiters.values() if w.pulled]:
+        let_go = [w for w in admission.waiters.values()
+                  if w.pulled and getattr(w.request.message, "channel", None) is channel]
+        redis = celery_internals.redis_qos(channel) is not None
+        for waiter in let_go:
             admission.leave(waiter, How.LET_GO)
+            if redis:
+                self.gate.settlements.later(waiter.request.message.delivery_tag,
+                                            Settle.REQUEUE)
+        if let_go:
+            logger.info("celery-semaphore: %d tasks that were waiting when the broker "
+                        "connection was lost go back to their queue%s", len(let_go),
+                        " once the broker answers" if redis else "")
+        self._rearm()
 
     def _park(self, waiter: Waiter, lane: str, queue: Queue) -> None:
         try:
@@ -534,7 +554,11 @@ class ParkingLot:
             self._reroute(queue.channel, messages)
         except Exception as exc:
             self._lost(exc, f"pulling parked requests of {semaphore_of(lane)!r}")
-            messages, empty = [], False  # back in the broker with the connection
+            for message in messages:  # never delivered: back to their queue (Redis; AMQP
+                # requeued them as the connection closed)
+                if celery_internals.redis_qos(message.channel) is not None:
+                    self.gate.settlements.later(message.delivery_tag, Settle.REQUEUE)
+            messages, empty = [], False
         self.gate.loop.post(self._pulled, lane, want, messages, empty, began)
 
     def _reroute(self, channel: Any, messages: List[Any]) -> None:
@@ -605,30 +629,32 @@ class ParkingLot:
             self._settled(lane)
 
     def reset(self) -> None:
-        """The consumer lost its broker connection (I/O thread): every message pulled from
-        the waiting room and not settled yet goes back to its parking queue. On a Redis
-        broker the messages are taken out of the parking channel's unacked set and restored
-        once the broker answers (as the gate does for its own channel); AMQP requeues a
-        closed channel's unacked messages itself. The lanes' doorbells come back with the
-        consumer's channel."""
+        """The parking connection or the consumer's was lost (I/O thread): drop the parking
+        connection. Every message pulled on it and not settled yet is settled by whoever
+        holds it, so that none is put back while its task runs and none is put back twice:
+        the loop lets go of the pulled requests still waiting (:meth:`_let_go_of_pulled`:
+        back to their queue), a task that left for the pool is acked or requeued as Celery
+        settles its request, a pull still on its way to the loop is given back
+        (:meth:`_pulled`), all through :class:`.Settlements` on a Redis broker (kombu would
+        put back every unacked message of the closed channel). On AMQP the broker requeues
+        the closed channel's messages itself. The lanes' doorbells come back with the
+        consumer's channel, or stay held."""
         connection, self._connection = self._connection, None
         with self._unsettled_lock:
             self._unsettled.clear()
         if connection is None:
             return
-        tags = self.gate.settlements.detach(celery_internals.parking_channel(connection))
+        channel = celery_internals.parking_channel(connection)
+        self.gate.settlements.detach(channel, keep=EVERY_MESSAGE)
         try:
             connection.close()
         except Exception:
             pass
-        if tags:
-            self.gate.restore_detached(tags, then=self._rearm)
-        else:  # AMQP: back in their queues as the connection closed
-            self.gate.loop.post(self._rearm)
+        self.gate.loop.post(self._let_go_of_pulled, channel)
 
     def _rearm(self) -> None:
-        """Messages pulled from the held lanes are back in their parking queues (loop
-        thread): pull every held lane again, proving it empty anew before its doorbell goes."""
+        """Messages pulled from the held lanes went back (loop thread): pull every held lane
+        again, proving it empty anew before its doorbell goes."""
         now = time.monotonic()
         for bell in self.bells.values():
             bell.state, bell.rung = BellState.PULLING, now

@@ -33,7 +33,7 @@ from __future__ import annotations
 import enum
 import logging
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set
+from typing import TYPE_CHECKING, Any, Callable, Container, Dict, List, Optional
 
 from . import celery_internals
 from .threads import RETRY_FIRST, RETRY_MAX
@@ -45,6 +45,17 @@ logger = logging.getLogger(__name__)
 
 #: Attribute set on a kombu QoS whose acks and rejects this module watches.
 WATCHED = "_celery_semaphore_watched"
+
+
+class _EveryMessage:
+    """A container of every delivery tag (:meth:`Settlements.detach`: keep them all)."""
+
+    def __contains__(self, tag: object) -> bool:
+        return True
+
+
+#: :meth:`Settlements.detach` keeps every message: each is settled by whoever holds it.
+EVERY_MESSAGE: Container[str] = _EveryMessage()
 
 
 class Settle(enum.Enum):
@@ -95,7 +106,7 @@ class Settlements:
 
         qos.ack, qos.reject = watched_ack, watched_reject
 
-    def detach(self, channel: Any, keep: Optional[Set[str]] = None) -> List[str]:
+    def detach(self, channel: Any, keep: Optional[Container[str]] = None) -> List[str]:
         """``channel``'s connection is lost: forget every message unacked on it (closing it
         must not put them back through a transport that is gone; kombu 5.7 raises there and
         the worker exits). Those whose tag is in ``keep`` (default: the requests that left
@@ -114,7 +125,7 @@ class Settlements:
         if keep is None:
             keep = celery_internals.handed_to_pool()
         kept = [tag for tag in tags if tag in keep]
-        if kept:
+        if kept and keep is not EVERY_MESSAGE:
             logger.info("celery-semaphore: %d tasks that left for the pool stay unacknowledged "
                         "in the broker until they end (not delivered again)", len(kept))
         return [tag for tag in tags if tag not in keep]
