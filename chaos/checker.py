@@ -19,6 +19,8 @@ NS = 1_000_000_000
 #: A run that ended this long before its process (or its worker) was SIGKILLed may not have
 #: been acknowledged: a second completed run of it is an at-least-once redelivery.
 ACK_GRACE_NS = 2 * NS
+#: After a broker outage, how long a worker may still be reconnecting (acknowledging nothing).
+RECONNECT_GRACE_NS = 10 * NS
 #: A start this soon after a shrink may have been granted before it (the grant precedes the
 #: body's start mark by the trip to the pool): the larger limit is in force meanwhile.
 RESIZE_GRACE_NS = 2 * NS
@@ -198,15 +200,23 @@ def over_limit(runs: List[Run], faults: List[Fault], ttl_ns: int,
 def duplicates(runs: List[Run], faults: List[Fault]) -> Tuple[int, List[dict]]:
     """Task ids whose body ran to its end more than once, but for an at-least-once
     redelivery: a completed run followed by another is excused only when the process that ran
-    it, or its worker's main process, was SIGKILLed within ACK_GRACE_NS after its end (its
-    result or its acknowledgement may not have left)."""
+    it, or its worker's main process, was SIGKILLed before its acknowledgement could leave:
+    within ACK_GRACE_NS after its end, or, for a run that ended while the broker was away
+    (a ``broker_restart`` or ``broker_cut`` in progress), within RECONNECT_GRACE_NS after the
+    broker came back (a worker acknowledges nothing while its consumer reconnects: Celery
+    retries the connection 2, 4, 6... s apart, and the completion waits)."""
     kills_by_pid: Dict[int, List[int]] = defaultdict(list)
     kills_by_node: Dict[str, List[int]] = defaultdict(list)
+    outages = [(f.start, f.end) for f in faults if f.kind in ("broker_restart", "broker_cut")]
     for fault in faults:
         for pid in fault.killed:
             kills_by_pid[pid].append(fault.start)
         if fault.killed and fault.node and fault.kind == "worker_kill":
             kills_by_node[fault.node].append(fault.start)
+
+    def grace_until(end: int) -> int:
+        during = [b for a, b in outages if a <= end <= b]
+        return max([end + ACK_GRACE_NS] + [b + RECONNECT_GRACE_NS for b in during])
     done: Dict[str, List[Run]] = defaultdict(list)
     for run in runs:
         if run.end is not None:
@@ -218,7 +228,7 @@ def duplicates(runs: List[Run], faults: List[Fault]) -> Tuple[int, List[dict]]:
             continue
         completed.sort(key=lambda r: r.start)
         excused = all(
-            any(r.end <= k <= r.end + ACK_GRACE_NS  # type: ignore[operator]
+            any(r.end <= k <= grace_until(r.end)  # type: ignore[operator,arg-type]
                 for k in kills_by_pid.get(r.pid, []) + kills_by_node.get(r.node, []))
             for r in completed[:-1])
         if not excused:
