@@ -239,6 +239,10 @@ class ParkOnSend:
                    ROUTE_HEADER: list(self._exchange_and_routing_key(destination))}
         for key in _ROUTING:
             options.pop(key, None)
+        # the doorbell first: a send whose doorbell the broker does not take raises here, with
+        # nothing parked (parked first, the task would wait for the next send's doorbell); a
+        # worker that takes the doorbell before the task lands looks again RECHECK_AFTER later
+        self._ring(lane, destination, options)
         token = parking_now.set(lane)
         try:
             if self.driver_type() == "amqp":
@@ -249,7 +253,6 @@ class ParkOnSend:
                                             headers=headers, **options)
         finally:
             parking_now.reset(token)
-        self._ring(lane, destination, options)
         return result
 
     def _publish_confirmed(self, name: str, args: Any, kwargs: Any, queue: Queue,
@@ -401,27 +404,25 @@ class ParkOnSend:
                           or self.app.conf.task_default_routing_key)
 
     def _ring(self, lane: str, destination: Dict[str, Any], options: Dict[str, Any]) -> None:
-        """Send the doorbell for ``lane`` to ``destination``, at most once every
-        :data:`DOORBELL_EVERY`."""
+        """Send the doorbell for ``lane`` to ``destination``, unless one went less than
+        :data:`DOORBELL_EVERY` ago (a worker that took it pulls the lane again
+        :data:`.parking.RECHECK_AFTER` later). Raises what the broker raised: the caller parks
+        nothing then. A throttled send counts on a doorbell that was sent, never on one still
+        on its way (two sends at once may both ring)."""
         queue = destination.get("queue")
         key = (lane, getattr(queue, "name", None) or str(destination.get("routing_key")))
         now = time.monotonic()
         with self._lock:
             if now - self._rung.get(key, -DOORBELL_EVERY) < DOORBELL_EVERY:
                 return
+        routing = {k: v for k, v in destination.items() if k in _ROUTING}
+        ring(self.app, lane, routing, producer=options.get("producer"),
+             connection=options.get("connection"))
+        with self._lock:
             self._rung[key] = now
             if len(self._rung) > 10_000:  # template names: forget the old ones
                 self._rung = {k: t for k, t in self._rung.items()
                               if now - t < DOORBELL_EVERY}
-        routing = {k: v for k, v in destination.items() if k in _ROUTING}
-        try:
-            ring(self.app, lane, routing, producer=options.get("producer"),
-                 connection=options.get("connection"))
-        except Exception as exc:  # the task is parked: the next send of it rings again
-            with self._lock:
-                self._rung.pop(key, None)
-            logger.warning("celery-semaphore: the doorbell for %r was not sent (its parked "
-                           "tasks wait for the next one): %s", semaphore_of(lane), exc)
 
 
 def ring(app: Any, lane: str, routing: Dict[str, Any], producer: Any = None,

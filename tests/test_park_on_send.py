@@ -112,6 +112,34 @@ def test_a_guarded_send_is_parked_and_rings_the_doorbell_in_its_queue(broker):
     assert properties["delivery_mode"] == 2  # persistent: found by a worker started later
 
 
+def test_a_send_whose_doorbell_the_broker_refuses_raises_and_parks_nothing(broker,
+                                                                           monkeypatch):
+    """The doorbell goes first: when the broker does not take it, ``apply_async`` raises and
+    nothing is parked (parked first, the task waited for a later send's doorbell: #27's
+    chaos run); the next send rings again."""
+    from kombu.exceptions import OperationalError
+
+    from celery_semaphore import waiting_room
+
+    url, client, tag = broker
+    app = make_app(url, tag)
+    real_ring = waiting_room.ring
+
+    def refused(*args, **kwargs):
+        raise OperationalError("the broker went away")
+
+    monkeypatch.setattr(waiting_room, "ring", refused)
+    with pytest.raises(OperationalError):
+        app.tasks["t.guarded"].delay("a")
+    assert client.llen(lane(tag, "images")) == 0 and client.llen(f"{tag}.q") == 0
+    monkeypatch.setattr(waiting_room, "ring", real_ring)
+    result = app.tasks["t.guarded"].delay("b")  # not throttled by the refused doorbell
+    ((_, headers, _),) = messages(client, lane(tag, "images"))
+    assert headers["id"] == result.id
+    ((name, _, _),) = messages(client, f"{tag}.q")
+    assert name == DOORBELL_TASK
+
+
 def test_template_names_park_per_concrete_name_and_routes_follow_the_send(broker):
     url, client, tag = broker
     app = make_app(url, tag)
