@@ -8,7 +8,9 @@ the workers (and only they) reach them; three real ``celery worker`` processes (
 ``-c 3``, one ``threads -c 3``) running :mod:`chaos.app` with ``task_acks_late`` and
 ``task_reject_on_worker_lost`` (at-least-once) and a 5 s lease TTL; a sender publishing a
 steady mix of guarded tasks (a plain semaphore, a template over 20 keys, a task under two
-semaphores, a fair semaphore) at ``CHAOS_RATE`` (8) a second; and a nemesis that, after a
+semaphores, a fair semaphore, a semaphore of 4 units taken by ``semaphore_cost`` 1 or 2 with a
+``semaphore_priority`` header on one call in four, and one with a ``semaphore_rate`` of 4/s)
+at ``CHAOS_RATE`` (8) a second; and a nemesis that, after a
 random pause of 1.5-5 s, injects one fault at a time, drawn from ``CHAOS_FAULTS`` (default:
 every fault the backend allows):
 
@@ -55,8 +57,8 @@ and returned), and at the very end the backend's ``status`` of every semaphore. 
               process) was SIGKILLed by the nemesis within 2 s after that run's end mark: then
               its result or its acknowledgement may never have left, which is Celery's
               documented at-least-once delivery with ``acks_late``.
-``over_limit`` moments when the probe saw more bodies of one semaphore running at once than its
-              limit in force: each body start that took the count above it. The limit in force
+``over_limit`` moments when the probe saw the bodies of one semaphore running at once hold more
+              units than its limit in force (a body with a cost holds that many, others one): each body start that took the count above it. The limit in force
               is the declared one, changed by each resize from its call on; while the resize
               call is on its way and for 2 s after it returned, the larger of the old and new
               limit (a body starting then may have been granted before the shrink). A body with

@@ -26,7 +26,10 @@ import celery_semaphore
 PLAIN = "chaos-plain"
 MULTI = "chaos-m"
 FAIR = "chaos-f"
-LIMITS: Dict[str, int] = {PLAIN: 2, MULTI: 2, FAIR: 2}
+WEIGHTED = "chaos-w"  # semaphore_cost 1 or 2 of 4 units, some calls with a priority
+RATED = "chaos-r"  # semaphore_rate and a limit
+RATE = "4/s"
+LIMITS: Dict[str, int] = {PLAIN: 2, MULTI: 2, FAIR: 2, WEIGHTED: 4, RATED: 2}
 KEYED_LIMIT = 1  # "chaos-k:{k}"
 TENANT_LIMIT = 1  # "chaos-m:{tenant}"
 KEYS = 20  # keys of the keyed template
@@ -56,11 +59,16 @@ def semaphores_of(task: str, args: List) -> List[str]:
         return [MULTI, f"{MULTI}:{args[0]}"]
     if task == "fair":
         return [FAIR]
+    if task == "weighted":
+        return [f"{WEIGHTED}*{args[0]}"]
+    if task == "rated":
+        return [RATED]
     raise KeyError(task)
 
 
+
 def all_names() -> List[str]:
-    return ([PLAIN, MULTI, FAIR] + [f"chaos-k:{k}" for k in range(KEYS)]
+    return ([PLAIN, MULTI, FAIR, WEIGHTED, RATED] + [f"chaos-k:{k}" for k in range(KEYS)]
             + [f"{MULTI}:{t}" for t in TENANTS])
 
 
@@ -128,6 +136,16 @@ def create_app(env: Mapping[str, str]) -> Celery:
               semaphore_fair_by="{tenant}")
     def fair(self, tenant: str, hold: float) -> None:
         body(self, [FAIR], hold)
+
+    @app.task(name="chaos.weighted", bind=True, shared=False, semaphore=WEIGHTED,
+              limit=LIMITS[WEIGHTED], semaphore_cost="{cost}")
+    def weighted(self, cost: int, hold: float) -> None:
+        body(self, [f"{WEIGHTED}*{cost}"], hold)
+
+    @app.task(name="chaos.rated", bind=True, shared=False, semaphore=RATED,
+              limit=LIMITS[RATED], semaphore_rate=RATE)
+    def rated(self, hold: float) -> None:
+        body(self, [RATED], hold)
 
     return app
 

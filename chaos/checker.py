@@ -26,6 +26,13 @@ RECONNECT_GRACE_NS = 10 * NS
 RESIZE_GRACE_NS = 2 * NS
 
 
+def units_of(marked: str) -> Tuple[str, int]:
+    """(semaphore, units) of a name as the probe marks it: ``name*k`` holds k units (a
+    ``semaphore_cost``), a plain name one."""
+    name, _, units = marked.partition("*")
+    return name, int(units) if units else 1
+
+
 @dataclass
 class Run:
     """One execution of a task body, as the probe saw it."""
@@ -156,14 +163,18 @@ def _frozen(faults: List[Fault], ttl_ns: int) -> Dict[int, List[Tuple[int, int]]
 def over_limit(runs: List[Run], faults: List[Fault], ttl_ns: int,
                declared: Callable[[str], int]) -> Tuple[int, int, List[dict]]:
     """(moments over the limit, those outside every documented window, their details). A
-    moment is a body's start that made more bodies of one semaphore run at once than its limit
-    in force (concurrency only rises at a start). Documented: the start falls in a fault's
+    moment is a body's start that made the bodies of one semaphore running at once hold more
+    units than its limit in force (a body marked ``name*k`` holds k units, one otherwise;
+    concurrency only rises at a start). Documented: the start falls in a fault's
     documented window, or one of the bodies running then was paused (its process SIGSTOPped)
     past the lease TTL: the README's "paused holder" that no backend can stop."""
     by_name: Dict[str, List[Run]] = defaultdict(list)
+    units: Dict[str, List[int]] = defaultdict(list)
     for run in runs:
-        for name in run.names:
+        for marked in run.names:
+            name, k = units_of(marked)
             by_name[name].append(run)
+            units[name].append(k)
     windows = _windows(faults)
     frozen = _frozen(faults, ttl_ns)
     total = outside = 0
@@ -178,7 +189,7 @@ def over_limit(runs: List[Run], faults: List[Fault], ttl_ns: int,
                 continue
             running.add(i)
             limit = limit_at(name, t, declared(name), faults)
-            if len(running) <= limit:
+            if sum(units[name][j] for j in running) <= limit:
                 continue
             total += 1
             why = next((kind for a, b, kind in windows if a <= t <= b), None)
@@ -191,7 +202,8 @@ def over_limit(runs: List[Run], faults: List[Fault], ttl_ns: int,
             if why is None:
                 outside += 1
             if len(seen) < 50:
-                seen.append({"semaphore": name, "at_ns": t, "running": len(running),
+                seen.append({"semaphore": name, "at_ns": t,
+                             "running": sum(units[name][j] for j in running),
                              "limit": limit, "documented": why,
                              "tasks": sorted(named[j].task_id for j in running)})
     return total, outside, seen
@@ -279,8 +291,8 @@ def check(*, seconds: float, sends: Dict[str, int], probe_lines: Iterable[str],
     running_at_end: Dict[str, int] = defaultdict(int)
     for run in runs:
         if run.end is None and run.cut_at == horizon:
-            for name in run.names:
-                running_at_end[name] += 1
+            for marked in run.names:
+                running_at_end[units_of(marked)[0]] += 1
     stuck = sum(max(0, held - running_at_end.get(name, 0))
                 for name, held in held_at_end.items())
     worst, per_fault = recovery(runs, sends, faults, horizon)

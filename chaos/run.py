@@ -6,6 +6,7 @@ See the package docstring (:mod:`chaos`) for what it does and what its figures m
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import random
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 from chaos import app as chaos_app
-from chaos.checker import NS, Fault, Report, check
+from chaos.checker import NS, Fault, Report, check, parse_probe
 from chaos.proxy import Proxy
 from tests.util import retrying
 
@@ -275,10 +276,16 @@ class Chaos:
 
     def send_one(self) -> None:
         rng = self.send_rng
-        kind = rng.choices(("plain", "keyed", "multi", "fair"), (25, 30, 25, 20))[0]
+        kind = rng.choices(("plain", "keyed", "multi", "fair", "weighted", "rated"),
+                           (20, 25, 20, 15, 12, 8))[0]
         hold = round(rng.uniform(0.05, 0.75), 3)
-        if kind == "plain":
+        options: Dict[str, object] = {}
+        if kind in ("plain", "rated"):
             args: list = [hold]
+        elif kind == "weighted":  # a cost of 1 or 2 units; one call in four with a priority
+            args = [rng.choice((1, 2)), hold]
+            if rng.random() < 0.25:
+                options["headers"] = {"semaphore_priority": 5}
         elif kind == "keyed":
             args = [rng.randrange(chaos_app.KEYS), hold]
         elif kind == "multi":
@@ -287,7 +294,7 @@ class Chaos:
             args = [rng.choices(("t0", "t1", "t2"), (6, 3, 1))[0], hold]
         task_id = str(uuid.uuid4())
         try:
-            self.app.tasks[f"chaos.{kind}"].apply_async(args, task_id=task_id)
+            self.app.tasks[f"chaos.{kind}"].apply_async(args, task_id=task_id, **options)
         except Exception as exc:  # the caller was told: not sent, not counted
             self.send_failures += 1
             self._send_log.write(f"failed {task_id} {time.monotonic_ns()} {kind} "
@@ -530,6 +537,12 @@ class Chaos:
                            faults=self.faults, ttl=s.lease_ttl, declared=chaos_app.limit_of,
                            held_at_end=held, horizon=horizon)
         report.details["send_failures"] = self.send_failures
+        with open(self.probe_path) as probe:
+            starts = sorted(r.start for r in parse_probe(probe) if chaos_app.RATED in r.names)
+        # semaphore_rate: the most starts of the rated semaphore in any second (information:
+        # a backend wiped empty forgets when the next start is due)
+        report.details["rated_max_starts_in_1s"] = max(
+            (bisect.bisect_left(starts, t + NS) - i for i, t in enumerate(starts)), default=0)
         report.details["lost_where"] = self.where(report.details.get("lost_tasks") or [])
         report.details["unexpected_worker_exits"] = self.unexpected_exits
         report.details["worker_log_errors"] = self.log_errors()

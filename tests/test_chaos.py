@@ -30,12 +30,12 @@ def body(task, start, end, **kw):
                                                   if end is not None else [])
 
 
-def run_check(lines, sends=None, faults=(), held=None, horizon=100.0):
+def run_check(lines, sends=None, faults=(), held=None, horizon=100.0, declared=None):
     if sends is None:
         sends = {ln.split()[1]: 0 for ln in lines}
     ordered = sorted(lines, key=lambda x: int(x.split()[2]))
     return check(seconds=60, sends=sends, probe_lines=ordered,
-                 faults=list(faults), ttl=5.0, declared=LIMITS.__getitem__,
+                 faults=list(faults), ttl=5.0, declared=declared or LIMITS.__getitem__,
                  held_at_end=held or {}, horizon=int(horizon * NS))
 
 
@@ -107,6 +107,21 @@ def test_two_completed_runs_are_a_duplicate_unless_the_first_ones_process_was_ki
     assert run_check(lines, faults=[killed_after]).duplicates == 0
     killed_later = Fault("worker_kill", int(9 * NS), int(10 * NS), node="w0-1@h", killed=[1])
     assert run_check(lines, faults=[killed_later]).duplicates == 1
+
+
+def test_bodies_with_a_cost_count_their_units_against_the_limit():
+    """``name*k`` marks a body holding k units (``semaphore_cost``): two bodies of 2 units
+    each fill a limit of 4, a third of 1 unit is over it."""
+    def weighted(task, start, end, cost, pid):
+        return [f"start {task} {int(start * NS)} 0 {pid} 1 w0-1@h chaos-w*{cost}",
+                f"end {task} {int(end * NS)} 0 {pid} 1 w0-1@h chaos-w*{cost}"]
+
+    full = weighted("a", 1, 5, 2, 1) + weighted("b", 2, 5, 2, 2)
+    assert run_check(full, declared=lambda name: 4).over_limit == 0
+    over = full + weighted("c", 3, 4, 1, 3)
+    report = run_check(over, declared=lambda name: 4)
+    assert report.over_limit == 1 and report.over_limit_outside_documented_windows == 1
+    assert report.details["over_limit_moments"][0]["running"] == 5
 
 
 def test_a_run_that_ended_while_the_broker_was_away_is_excused_until_the_worker_reconnects():
