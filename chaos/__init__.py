@@ -54,12 +54,15 @@ and returned), and at the very end the backend's ``status`` of every semaphore. 
               documented at-least-once redelivery. A body killed mid-run and run again is
               at-least-once (it completed once). Two completed runs are a duplicate, unless
               the process that ran the earlier one (its pool process, or its worker's main
-              process) was SIGKILLed by the nemesis within 2 s after that run's end mark: then
-              its result or its acknowledgement may never have left, which is Celery's
-              documented at-least-once delivery with ``acks_late``.
-``over_limit`` moments when the probe saw the bodies of one semaphore running at once hold more
-              units than its limit in force (a body with a cost holds that many, others one): each body start that took the count above it. The limit in force
-              is the declared one, changed by each resize from its call on; while the resize
+              process) was SIGKILLed by the nemesis within 2 s after that run's end mark, or,
+              for a run that ended during a broker outage, within 10 s after the broker came
+              back (a reconnecting consumer acknowledges nothing): then its result or its
+              acknowledgement may never have left, which is Celery's documented
+              at-least-once delivery with ``acks_late``.
+``over_limit`` moments when the probe saw the bodies of one semaphore running at once hold
+              more units than its limit in force (a body with a cost holds that many,
+              others one): each body start that took the count above it. The limit in
+              force is the declared one, changed by each resize from its call on; while the resize
               call is on its way and for 2 s after it returned, the larger of the old and new
               limit (a body starting then may have been granted before the shrink). A body with
               no end mark ran until its process was killed, else until the next start in its

@@ -466,8 +466,11 @@ class Backend(abc.ABC):
         rate_due: Optional[float] = getattr(attempt, "rate_due", None)
         if rate_due is not None:
             # Held back by the rate alone: nothing but time frees it, so the next try is
-            # when the start is due (a wake-up cannot come earlier), not the poll interval.
-            return min(rate_due + 0.001, self.waiter_ttl / 3)
+            # when the start is due (a wake-up cannot come earlier), not the poll interval;
+            # 0.2 ms after it: a try that reaches the backend early is told to wait again (a
+            # round trip lost), and with a burst of 1 each late start delays every later one
+            # by as much (a 1 ms margin cost W7 5 % of its rate, 0.2 ms about 1 %).
+            return min(rate_due + 0.0002, self.waiter_ttl / 3)
         if attempt.retry_after is not None:
             pause = min(pause, attempt.retry_after + 0.001)
         return pause
