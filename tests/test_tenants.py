@@ -200,3 +200,39 @@ def test_an_undecodable_parked_entry_is_dropped_alone(redis_url, tmp_path):
     finally:
         client.close()
         cluster.stop()
+
+
+def test_rabbitmq_parking_queues_go_once_their_backlog_has_drained(redis_url, amqp_url,
+                                                                   tmp_path):
+    """A burst over many keys that each have a backlog (limit 1 per key, each key's slot
+    held and a waiter queued, so its sends are parked) on a RabbitMQ broker: every task runs
+    once, never two of a key at once, and once the backlog has drained the broker holds no
+    parking queue (nor any holders queue) of the run: each is deleted by the worker that
+    proved it empty (before: one durable queue per key for 7 days)."""
+    keys = 8
+    cluster = Cluster(str(tmp_path), redis_url, amqp_url, redis_url, workers=2, concurrency=2,
+                      names="lanes")
+    prefix = cluster.env["CS_KEY_PREFIX"]
+    blockers = [Semaphore(f"api:c{k}", 1, redis_url, key_prefix=prefix, ttl=60)
+                for k in range(keys)]
+    leases = [b.acquire(timeout=10) for b in blockers]
+    try:
+        waiting = [_waiting_elsewhere(cluster, f"api:c{k}", 1) for k in range(keys)]
+        keyed = cluster.task("per_customer")
+        results = [keyed.delay(f"c{k}", f"c{k}-{i}") for i in range(4) for k in range(keys)]
+        parked = [n for n in servers._broker_names("queues") if n.startswith(f"{prefix}park.")]
+        assert len(parked) == keys, parked
+        for lease in leases:
+            lease.release()
+        for thread in waiting:
+            thread.join(30)
+        assert sorted(r.get(timeout=120) for r in results) == sorted(
+            f"c{k}-{i}" for i in range(4) for k in range(keys))
+        for k in range(keys):
+            assert cluster.probe.max_concurrent(f"customer-c{k}:") <= 1
+        assert wait_until(lambda: not [n for n in servers._broker_names("queues")
+                                       if n.startswith((f"{prefix}park.", f"{prefix}holders."))],
+                          timeout=60, interval=1.0), [
+            n for n in servers._broker_names("queues") if n.startswith(prefix)]
+    finally:
+        cluster.stop()

@@ -65,6 +65,7 @@ from ..waiting_room import (
 from . import celery_internals
 from .core import How
 from .headers import lane_or_none
+from .lane_guards import SETTLE, LaneBusy, LaneGuards
 from .requeue import publish_copy
 from .settlements import EVERY_MESSAGE, Settle
 from .waiter import Waiter
@@ -86,6 +87,8 @@ MAX_TRACKED = 100_000
 PULL_BATCH = 16
 #: Seconds a lane whose tasks this worker does not know is left to the other workers.
 REFUSE_FOR = 30.0
+#: Seconds before a lane another worker is deleting (AMQP) is pulled again.
+BUSY_RETRY = 1.0
 
 
 class BellState(enum.Enum):
@@ -140,6 +143,9 @@ class ParkingLot:
         # I/O thread
         self._connection: Any = None
         self._declared: Set[str] = set()
+        #: AMQP: the lanes this worker holds messages of, as the broker sees it
+        self.guards = LaneGuards(gate.settings.key_prefix)
+        self._is_amqp: Optional[bool] = None
         self._producer_of: Optional[Tuple[Any, Producer]] = None
         self._returned: List[Any] = []
         # lane -> pulled messages not acked or rejected yet (loop and I/O threads)
@@ -271,6 +277,15 @@ class ParkingLot:
         if ack:
             bell.message.ack_log_error(logger, self.gate.consumer.connection_errors)
             self.gate.consumer.qos.decrement_eventually()
+            if self._amqp():  # proven empty: its parking queue goes
+                self.gate.io.call(self._delete_lane, bell.lane)
+
+    def _amqp(self) -> bool:
+        """Whether the broker is RabbitMQ (AMQP), whose parking queues are real queues."""
+        if self._is_amqp is None:
+            with self.gate.app.connection_for_write() as connection:  # not connected
+                self._is_amqp = connection.transport.driver_type == "amqp"
+        return self._is_amqp
 
     def held_bells(self) -> List[Any]:
         """The doorbell messages this worker holds."""
@@ -360,7 +375,7 @@ class ParkingLot:
         bell = self.bells.get(lane)
         if not self.gate.open:  # the consumer stopped meanwhile: they wait for another pull
             for message in messages:
-                self.gate.io.call(self._reject, message)
+                self.gate.io.call(self._reject, message, lane, False)
             return
         if messages:
             self.pulled_total[semaphore_of(lane)] += len(messages)
@@ -369,6 +384,8 @@ class ParkingLot:
                 self.gate.tally.add(semaphore_of(lane), "parked_send", sent)
         for message in messages:
             self._deliver(message, lane)
+        if not messages:  # nothing held of it now, perhaps (AMQP: stop holding the lane)
+            self.gate.io.call(self._release_if_idle, lane)
         if bell is None:
             return
         if empty and not messages and bell.state is BellState.PULLING:
@@ -401,10 +418,8 @@ class ParkingLot:
                 bell.rerung = 0.0
                 self._ring_again(bell)
                 self.gate.io.call(self.gate.loop.post, self._recheck, bell, delay=REFUSE_FOR)
-            self.gate.io.call(self._reject, message)
+            self.gate.io.call(self._reject, message, lane, False)
             return
-        with self._unsettled_lock:
-            self._unsettled[lane] += 1
         try:
             strategy(message, None,
                      promise(self.gate.io.call, (self._settle, message, lane, True)),
@@ -537,7 +552,12 @@ class ParkingLot:
         messages: List[Any] = []
         empty = False
         try:
-            queue = self._declared_queue(lane)
+            try:
+                queue = self._pulling_queue(lane)
+            except LaneBusy:  # another worker deletes it (it was empty): look again soon
+                self.gate.loop.post(self._pulled, lane, want, [], False, began)
+                self.gate.io.call(self.gate.loop.post, self.refill, lane, delay=BUSY_RETRY)
+                return
             while len(messages) < want:
                 try:
                     message = queue.get(no_ack=False)
@@ -551,6 +571,8 @@ class ParkingLot:
                     empty = True
                     break
                 messages.append(message)
+                with self._unsettled_lock:  # unsettled from now on, whoever settles it
+                    self._unsettled[lane] += 1
             self._reroute(queue.channel, messages)
         except Exception as exc:
             self._lost(exc, f"pulling parked requests of {semaphore_of(lane)!r}")
@@ -560,6 +582,58 @@ class ParkingLot:
                     self.gate.settlements.later(message.delivery_tag, Settle.REQUEUE)
             messages, empty = [], False
         self.gate.loop.post(self._pulled, lane, want, messages, empty, began)
+
+    def _pulling_queue(self, lane: str) -> Queue:
+        """The lane's parking queue, bound to the channel to pull it on: on AMQP a channel of
+        its own that holds the lane while any message pulled from it is unsettled
+        (:class:`.LaneGuards`: so that an empty lane can be deleted safely); on Redis the
+        parking channel."""
+        if self._connection_driver() != "amqp":
+            return self._declared_queue(lane)
+        channel = self.guards.channel(self._connection, lane, self._queue(lane))
+        return self._queue(lane)(channel)
+
+    def _connection_driver(self) -> str:
+        self._channel()  # connected
+        return str(self._connection.transport.driver_type)
+
+    def _release_if_idle(self, lane: str) -> None:
+        """Stop holding ``lane`` (AMQP) once no message pulled from it is unsettled (I/O)."""
+        if not self.guards.holds(lane):
+            return
+        with self._unsettled_lock:
+            if self._unsettled.get(lane):
+                return
+        self.guards.release(lane)
+
+    def _delete_lane(self, lane: str) -> None:
+        """This worker proved ``lane`` empty and let go of its doorbell (AMQP, I/O thread):
+        delete its parking queue unless someone holds the lane or a message is in it
+        (:class:`.LaneGuards`)."""
+        with self._unsettled_lock:
+            if self._unsettled.get(lane):  # pulled again meanwhile
+                return
+        try:
+            self._channel()
+            locked = self.guards.lock(self._connection, lane)
+        except Exception as exc:  # the lane stays; its x-expires is the backstop
+            logger.debug("celery-semaphore: not deleting the lane of %r: %s",
+                         semaphore_of(lane), exc)
+            return
+        if locked is not None:
+            self.gate.io.call(self._delete_locked, lane, locked, self._connection, delay=SETTLE)
+
+    def _delete_locked(self, lane: str, channel: Any, connection: Any) -> None:
+        if connection is not self._connection:  # reset meanwhile: the lock went with it
+            return
+        queue = self._queue(lane)
+        try:
+            if self.guards.delete(channel, queue):
+                self._declared.discard(queue.name)
+                logger.debug("celery-semaphore: deleted the empty parking queue %s",
+                             queue.name)
+        except Exception as exc:
+            logger.debug("celery-semaphore: deleting %s failed: %s", queue.name, exc)
 
     def _reroute(self, channel: Any, messages: List[Any]) -> None:
         """On a Redis broker, a pulled message of a task this worker knows goes back to the
@@ -607,6 +681,7 @@ class ParkingLot:
             if self._unsettled[lane] > 0:
                 return
             del self._unsettled[lane]
+        self.gate.io.call(self._release_if_idle, lane)
         self.gate.loop.post(self._last_settled, lane)
 
     def _last_settled(self, lane: str) -> None:
@@ -618,14 +693,17 @@ class ParkingLot:
         else:
             self.refill(lane)
 
-    def _reject(self, message: Any, lane: Optional[str] = None) -> None:
+    def _reject(self, message: Any, lane: Optional[str] = None, rearm: bool = True) -> None:
+        """Give back a pulled message (I/O thread); ``rearm``: its lane must be proven empty
+        anew (:meth:`_back_in_lane`)."""
         try:
             message.reject(requeue=True)
         except Exception as exc:  # a closed channel's messages go back all the same
             logger.debug("celery-semaphore: giving back pulled %s failed: %s",
                          message.delivery_tag, exc)
         if lane is not None:
-            self.gate.loop.post(self._back_in_lane, lane)
+            if rearm:
+                self.gate.loop.post(self._back_in_lane, lane)
             self._settled(lane)
 
     def reset(self) -> None:
@@ -640,6 +718,7 @@ class ParkingLot:
         the closed channel's messages itself. The lanes' doorbells come back with the
         consumer's channel, or stay held."""
         connection, self._connection = self._connection, None
+        self.guards.forget_all()
         with self._unsettled_lock:
             self._unsettled.clear()
         if connection is None:
@@ -662,6 +741,7 @@ class ParkingLot:
 
     def close(self) -> None:  # I/O thread, at shutdown, after the last ack
         connection, self._connection = self._connection, None
+        self.guards.forget_all()
         if connection is not None:
             try:
                 connection.close()
