@@ -89,6 +89,8 @@ PULL_BATCH = 16
 REFUSE_FOR = 30.0
 #: Seconds before a lane another worker is deleting (AMQP) is pulled again.
 BUSY_RETRY = 1.0
+#: Seconds after a lane was proven empty before its parking queue is deleted (AMQP).
+DELETE_AFTER = 2.0
 
 
 class BellState(enum.Enum):
@@ -277,8 +279,9 @@ class ParkingLot:
         if ack:
             bell.message.ack_log_error(logger, self.gate.consumer.connection_errors)
             self.gate.consumer.qos.decrement_eventually()
-            if self._amqp():  # proven empty: its parking queue goes
-                self.gate.io.call(self._delete_lane, bell.lane)
+            if self._amqp():  # proven empty: its parking queue goes, a little later (not
+                # in the way of the releases that end a drain, nor of a lane that refills)
+                self.gate.io.call(self._delete_lane, bell.lane, delay=DELETE_AFTER)
 
     def _amqp(self) -> bool:
         """Whether the broker is RabbitMQ (AMQP), whose parking queues are real queues."""
@@ -611,7 +614,7 @@ class ParkingLot:
         delete its parking queue unless someone holds the lane or a message is in it
         (:class:`.LaneGuards`)."""
         with self._unsettled_lock:
-            if self._unsettled.get(lane):  # pulled again meanwhile
+            if self._unsettled.get(lane) or self.guards.holds(lane):  # pulled again meanwhile
                 return
         try:
             self._channel()
