@@ -206,10 +206,13 @@ def forget_unacked(qos: Any) -> List[str]:
 
 
 def handed_to_pool() -> Set[str]:
-    """Delivery tags of the requests that left for the pool: Celery's active requests, the
-    reserved ones it handed a pool job (celery 5.x ``Request._apply_result``), and those it
-    acknowledged (celery.worker.state; read on the consumer's thread, or copied again if
-    another thread changed a set meanwhile)."""
+    """Delivery tags of the requests whose task runs, ran, or will run without a new delivery
+    (celery.worker.state; read on the consumer's thread, or copied again if another thread
+    changed a set meanwhile): Celery's active requests, those it acknowledged, and those whose
+    pool job a child has accepted (celery 5.x ``ApplyResult._accepted``; a job of a pool that
+    does not fork, which has no such flag, runs once handed). A prefork job no child has
+    accepted is not among them: the pool's flush on a broker reconnect drops it, counting on
+    the broker to deliver its message again (``AsynPool.flush``)."""
     from celery.worker import state
 
     for _ in range(10):
@@ -223,8 +226,9 @@ def handed_to_pool() -> Set[str]:
         return set()
     handed = set()
     for request in requests:
-        if (request in active or getattr(request, "_apply_result", None) is not None
-                or getattr(request, "acknowledged", False)):
+        job = pool_job(request)
+        if (request in active or getattr(request, "acknowledged", False)
+                or (job is not None and getattr(job, "_accepted", True))):
             tag = getattr(getattr(request, "message", None), "delivery_tag", None)
             if tag is not None:
                 handed.add(tag)
