@@ -180,7 +180,10 @@ def all_ran_once_quietly(cluster, worker, results, key):
     assert worker.proc.poll() is None, worker.output()[-3000:]
     output = worker.output()
     assert "Couldn't reject" not in output and "CRITICAL" not in output, output[-3000:]
-    assert output.count("closed with 5 tasks waiting for a slot") == 1
+    # said once; the waiting requests it pulled from the waiting room may have been let go
+    # just before, by the parking connection that found the broker gone first (counted by
+    # waiting_back all the same)
+    assert len(re.findall(r"closed with \d+ tasks waiting for a slot", output)) == 1
     assert cluster.probe.max_concurrent(f"slow:{key}") == 1
     assert all(n == 1 for k, n in cluster.probe.completed(f"slow:{key}").items()
                if k != f"slow:{key}0")
@@ -235,7 +238,8 @@ def test_a_redis_broker_outage_does_not_run_a_running_task_again(redis_url, tmp_
         assert cluster.probe.completed("slow:a") == {f"slow:a{i}": 1 for i in range(6)}
         assert cluster.probe.max_concurrent("slow:a") == 1
         output = worker.output()
-        assert output.count("closed with 5 tasks waiting for a slot") == 1, output[-3000:]
+        assert len(re.findall(r"closed with \d+ tasks waiting for a slot", output)) == 1, (
+            output[-3000:])
         assert waiting_back(output) == 5
         assert "1 tasks that left for the pool stay unacknowledged" in output, output[-3000:]
         assert "delivered again" not in output.replace("(not delivered again)", "")

@@ -137,6 +137,7 @@ class ParkingLot:
         self.pulling: Dict[str, int] = {}  # lane -> gets on their way
         self.parking: Dict[str, int] = {}  # lane -> copies being published
         self._rung: Dict[str, float] = {}  # lane -> when this worker last rang it
+        self._io_rung: Dict[str, float] = {}  # the same for doorbells rung before a park (I/O)
         self.tracked: "OrderedDict[str, ParkedTask]" = OrderedDict()  # task id -> parked task
         self._deadlines: List[Tuple[float, str]] = []  # heap of (deadline, task id)
         self._revocations: Tuple[int, int] = (0, 0)
@@ -504,7 +505,12 @@ class ParkingLot:
         self._rearm()
 
     def _park(self, waiter: Waiter, lane: str, queue: Queue) -> None:
+        """Publish ``waiter``'s parked copy (I/O thread), its lane's doorbell first (at most one
+        every :data:`DOORBELL_EVERY` per lane from this worker: a worker that took the last one
+        looks again :data:`RECHECK_AFTER` later): a doorbell the broker does not take leaves
+        nothing parked (the request is requeued instead), never a copy nobody rings for."""
         try:
+            self._ring_first(lane)
             delivery = waiter.request.delivery_info or {}
             route = [delivery.get("exchange") or "", delivery.get("routing_key")]
             for _ in range(3):
@@ -534,18 +540,31 @@ class ParkingLot:
             bell.rung = time.monotonic()
             bell.state = BellState.PULLING
             self.gate.io.call(self.gate.loop.post, self._recheck, bell, delay=RECHECK_AFTER)
-        else:
-            self._ring_soon(lane)
+        # (otherwise its doorbell was rung before the copy was published: _park)
+
+    def _ring_first(self, lane: str) -> None:
+        """Ring ``lane`` before parking a copy in it, unless this worker rang it less than
+        :data:`DOORBELL_EVERY` ago (I/O thread). Raises when the broker does not take it."""
+        now = time.monotonic()
+        if now - self._io_rung.get(lane, -DOORBELL_EVERY) < DOORBELL_EVERY:
+            return
+        self._publish_doorbell(lane)
+        self._io_rung[lane] = now
+        if len(self._io_rung) > 10_000:  # template names: forget the old ones
+            self._io_rung = {k: t for k, t in self._io_rung.items()
+                             if now - t < DOORBELL_EVERY}
+
+    def _publish_doorbell(self, lane: str) -> None:
+        queue = queue_of(lane)
+        consumed = {q.name: q for q in celery_internals.consumed_queues(self.gate.consumer)}
+        self._channel()
+        ring(self.gate.app, lane, {"queue": consumed.get(queue, queue)} if queue else {},
+             connection=self._connection)
 
     def _ring(self, lane: str) -> None:
         """Publish a doorbell of ``lane`` to its task queue (I/O thread)."""
-        queue = queue_of(lane)
-        consumed = {q.name: q for q in celery_internals.consumed_queues(self.gate.consumer)}
         try:
-            self._channel()
-            ring(self.gate.app, lane,
-                 {"queue": consumed.get(queue, queue)} if queue else {},
-                 connection=self._connection)
+            self._publish_doorbell(lane)
         except Exception as exc:
             logger.warning("celery-semaphore: ringing the doorbell of %r failed (its parked "
                            "tasks wait for the next one): %s", semaphore_of(lane), exc)
