@@ -21,7 +21,7 @@ import enum
 import logging
 import threading
 from collections import deque
-from typing import Any, Callable, Deque, List, Optional
+from typing import Any, Callable, Deque, List, Optional, Set
 
 from ..backends import close_all
 from ..backends.base import Backend
@@ -79,6 +79,10 @@ class Gate:
         self.reporting = Reporting(self)
         self.tally = Tally(self)
         self.settlements = Settlements(self)
+        #: Delivery tags of requests that left the core to be parked or requeued and whose
+        #: original is not settled yet (loop thread): that path settles it, once its copy is
+        #: published or not, so a lost connection must not put it back too.
+        self.in_transit: Set[str] = set()
         self.original: Callable[[Any], Any] = consumer.on_task_request
         consumer.on_task_request = self.on_task_request
         self._on_connection_lost = consumer.on_connection_error_after_connected
@@ -177,7 +181,7 @@ class Gate:
             # (Settlements): closing the lost connection would restore them all through a
             # detached transport, and run them twice
             handed = celery_internals.handed_to_pool() | {
-                r.message.delivery_tag for r in self.handoffs}  # granted, on their way
+                r.message.delivery_tag for r in self.handoffs} | self.in_transit
             others = self.settlements.detach(celery_internals.task_channel(self.consumer),
                                              handed)
         tags = ([w.request.message.delivery_tag for w in detached]

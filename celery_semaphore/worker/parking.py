@@ -184,6 +184,7 @@ class ParkingLot:
             return
         lane = lane_of(waiter.guard.name, waiter.guard.fair, queue.name)
         self.parking[lane] = self.parking.get(lane, 0) + 1
+        self.gate.in_transit.add(waiter.request.message.delivery_tag)
         logger.debug("celery-semaphore: parking %s (%s)", waiter.request.id, why)
         # stored before the copy exists: never after it ran
         self.gate.reporting.waiting(waiter, None, waiter.guard.limit, parked=True)
@@ -330,6 +331,7 @@ class ParkingLot:
         if not published:  # what the waiting room cannot take goes the requeue way
             self.gate.requeue.requeue(waiter)
             return
+        self.gate.in_transit.discard(request.message.delivery_tag)
         request.acknowledge()
         celery_internals.task_ready(request)
         self.parked_total[semaphore_of(lane)] += 1

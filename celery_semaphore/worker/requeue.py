@@ -61,6 +61,7 @@ class Requeue:
         broker refused the parked copy, no lane for its queue, a priority request held past
         ``semaphore_worker_max_hold``)."""
         countdown = backoff(waiter)
+        self.gate.in_transit.add(waiter.request.message.delivery_tag)
         logger.warning("celery-semaphore: requeueing %s with a backoff of %.2fs: the waiting "
                        "room could not take it", waiter.request.id, countdown)
         self.gate.io.call(self._republish, waiter, countdown)
@@ -87,6 +88,7 @@ class Requeue:
 
     def _settle(self, waiter: Waiter, republished: bool) -> None:
         request = waiter.request
+        self.gate.in_transit.discard(request.message.delivery_tag)
         if republished:
             self.gate.tally.add(waiter.guard.name, "requeued")
             request.acknowledge()
