@@ -54,7 +54,8 @@ and returned), and at the very end the backend's ``status`` of every semaphore. 
               documented at-least-once redelivery. A body killed mid-run and run again is
               at-least-once (it completed once). Two completed runs are a duplicate, unless
               the process that ran the earlier one (its pool process, or its worker's main
-              process) was SIGKILLed by the nemesis within 2 s after that run's end mark, or,
+              process) was SIGKILLed by the nemesis while it ran or within 2 s after that
+              run's end mark, or,
               for a run that ended during a broker outage, within 10 s after the broker came
               back (a reconnecting consumer acknowledges nothing): then its result or its
               acknowledgement may never have left, which is Celery's documented

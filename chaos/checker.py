@@ -213,9 +213,10 @@ def duplicates(runs: List[Run], faults: List[Fault]) -> Tuple[int, List[dict]]:
     """Task ids whose body ran to its end more than once, but for an at-least-once
     redelivery: a completed run followed by another is excused only when the process that ran
     it, or its worker's main process, was SIGKILLed before its acknowledgement could leave:
-    within ACK_GRACE_NS after its end, or, for a run that ended while the broker was away
-    (a ``broker_restart`` or ``broker_cut`` in progress), within RECONNECT_GRACE_NS after the
-    broker came back (a worker acknowledges nothing while its consumer reconnects: Celery
+    while it ran (a pool child can write its end mark a few milliseconds after its worker's
+    main process died), within ACK_GRACE_NS after its end, or, for a run that ended while the
+    broker was away (a ``broker_restart`` or ``broker_cut`` in progress), within
+    RECONNECT_GRACE_NS after the broker came back (a worker acknowledges nothing while its consumer reconnects: Celery
     retries the connection 2, 4, 6... s apart, and the completion waits)."""
     kills_by_pid: Dict[int, List[int]] = defaultdict(list)
     kills_by_node: Dict[str, List[int]] = defaultdict(list)
@@ -240,7 +241,7 @@ def duplicates(runs: List[Run], faults: List[Fault]) -> Tuple[int, List[dict]]:
             continue
         completed.sort(key=lambda r: r.start)
         excused = all(
-            any(r.end <= k <= grace_until(r.end)  # type: ignore[operator,arg-type]
+            any(r.start <= k <= grace_until(r.end)  # type: ignore[operator,arg-type]
                 for k in kills_by_pid.get(r.pid, []) + kills_by_node.get(r.node, []))
             for r in completed[:-1])
         if not excused:

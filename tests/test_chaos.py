@@ -107,6 +107,12 @@ def test_two_completed_runs_are_a_duplicate_unless_the_first_ones_process_was_ki
     assert run_check(lines, faults=[killed_after]).duplicates == 0
     killed_later = Fault("worker_kill", int(9 * NS), int(10 * NS), node="w0-1@h", killed=[1])
     assert run_check(lines, faults=[killed_later]).duplicates == 1
+    # the worker's main process killed while the body ran: its child may still write the end
+    # mark, but nobody acknowledges it
+    killed_during = Fault("worker_kill", int(1.99 * NS), int(3 * NS), node="w0-1@h", killed=[1])
+    assert run_check(lines, faults=[killed_during]).duplicates == 0
+    killed_before = Fault("worker_kill", int(0.5 * NS), int(0.9 * NS), node="w0-1@h", killed=[1])
+    assert run_check(lines, faults=[killed_before]).duplicates == 1
 
 
 def test_bodies_with_a_cost_count_their_units_against_the_limit():

@@ -190,6 +190,17 @@ class ParkingLot:
         self.gate.reporting.waiting(waiter, None, waiter.guard.limit, parked=True)
         self.gate.io.call(self._park, waiter, lane, queue)
 
+    def dropped_by_pool(self, request: Any) -> None:
+        """The pool's flush on a broker reconnect dropped ``request``'s job (loop thread). If
+        it was pulled from the waiting room on a Redis broker, :meth:`reset` kept its message
+        unacknowledged for whoever settles it, and nobody will: it goes back to its queue
+        (the consumer's own messages of such jobs were put back already)."""
+        message = request.message
+        channel = getattr(message, "channel", None)
+        if (channel is not None and channel is not celery_internals.task_channel(
+                self.gate.consumer) and celery_internals.redis_qos(channel) is not None):
+            self.gate.settlements.later(message.delivery_tag, Settle.REQUEUE)
+
     def give_back(self, waiter: Waiter) -> None:
         """The consumer stops with ``waiter``, pulled from the waiting room, still waiting:
         its message goes back to the parking queue (a reject on the parking channel; after a

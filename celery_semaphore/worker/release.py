@@ -195,6 +195,7 @@ class Releases:
                                                        entry.job)
             if child is False:
                 continue
+            self.gate.parking.dropped_by_pool(entry.request)
             if child is None:
                 logger.warning("celery-semaphore: %s was dropped by the pool on a broker "
                                "reconnect before any child got it; releasing its slot",
