@@ -216,8 +216,9 @@ def duplicates(runs: List[Run], faults: List[Fault]) -> Tuple[int, List[dict]]:
     while it ran (a pool child can write its end mark a few milliseconds after its worker's
     main process died), within ACK_GRACE_NS after its end, or, for a run that ended while the
     broker was away (a ``broker_restart`` or ``broker_cut`` in progress), within
-    RECONNECT_GRACE_NS after the broker came back (a worker acknowledges nothing while its consumer reconnects: Celery
-    retries the connection 2, 4, 6... s apart, and the completion waits)."""
+    RECONNECT_GRACE_NS after the broker came back (a worker acknowledges nothing while its
+    consumer reconnects: Celery retries the connection 2, 4, 6... s apart, and the completion
+    waits)."""
     kills_by_pid: Dict[int, List[int]] = defaultdict(list)
     kills_by_node: Dict[str, List[int]] = defaultdict(list)
     outages = [(f.start, f.end) for f in faults if f.kind in ("broker_restart", "broker_cut")]
