@@ -49,7 +49,11 @@ and returned), and at the very end the backend's ``status`` of every semaphore. 
 ``faults``    faults injected.
 ``tasks_sent`` / ``tasks_run``  tasks sent; sent tasks with at least one completed run (a
               start and an end mark in the same process and thread).
-``lost``      tasks sent that never completed a run by the end of the drain.
+``lost``      tasks sent that never completed a run by the end of the drain, but for one
+              that never started and was sent within 0.5 s before (or 0.1 s after) a
+              ``broker_restart`` SIGKILL: kombu's Redis transport pops a message before it
+              records it as unacknowledged, and the kill may lose it (details:
+              ``lost_in_broker_kill_window``).
 ``duplicates`` task ids whose body ran to its end more than once for a reason other than a
               documented at-least-once redelivery. A body killed mid-run and run again is
               at-least-once (it completed once). Two completed runs are a duplicate, unless

@@ -144,6 +144,19 @@ def test_a_run_that_ended_while_the_broker_was_away_is_excused_until_the_worker_
     assert run_check(lines, faults=[before, killed]).duplicates == 1
 
 
+def test_a_task_sent_just_before_a_broker_kill_and_never_started_is_in_kombus_window():
+    """kombu's Redis transport pops a message before it records it as unacknowledged: a task
+    sent within 0.5 s before the broker's SIGKILL that never started is counted apart; one
+    sent earlier, or with no broker kill, is lost."""
+    lines = body("t1", 1, 2, pid=1)
+    kill = Fault("broker_restart", int(10 * NS), int(12 * NS))
+    report = run_check(lines, sends={"t1": 0, "t2": int(9.8 * NS)}, faults=[kill])
+    assert report.lost == 0 and report.details["lost_in_broker_kill_window"] == ["t2"]
+    report = run_check(lines, sends={"t1": 0, "t2": int(9 * NS)}, faults=[kill])
+    assert report.lost == 1 and report.details["lost_tasks"] == ["t2"]
+    assert run_check(lines, sends={"t1": 0, "t2": int(9.8 * NS)}).lost == 1
+
+
 def test_a_body_killed_mid_run_and_run_again_is_not_a_duplicate():
     lines = body("t1", 1, None, pid=1) + body("t1", 40, 41, pid=2)
     kill = Fault("child_kill", int(1.5 * NS), int(1.5 * NS), killed=[1])
