@@ -51,6 +51,9 @@ class Settings:
     on_lost_lease: str = "log"
     worker_max_waiting: int = 100
     worker_max_hold: float = 300.0
+    #: Granted requests one worker may hand its pool beyond its free processes (each waits in
+    #: the pool's queue with its slot): tried only for semaphores nobody queues for.
+    worker_lookahead: int = 1
     park_on_send: bool = True
     on_full: str = "wait"
     fair_by: Optional[str] = None
@@ -277,6 +280,10 @@ def validate(key: str, field_name: str, value: Any) -> Any:
             return validate_limit(value, key)
         except InvalidLimit as exc:
             raise ConfigurationError(str(exc)) from None
+    if field_name == "worker_lookahead":
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 1000:
+            raise ConfigurationError(f"{key} must be an integer from 0 to 1000, not {value!r}")
+        return value
     if field_name == "metrics_top":
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 100_000:
             raise ConfigurationError(f"{key} must be an integer from 0 to 100000, not {value!r}")

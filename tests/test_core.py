@@ -36,8 +36,9 @@ GRANT = Grant(slot=0, epoch=1, expires_at=0.0, ttl=60.0)
 class World:
     """The core's surroundings and clocks, set by the test."""
 
-    def __init__(self, processes=4, room=100):
+    def __init__(self, processes=4, room=100, lookahead=0):
         self.processes = processes  # pool processes
+        self.ahead = lookahead  # granted requests the pool may queue beyond its processes
         self.reserved = 0  # requests Celery holds: the core's waiters and those running
         self.rooms = {}
         self.default_room = room
@@ -54,6 +55,9 @@ class World:
 
     def room(self, name, waiting_of_name, waiting):
         return self.rooms.get(name, self.default_room) - waiting_of_name
+
+    def lookahead(self):
+        return self.ahead
 
     def advance(self, seconds):
         self.now += seconds
@@ -297,6 +301,115 @@ def test_late_answers_release_a_grant_or_cancel_after_an_error():
     core.handle(Leave(gone, How.GIVE_BACK))
     commands = core.handle(answer(gone, error=TimeoutError("lost reply"), sent=1))
     assert kinds(commands) == ["Cancel"] and commands[0].holder == gone.holder
+
+
+# -- trying ahead ---------------------------------------------------------------------------
+
+
+def busy(core, world, n=1, name="busy"):
+    """``n`` requests of their own semaphores that start and keep their processes busy."""
+    for k in range(n):
+        waiter, _, _ = arrive(core, guard(f"{name}{k}"))
+        assert exit_of(core.handle(answer(waiter, Attempt(GRANT)))).how is How.START
+
+
+def test_with_every_process_busy_a_key_with_room_is_tried_ahead_and_waits_in_the_pool():
+    """W6's handoff: the next request of an idle key is granted before a process frees, so
+    it starts the moment one does (no acquire between a task's end and the next start)."""
+    core, world = make(processes=1, lookahead=1)
+    busy(core, world)
+    waiter, commands, _ = arrive(core, guard("t:1"))
+    assert kinds(commands) == ["SendAttempt"] and waiter.state is WaitState.AHEAD
+    assert commands[0].ahead and commands[0].delay == 0  # wait=False: it never queues
+    assert core.trying == 0 and core.trying_ahead == 1
+    later, commands, _ = arrive(core, guard("t:2"))
+    assert commands == [] and later.state is WaitState.LINED  # the lookahead is taken
+    commands = core.handle(answer(waiter, Attempt(GRANT)))
+    assert kinds(commands) == ["StopAttempts", "Refill", "Exit"]  # no watch to stop
+    assert exit_of(commands).how is How.START  # to the pool's queue, with its slot
+    # the pool queues one granted request already: no more tries ahead
+    assert later.state is WaitState.LINED and core.trying_ahead == 0
+    world.ended(core)  # the busy task ends: the queued one takes its process
+    assert later.state is WaitState.AHEAD  # the pool's queue is empty again
+
+
+def test_a_refused_try_ahead_lines_up_again_in_front_and_waits_for_a_process():
+    core, world = make(processes=1, lookahead=2)
+    busy(core, world)
+    first, _, _ = arrive(core, guard("t:1"))
+    second, _, _ = arrive(core, guard("t:2"))
+    assert first.state is second.state is WaitState.AHEAD
+    commands = core.handle(answer(first, wait_answer()))  # t:1 is held elsewhere
+    assert first.state is WaitState.LINED and first.tried_ahead and list(core.line) == [first]
+    assert commands == [] and core.blocked("t:1") == 0  # nothing reported, nothing raised
+    commands = core.handle(answer(second, error=ConnectionError("refused")))
+    assert list(core.line) == [first, second] and second.tried_ahead
+    assert "SendAttempt" not in kinds(commands)  # each tries ahead once
+    commands = world.ended(core)  # a process frees: the first in line queues for it
+    assert kinds(commands) == ["Watch", "SendAttempt"] and commands[0].waiter is first
+    assert not commands[1].ahead
+
+
+def test_no_try_ahead_for_a_semaphore_this_worker_queues_or_waits_for():
+    core, world = make(processes=2, lookahead=4)
+    hot, _, _ = arrive(core, guard("hot"))
+    core.handle(answer(hot, wait_answer()))  # told to wait: hot is full
+    busy(core, world, n=1)
+    queued, commands, _ = arrive(core, guard("q"))  # the last free process: it queues
+    assert queued.state is WaitState.QUEUED and core.free_processes() == 1
+    behind_hot, _, _ = arrive(core, guard("hot"))
+    behind_queued, _, _ = arrive(core, guard("q"))
+    idle, commands, _ = arrive(core, guard("idle"))
+    twin, commands2, _ = arrive(core, guard("idle"))
+    assert behind_hot.state is behind_queued.state is WaitState.LINED
+    assert idle.state is WaitState.AHEAD and twin.state is WaitState.LINED  # one per name
+    assert [c.waiter for c in commands if isinstance(c, SendAttempt)] == [idle]
+    assert commands2 == []
+
+
+def test_a_priority_request_never_tries_ahead_and_lookahead_zero_turns_it_off():
+    core, world = make(processes=1, lookahead=0)
+    busy(core, world)
+    waiter, commands, _ = arrive(core, guard("t:1"))
+    assert commands == [] and waiter.state is WaitState.LINED
+    core, world = make(processes=1, lookahead=1)
+    busy(core, world)
+    urgent, commands, _ = arrive(core, guard("t:1", priority=3))
+    assert urgent.state is WaitState.LINED and commands == []  # it queues once one frees
+    commands = world.ended(core)
+    assert urgent.state is WaitState.QUEUED and not last_sent(commands).ahead
+
+
+def test_a_try_ahead_counts_against_the_process_it_would_take():
+    """A process frees while a try ahead is in flight: its grant takes that process, so the
+    next in line does not queue for it as well."""
+    core, world = make(processes=1, lookahead=1)
+    busy(core, world)
+    waiter, _, _ = arrive(core, guard("t:1"))
+    nxt, _, _ = arrive(core, guard("t:2"))
+    assert nxt.state is WaitState.LINED
+    commands = world.ended(core)  # the free process is the try ahead's: nxt may only try
+    assert nxt.state is WaitState.AHEAD and kinds(commands) == ["SendAttempt"]  # ahead too
+    assert core.trying == 0 and core.trying_ahead == 2
+    commands = core.handle(answer(waiter, Attempt(GRANT)))
+    assert exit_of(commands).how is How.START
+
+
+def test_a_one_try_policy_refused_ahead_is_full_and_a_waiter_leaving_ahead_cancels():
+    core, world = make(processes=1, lookahead=1)
+    busy(core, world)
+    skip, _, _ = arrive(core, guard("t:1", on_full="skip"))
+    assert skip.state is WaitState.AHEAD
+    done = exit_of(core.handle(answer(skip, wait_answer(limit=1))))
+    assert done.how is How.FULL and done.limit == 1
+    world.reserved -= 1  # skipped: it left the worker
+    gone, _, _ = arrive(core, guard("t:2"))
+    assert gone.state is WaitState.AHEAD
+    commands = core.handle(Leave(gone, How.GIVE_BACK))
+    assert kinds(commands) == ["StopAttempts", "Cancel", "Refill", "Exit"]
+    assert core.trying_ahead == 0 and core.counts.ahead == {}
+    # its try's grant arrives after it left: released, never kept
+    assert kinds(core.handle(answer(gone, Attempt(GRANT)))) == ["ReleaseLate"]
 
 
 # -- the waiting room -----------------------------------------------------------------------

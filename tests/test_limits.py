@@ -150,6 +150,12 @@ def test_a_rolling_deploy_changes_the_limit_and_a_pin_holds_it(redis_url, amqp_u
         assert wait_until(lambda: re.search(warning, worker.output()), timeout=30)
         burst(cluster, plain, "pinned")
         burst(cluster, keyed, "pinned", args=("a",))
+        # the restarted worker declares 6 with its first acquire: on a busy machine the other
+        # worker may have pulled a whole burst
+        for again in range(5):
+            if 6 in cluster.backend.status("deploy").declared:
+                break
+            burst(cluster, plain, f"pinned-{again}")
         assert probe.max_concurrent("deploy:pinned-") == 3
         assert probe.max_concurrent("deployk:a:pinned-") == 3
         log = worker.output()

@@ -38,6 +38,8 @@ def make_app(**conf):
     ("semaphore_on_lost_lease", "explode"), ("semaphore_retry_jitter", "yes"),
     ("semaphore_backend", "nosuch://x"), ("semaphore_key_prefix", ""),
     ("semaphore_worker_max_waiting", -1), ("semaphore_worker_max_hold", 0),
+    ("semaphore_worker_lookahead", -1), ("semaphore_worker_lookahead", True),
+    ("semaphore_worker_lookahead", "2"), ("semaphore_worker_lookahead", 1001),
     ("semaphore_on_full", "drop"), ("semaphore_on_full", 3),
     ("semaphore_fair_by", "tenant"), ("semaphore_fair_by", "{0}"), ("semaphore_fair_by", 7),
 ])

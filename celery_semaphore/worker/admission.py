@@ -78,6 +78,11 @@ class GateSurroundings:
     def room(self, name: str, waiting_of_name: int, waiting: int) -> int:
         return self.gate.parking.room(name, waiting_of_name, waiting)
 
+    def lookahead(self) -> int:
+        if not celery_internals.pool_queues(self.gate.consumer.pool):
+            return 0
+        return self.gate.settings.worker_lookahead
+
 
 class Admission:
     """The waiting requests of one worker and their way to a slot: the core and its shell.
@@ -201,7 +206,8 @@ class Admission:
         if waiter.next_attempt is not None:
             waiter.next_attempt.cancel()
         waiter.next_attempt = self.gate.io.call(self._acquire, waiter, command.holder,
-                                                command.sent, delay=command.delay)
+                                                command.sent, command.ahead,
+                                                delay=command.delay)
 
     def _stop_attempts(self, command: StopAttempts) -> None:
         waiter = command.waiter
@@ -209,8 +215,10 @@ class Admission:
             waiter.next_attempt.cancel()
             waiter.next_attempt = None
 
-    def _acquire(self, waiter: Waiter, holder: str, sent: int) -> None:  # I/O thread
+    def _acquire(self, waiter: Waiter, holder: str, sent: int,
+                 ahead: bool = False) -> None:  # I/O thread
         guard = waiter.guard
+        wait = waiter.waits and not ahead
         requested_at = time.monotonic()
         meta = {**self.meta(waiter.request, guard), FIRST_WAIT_META: waiter.first_wait}
         try:
@@ -218,11 +226,11 @@ class Admission:
             if guard.multi:
                 attempt = self.backend.acquire_all(
                     guard.pairs, holder, ttl=guard.settings.lease_ttl, meta=meta,
-                    wait=waiter.waits)
+                    wait=wait)
             else:
                 attempt = self.backend.acquire(
                     guard.name, holder, limit=guard.limit, ttl=guard.settings.lease_ttl,
-                    meta=meta, wait=waiter.waits)
+                    meta=meta, wait=wait)
         except Exception as exc:
             answer = Answer(holder, None, exc, requested_at, sent)
         else:

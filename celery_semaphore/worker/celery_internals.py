@@ -12,6 +12,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 import celery
 from billiard.exceptions import WorkerLostError
 from celery.concurrency.prefork import TaskPool as PreforkPool
+from celery.concurrency.thread import TaskPool as ThreadPool
 from celery.exceptions import Terminated, TimeLimitExceeded
 from celery.worker import state as worker_state
 from kombu.utils.functional import maybe_list
@@ -27,6 +28,13 @@ def pool_forks(pool: Any) -> bool:
     """True for the prefork pool, whose killed tasks may run until their process exits; other
     pools run tasks in the worker process (gevent's ``worker_pid`` is a greenlet's id)."""
     return isinstance(pool, PreforkPool)
+
+
+def pool_queues(pool: Any) -> bool:
+    """True for pools that queue a request handed to them while every process or thread is
+    busy (prefork's outbound buffer, the thread pool's executor); gevent's and eventlet's
+    block the caller until a greenlet is free, and solo runs it as it is handed."""
+    return isinstance(pool, (PreforkPool, ThreadPool))
 
 
 def pool_size(pool: Any) -> int:

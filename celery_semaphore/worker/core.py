@@ -56,6 +56,11 @@ class Surroundings(Protocol):
         (:meth:`.ParkingLot.room`): beyond it, a request that must wait goes to the waiting
         room."""
 
+    def lookahead(self) -> int:
+        """Granted requests the pool may hold beyond its free processes, each waiting in its
+        queue for the next one (``semaphore_worker_lookahead``; 0 for a pool that runs a
+        request as it is handed one)."""
+
 
 class Answer(NamedTuple):
     """What one acquire attempt came back with (``attempt`` None: the call raised)."""
@@ -193,6 +198,8 @@ class SendAttempt:
     holder: str
     sent: int
     delay: float
+    #: A try ahead (:attr:`.WaitState.AHEAD`): ``wait=False``, whatever the waiter's policy.
+    ahead: bool = False
 
 
 @dataclass(frozen=True)
@@ -266,11 +273,13 @@ Command = Union[Exit, Watch, Unwatch, SendAttempt, StopAttempts, Cancel, Release
 
 @dataclass
 class _Counts:
-    """Per semaphore name: its waiters, those QUEUED, those the backend told to wait."""
+    """Per semaphore name: its waiters, those QUEUED, those the backend told to wait, those
+    trying AHEAD."""
 
     waiting: Dict[str, int] = field(default_factory=dict)
     queued: Dict[str, int] = field(default_factory=dict)
     blocked: Dict[str, int] = field(default_factory=dict)
+    ahead: Dict[str, int] = field(default_factory=dict)
 
     @staticmethod
     def add(counts: Dict[str, int], name: str, n: int) -> None:
@@ -292,6 +301,15 @@ class AdmissionCore:
     grant that finds no free process is given back before the request lines up again; an
     answer to an attempt older than the last one sent decides only if it is a grant; a
     request leaves exactly once, and every way out emits the same cleanup.
+
+    Trying ahead: while every process is busy or promised, up to
+    :meth:`Surroundings.lookahead` lined requests (counting the granted ones already waiting
+    in the pool's queue) make one try with ``wait=False``, each of a semaphore this worker
+    neither queues for nor was told to wait for: the backend grants it only a free slot
+    nobody queues for, and the request goes to the pool's queue with it, to start the moment
+    a process frees (no acquire round trip between one task's end and the next one's start).
+    Refused, it lines up again and waits for a process like any other. Such a slot is held
+    by a request that does not run yet, for at most the time a process takes to free.
     """
 
     def __init__(self, surroundings: Surroundings, *,
@@ -306,6 +324,8 @@ class AdmissionCore:
         #: QUEUED waiters with an attempt in flight (:attr:`.Waiter.in_flight`): each may take
         #: a pool process (a grant) when its answer comes.
         self.trying = 0
+        #: Tries ahead in flight (:attr:`.WaitState.AHEAD`).
+        self.trying_ahead = 0
         #: QUEUED waiters woken while no process was free for their attempt, in wake order.
         self.woken: Deque[Waiter] = deque()
         self._out: List[Command] = []
@@ -363,6 +383,8 @@ class AdmissionCore:
 
     def _answer(self, waiter: Waiter, answer: Answer) -> None:
         current = waiter.holder == answer.holder
+        if waiter.state is WaitState.AHEAD and current:
+            return self._answered_ahead(waiter, answer)
         if waiter.state is not WaitState.QUEUED or not current:
             return self._late_answer(waiter, answer, current)
         if answer.sent != waiter.attempts_sent and (answer.attempt is None
@@ -405,6 +427,27 @@ class AdmissionCore:
             # than a round trip later (each late start delays every later one).
             pause = max(0.0, pause - (self.clock() - answer.requested_at))
         self._send(waiter, delay=pause)
+
+    def _answered_ahead(self, waiter: Waiter, answer: Answer) -> None:
+        """The answer to ``waiter``'s try ahead: a grant sends it to the pool's queue; a
+        refusal lines it up again (or, for a one-try policy, skips or fails it: its one try
+        found the semaphore full); an error lines it up again."""
+        attempt = answer.attempt
+        if attempt is not None and attempt.grant is not None:
+            return self._exit(waiter, How.START, answer=answer)
+        if isinstance(answer.error, ConfigurationError):
+            return self._exit(waiter, How.FAIL, error=answer.error)
+        if attempt is not None and not waiter.waits:
+            return self._exit(waiter, How.FULL, limit=attempt.limit,
+                              blocking=getattr(attempt, "blocking", None) or waiter.guard.name)
+        waiter.tried_ahead = True
+        self._move(waiter, WaitState.LINED)
+        # back where it was: behind those that tried ahead before it, ahead of the rest
+        priority = waiter.guard.priority
+        index = next((i for i, w in enumerate(self.line) if w.guard.priority < priority
+                      or (w.guard.priority == priority and not w.tried_ahead)),
+                     len(self.line))
+        self.line.insert(index, waiter)
 
     def _woken(self, event: Woken) -> None:
         waiter = event.waiter
@@ -493,8 +536,8 @@ class AdmissionCore:
             return
         free = self.free_processes()
         if free <= 0:
-            return
-        budget = free - self.trying
+            return self._try_ahead(free)
+        budget = free - self.trying - self.trying_ahead
         while self.woken and budget > 0:
             waiter = self.woken.popleft()
             if waiter.wake_pending and waiter.state is WaitState.QUEUED:
@@ -509,17 +552,38 @@ class AdmissionCore:
                 budget -= 1
                 self._out.append(Watch(waiter))
                 self._send(waiter)
+        self._try_ahead(free)
 
-    def _send(self, waiter: Waiter, delay: float = 0.0) -> None:
+    def _try_ahead(self, free: int) -> None:
+        """Tries ahead (class docstring) for the first lined requests that may make one, as
+        many as the lookahead leaves room for."""
+        room = self.surroundings.lookahead() + free - self.trying - self.trying_ahead
+        if room <= 0 or not self.line:
+            return
+        counts = self.counts
+        for waiter in list(self.line):
+            name = waiter.guard.name
+            if (waiter.tried_ahead or waiter.guard.priority > 0 or name in counts.blocked
+                    or name in counts.queued or name in counts.ahead):
+                continue
+            self.line.remove(waiter)
+            self._move(waiter, WaitState.AHEAD)
+            self._send(waiter, ahead=True)
+            room -= 1
+            if room <= 0:
+                return
+
+    def _send(self, waiter: Waiter, delay: float = 0.0, ahead: bool = False) -> None:
         now = self.clock()
         if waiter.first_sent is None:
             waiter.first_sent = now
         waiter.last_sent = now + delay
         waiter.attempts_sent += 1
-        if delay == 0 and not waiter.in_flight:
+        if delay == 0 and not waiter.in_flight and not ahead:
             waiter.in_flight = True
             self.trying += 1
-        self._out.append(SendAttempt(waiter, waiter.holder, waiter.attempts_sent, delay))
+        self._out.append(SendAttempt(waiter, waiter.holder, waiter.attempts_sent, delay,
+                                     ahead))
 
     def _told_to_wait(self, waiter: Waiter) -> bool:
         """The backend told ``waiter`` to wait for the first time: its semaphore is full. It
@@ -589,9 +653,17 @@ class AdmissionCore:
             waiter.wake_pending = False  # left in self.woken, skipped there
         if waiter.state is WaitState.QUEUED and to is not WaitState.QUEUED:
             self._out.append(StopAttempts(waiter))
+        if waiter.state is WaitState.AHEAD:
+            _Counts.add(self.counts.ahead, name, -1)
+            self.trying_ahead -= 1
+            if to is WaitState.DONE:
+                self._out.append(StopAttempts(waiter))
         waiter.move(to)
         if to is WaitState.QUEUED:
             _Counts.add(self.counts.queued, name, 1)
+        elif to is WaitState.AHEAD:
+            _Counts.add(self.counts.ahead, name, 1)
+            self.trying_ahead += 1
 
     def _land(self, waiter: Waiter) -> None:
         """``waiter``'s attempt in flight is answered (or it left the queue)."""

@@ -9,6 +9,9 @@ thread; the shell reads a waiter (its request, its timer) but never moves it.
       │  ^       │          │
       │  └───────┼──────────┘  (the pool filled up: the grant is given back)
       └──────────┴────────────> DONE (revoked, failed, requeued, given back to the broker)
+      │  ^
+      └> AHEAD ──> DONE (granted while every process is busy: waits in the pool's queue)
+         (refused, or no answer: back to LINED)
 """
 
 from __future__ import annotations
@@ -33,11 +36,15 @@ class WaitState(enum.Enum):
     LINED = "lined"  # in this worker's line, until a pool process is free for it
     QUEUED = "queued"  # in the backend's waiter queue: acquire attempts go out
     GRANTED = "granted"  # a grant reached the loop; the pool had no process: giving it back
+    #: every process is busy: one try (``wait=False``) for a free slot nobody queues for, so
+    #: that the request waits in the pool's queue with its slot when a process frees
+    AHEAD = "ahead"
     DONE = "done"  # left the gate: handed to the pool, revoked, failed, requeued, given back
 
 
 ALLOWED: Dict[WaitState, Set[WaitState]] = {
-    WaitState.LINED: {WaitState.QUEUED, WaitState.DONE},
+    WaitState.LINED: {WaitState.QUEUED, WaitState.AHEAD, WaitState.DONE},
+    WaitState.AHEAD: {WaitState.LINED, WaitState.DONE},
     WaitState.QUEUED: {WaitState.GRANTED, WaitState.DONE},
     WaitState.GRANTED: {WaitState.LINED, WaitState.DONE},
     WaitState.DONE: set(),
@@ -77,6 +84,9 @@ class Waiter:
     in_flight: bool = False
     #: Woken while no process was free for another attempt in flight: it tries once one is.
     wake_pending: bool = False
+    #: Its try ahead (:attr:`WaitState.AHEAD`) was refused or failed: it waits for a free
+    #: process like any other, and tries ahead no more.
+    tried_ahead: bool = False
     #: Reported WAITING while still in the line (its semaphore full): once is enough.
     announced: bool = False
     #: Pulled from the parking queue: its message is acked on the parking channel, and it
