@@ -18,6 +18,7 @@ internals).
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import threading
 from collections import deque
@@ -89,6 +90,8 @@ class Gate:
         consumer.on_connection_error_after_connected = self.on_connection_lost
         self.state = GateState.NEW
         self._connected_at_stop = False
+        #: Rejects to make once :meth:`stop` has let go of the lock (loop thread).
+        self._rejects: List[Callable[[], Any]] = []
 
     @property
     def running(self) -> bool:
@@ -120,7 +123,9 @@ class Gate:
         and :meth:`on_connection_lost` restores those of a Redis broker), and a reject on the
         dead channel would only log a CRITICAL traceback per request. Requests pulled from
         the waiting room are settled on the parking channel instead (:meth:`.ParkingLot.
-        give_back`), and their semaphores are pulled again once the consumer runs."""
+        give_back`), and their semaphores are pulled again once the consumer runs. The
+        rejects go out after the gate's lock is released (no lock is held across I/O)."""
+        self._rejects = []
         with self.lock:
             if self.state is GateState.OPEN:
                 self.state = GateState.PAUSED  # pulls still on their way go back
@@ -137,8 +142,17 @@ class Gate:
                 # lost connection reset (ParkingLot.reset): they land once the broker answers
                 logger.info("celery-semaphore: %d tasks that were waiting when the broker "
                             "connection was lost go back to their queue", pulled)
-            self.parking.let_go_of_bells(reject=connected)
+            bells = self.parking.let_go_of_bells()
+            if connected:
+                self._rejects += [functools.partial(m.reject, requeue=True) for m in bells]
             self.releases.after_flush()
+        rejects, self._rejects = self._rejects, []
+        for reject in rejects:  # the consumer's channel: this (the loop) thread's
+            try:
+                reject()
+            except Exception as exc:  # the broker redelivers it all the same
+                logger.debug("celery-semaphore: giving back a message on stop failed: %s",
+                             exc)
         self.loop.stop()
 
     def give_back(self, waiter: Any) -> None:
@@ -148,10 +162,8 @@ class Gate:
         if waiter.pulled:
             self.parking.give_back(waiter)
         elif self._connected_at_stop and not waiter.detached:
-            try:
-                request.reject(requeue=True)
-            except Exception as exc:  # the broker redelivers it all the same
-                logger.debug("celery-semaphore: reject on stop failed: %s", exc)
+            # rejected once stop() has let go of the lock
+            self._rejects.append(functools.partial(request.reject, requeue=True))
         else:
             request.acknowledged = True  # nothing to settle on this channel
         celery_internals.task_ready(request)

@@ -307,16 +307,15 @@ class ParkingLot:
         """The doorbell messages this worker holds."""
         return [bell.message for bell in self.bells.values()]
 
-    def let_go_of_bells(self, reject: bool) -> None:
-        """The consumer stops: give back every doorbell it holds (a reject while the
-        connection is open; else the broker has them back already)."""
+    def let_go_of_bells(self) -> List[Any]:
+        """The consumer stops: stop holding every doorbell; return their messages, for the
+        gate to reject while the connection is open (else the broker has them back
+        already)."""
+        messages = []
         for bell in list(self.bells.values()):
             self._let_go(bell, ack=False)
-            if reject:
-                try:
-                    bell.message.reject(requeue=True)
-                except Exception as exc:  # the broker redelivers it all the same
-                    logger.debug("celery-semaphore: giving back a doorbell failed: %s", exc)
+            messages.append(bell.message)
+        return messages
 
     def _ring_again(self, bell: Bell) -> None:
         """This worker holds ``bell`` but has no room for its lane: ring it again (at most
