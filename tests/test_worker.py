@@ -440,10 +440,12 @@ def test_worker_shutdown_releases_and_loses_nothing(how, redis_url, tmp_path):
 def test_a_job_the_pool_drops_on_a_broker_reconnect_does_not_keep_its_slot(redis_url, tmp_path):
     """On a broker reconnect the consumer drops the jobs no pool child has acknowledged, and
     their pool callbacks never run (before: the lease was renewed, so the slot held, until the
-    worker stopped). Here the job waits for a pool child that takes 2.5 s to start
-    (max-tasks-per-child 1) while the test cuts the worker's broker connections: it was
-    already written to that child, which runs it unseen, so the slot is kept until the child
-    exits; then the broker's redelivery of the message runs, never beside it."""
+    worker stopped). Here the job was written to the pool child that ran the first task and
+    exits (max-tasks-per-child 1; the next child takes 2.5 s to start) when the test cuts the
+    worker's broker connections: the slot is kept until that child exits, then its message
+    is put back (the child may have exited before reading it). billiard gives the exited
+    child's pipe to the next child, which runs the job too: ``b`` may run twice, never beside
+    itself."""
     ttl = 2.0
     broker = servers.redis_broker(redis_url)
     cluster = Cluster(str(tmp_path), redis_url, broker, redis_url, workers=0,
@@ -464,6 +466,52 @@ def test_a_job_the_pool_drops_on_a_broker_reconnect_does_not_keep_its_slot(redis
         assert cluster.probe.max_concurrent() == 1
         assert wait_until(lambda: cluster.held("slow") == 0, timeout=ttl + 5)
     finally:
+        cluster.stop()
+
+
+@pytest.mark.serial  # cuts every connection to the shared broker database
+def test_a_job_written_to_a_pool_child_before_a_broker_reconnect_runs_once(redis_url, tmp_path):
+    """``b``'s job is written to the worker's one pool child, which is stopped (SIGSTOP) and so
+    has not read it, when the test cuts the worker's broker connections. The pool's flush
+    drops the job (no child accepted it), but the child reads and runs it, unseen, once it
+    continues. Its message stays unacknowledged in the broker until that child has moved on
+    (here: up and idle for a lease TTL), then is acknowledged: ``b`` runs once. Before, the
+    gate put the message back at the reconnect and ``b`` ran twice (the chaos soak's one
+    duplicate in 1,578 tasks)."""
+    ttl = 2.0
+    broker = servers.redis_broker(redis_url)
+    cluster = Cluster(str(tmp_path), redis_url, broker, redis_url, workers=0,
+                      CS_LEASE_TTL=str(ttl))
+    client = redis.Redis.from_url(broker)
+    child = None
+    try:
+        worker = Worker(cluster.env, "flushed", 1)
+        worker.wait_ready()
+        cluster.workers.append(worker)
+        assert cluster.task("guarded").delay("warm").get(timeout=30) == "warm"
+        (child,) = worker.pool_pids()
+        os.kill(child, signal.SIGSTOP)
+        queued = cluster.task("unguarded").delay("b", 0.1)
+        assert wait_until(lambda: queued.id + "] received" in worker.output(), timeout=10)
+        time.sleep(0.3)  # (the job is written to the child's pipe within a loop iteration)
+        cut = _kill_clients(client)
+        assert cut and wait_until(lambda: "Trying to re-establish" in worker.output(), 5)
+        assert wait_until(lambda: f"{queued.id} runs in pool child {child}" in worker.output(),
+                          5), worker.output()[-3000:]
+        os.kill(child, signal.SIGCONT)
+        child = None
+        assert queued.get(timeout=30) == "b"
+        assert wait_until(lambda: f"settled {queued.id}" in worker.output(), timeout=ttl + 10), \
+            worker.output()[-3000:]
+        assert "acknowledged" in worker.output().split(f"settled {queued.id}")[1].split("\n")[0]
+        # acknowledged in the broker: it cannot be delivered again
+        assert wait_until(lambda: client.hlen("unacked") == 0 and client.llen(
+            cluster.env["CS_QUEUE"]) == 0, timeout=10)
+        assert cluster.probe.completed("free:b") == {"free:b": 1}
+    finally:
+        if child is not None:
+            os.kill(child, signal.SIGCONT)
+        client.close()
         cluster.stop()
 
 

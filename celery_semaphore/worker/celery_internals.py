@@ -218,9 +218,11 @@ def handed_to_pool() -> Set[str]:
     (celery.worker.state; read on the consumer's thread, or copied again if another thread
     changed a set meanwhile): Celery's active requests, those it acknowledged, and those whose
     pool job a child has accepted (celery 5.x ``ApplyResult._accepted``; a job of a pool that
-    does not fork, which has no such flag, runs once handed). A prefork job no child has
-    accepted is not among them: the pool's flush on a broker reconnect drops it, counting on
-    the broker to deliver its message again (``AsynPool.flush``)."""
+    does not fork, which has no such flag, runs once handed) or is being or was written to
+    (``_write_to``: the pool's flush on a broker reconnect drops the job but finishes the
+    write, and the child runs it; :class:`.release.Orphan` settles its message). A prefork
+    job no child got is not among them: the flush drops it, counting on the broker to
+    deliver its message again (``AsynPool.flush``)."""
     from celery.worker import state
 
     for _ in range(10):
@@ -236,7 +238,8 @@ def handed_to_pool() -> Set[str]:
     for request in requests:
         job = pool_job(request)
         if (request in active or getattr(request, "acknowledged", False)
-                or (job is not None and getattr(job, "_accepted", True))):
+                or (job is not None and (getattr(job, "_accepted", True)
+                                         or getattr(job, "_write_to", None) is not None))):
             tag = getattr(getattr(request, "message", None), "delivery_tag", None)
             if tag is not None:
                 handed.add(tag)

@@ -7,7 +7,8 @@
 * revoked or expired before running: the ``task_revoked`` signal;
 * warm or cold shutdown: :meth:`Releases.release_all`;
 * a broker reconnect: the consumer drops the jobs no pool child has acknowledged, with their
-  callbacks: released at once if no child got the job, else once that child moves on or exits;
+  callbacks: released at once if no child got the job, else once that child moves on or exits
+  (:class:`Orphan`, whose message is settled then too);
 * a whole worker dying: the lease's TTL.
 """
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
 
 from celery import signals
 from celery.exceptions import TimeLimitExceeded
@@ -25,6 +26,7 @@ from ..guards import Guard
 from ..keeper import default_keeper
 from ..semaphore import Lease, LeaseGroup
 from . import celery_internals
+from .settlements import Settle
 
 if TYPE_CHECKING:
     from .gate import Gate
@@ -45,9 +47,17 @@ class Held:
     request: Any
     lease: AnyLease
     guard: Guard
-    job: Any = None  # the pool's ApplyResult, once handed to the pool
-    orphan_of: Optional[int] = None  # the pool child running it with no callbacks left
-    orphan_child_up: Optional[float] = None  # monotonic time that child was first seen up
+
+
+@dataclass(eq=False)
+class Orphan:
+    """A request (guarded or not) whose job a broker reconnect's pool flush dropped after its
+    write to pool child ``pid`` had begun: the child runs it, and no callback will say so."""
+
+    request: Any
+    pid: int
+    held: Optional[Held]  # its slot, if guarded
+    child_up: Optional[float] = None  # monotonic time the child was first seen up
 
 
 class Releases:
@@ -57,6 +67,11 @@ class Releases:
     def __init__(self, gate: "Gate") -> None:
         self.gate = gate
         self.held: Dict[str, Held] = {}  # lease holder -> Held
+        #: Requests handed to the pool whose ending has not been seen, with their pool job (a
+        #: strong reference: the request's own is weak, and the flush drops the pool's):
+        #: id(request) -> (request, job).
+        self.in_pool: Dict[int, Tuple[Any, Any]] = {}
+        self.orphans: List[Orphan] = []
 
     def connect(self) -> None:
         signals.task_revoked.connect(self._on_task_revoked, weak=False)
@@ -74,9 +89,8 @@ class Releases:
         return entry
 
     def handed_to_pool(self, request: Any) -> None:
-        entry = getattr(request, "semaphore_held", None)
-        if entry is not None:
-            entry.job = celery_internals.pool_job(request)
+        if not getattr(request, "semaphore_ended", False):  # (a pool that runs it at once)
+            self.in_pool[id(request)] = (request, celery_internals.pool_job(request))
 
     def track(self, request: Any) -> None:
         """Wrap the request's pool callbacks: release its lease, and look for free processes."""
@@ -111,6 +125,8 @@ class Releases:
     def finished(self, request: Any, exc: Optional[BaseException] = None) -> None:
         """``request`` ended (a pool callback, posted to the loop thread): release its slot,
         and let waiters have the process it freed."""
+        request.semaphore_ended = True
+        self.in_pool.pop(id(request), None)
         entry: Optional[Held] = getattr(request, "semaphore_held", None)
         if entry is not None and self.held.pop(entry.lease.holder, None) is not None:
             pid = request.worker_pid
@@ -185,51 +201,71 @@ class Releases:
 
     def after_flush(self) -> None:
         """On a broker reconnect the consumer flushes the prefork pool: jobs no child has
-        acknowledged leave the pool's cache and their callbacks never run (the broker
-        redelivers their messages). A job no child got never runs: release now. A job whose
-        write to a child had begun runs there unseen: release once that child has moved on to
-        another task or exited, or has been up for a whole lease TTL without doing either
-        (:meth:`check_orphans`)."""
-        for entry in list(self.held.values()):
-            child = celery_internals.dropped_job_child(self.gate.consumer, entry.request,
-                                                       entry.job)
+        acknowledged leave the pool's cache and their callbacks never run. A job no child got
+        never runs: its slot is released now, and its message was put back already
+        (:meth:`.Gate.on_connection_lost`; a pulled one goes back to its queue now). A job
+        whose write to a child had begun runs there unseen: an :class:`Orphan` until that child
+        has moved on (:meth:`check_orphans`)."""
+        for request, job in list(self.in_pool.values()):
+            child = celery_internals.dropped_job_child(self.gate.consumer, request, job)
             if child is False:
                 continue
-            self.gate.parking.dropped_by_pool(entry.request)
+            del self.in_pool[id(request)]
+            entry: Optional[Held] = getattr(request, "semaphore_held", None)
+            if entry is not None and self.held.get(entry.lease.holder) is not entry:
+                entry = None
             if child is None:
-                logger.warning("celery-semaphore: %s was dropped by the pool on a broker "
-                               "reconnect before any child got it; releasing its slot",
-                               entry.request.id)
-                self._forget(entry)
-            else:
-                logger.warning("celery-semaphore: %s runs in pool child %s without callbacks "
-                               "after a broker reconnect; its slot is released when that child "
-                               "moves on", entry.request.id, child.pid)
-                entry.orphan_of = child.pid
+                self.gate.parking.dropped_by_pool(request)
+                if entry is not None:
+                    logger.warning("celery-semaphore: %s was dropped by the pool on a broker "
+                                   "reconnect before any child got it; releasing its slot",
+                                   request.id)
+                    self._forget(entry)
+                continue
+            logger.warning("celery-semaphore: %s runs in pool child %s without callbacks after "
+                           "a broker reconnect; %sits message is settled when that child moves "
+                           "on", request.id, child.pid, "its slot is released and " if entry
+                           else "")
+            self.orphans.append(Orphan(request, child.pid, entry))
 
     def check_orphans(self) -> None:
-        """Release an orphan's slot once its child has moved on or exited. A child that is
-        up runs the job it was written first, and one that takes no other job and does not
-        exit (with ``max_tasks_per_child``) shows nothing: a write to a child can also be
-        lost with the pipe of one that exited before reading it, and the slot would be held
-        until the worker stops. So a child up for a whole lease TTL frees the slot too: if it
-        runs the job after all, that run has lost its lease (``current_lease().verify()``
-        says so, and fencing tokens reject its writes), as a partitioned holder's would."""
+        """Settle an orphan once its child has moved on or exited. A child that is up runs the
+        job it was written first, and one that takes no other job and does not exit (with
+        ``max_tasks_per_child``) shows nothing: a write to a child can also be lost with the
+        pipe of one that exited before reading it, and the slot would be held until the worker
+        stops. So a child up for a whole lease TTL counts as moved on too: if it runs the job
+        after all, that run has lost its lease (``current_lease().verify()`` says so, and
+        fencing tokens reject its writes), as a partitioned holder's would.
+
+        Its message, kept unacknowledged on a Redis broker (a job a child got is among those
+        :func:`.celery_internals.handed_to_pool` counts), is acknowledged once the child moved
+        on (it ran the job) and put back if the child exited (it may have died before running
+        it: at-least-once). On AMQP the broker put it back when the channel closed, as for
+        plain Celery."""
         now = time.monotonic()
-        orphans: List[Held] = [e for e in self.held.values() if e.orphan_of is not None]
-        for entry in orphans:
-            pid = entry.orphan_of
-            assert pid is not None
-            if not celery_internals.process_alive(pid) or celery_internals.runs_in_child(pid):
-                self._forget(entry)
-            elif celery_internals.child_is_up(self.gate.consumer.pool, pid):
-                if entry.orphan_child_up is None:
-                    entry.orphan_child_up = now
-                elif now - entry.orphan_child_up > entry.lease.ttl:
-                    logger.warning("celery-semaphore: pool child %s has not moved on in a lease "
-                                   "TTL after a broker reconnect; releasing the slot of %s",
-                                   pid, entry.request.id)
-                    self._forget(entry)
+        for orphan in list(self.orphans):
+            pid = orphan.pid
+            alive = celery_internals.process_alive(pid)
+            if alive and not celery_internals.runs_in_child(pid):
+                if not celery_internals.child_is_up(self.gate.consumer.pool, pid):
+                    continue
+                ttl = (orphan.held.lease.ttl if orphan.held is not None
+                       else self.gate.settings.lease_ttl)
+                if orphan.child_up is None:
+                    orphan.child_up = now
+                    continue
+                if now - orphan.child_up <= ttl:
+                    continue
+                logger.warning("celery-semaphore: pool child %s has not moved on in a lease TTL "
+                               "after a broker reconnect; settling %s", pid, orphan.request.id)
+            self.orphans.remove(orphan)
+            if orphan.held is not None:
+                self._forget(orphan.held)
+            settle = Settle.ACK if alive else Settle.REQUEUE
+            logger.info("celery-semaphore: settled %s (its job went to pool child %s, which %s):"
+                        " %s", orphan.request.id, pid, "moved on" if alive else "exited",
+                        "acknowledged" if alive else "put back in its queue")
+            self.gate.settlements.settle_kept(orphan.request.message, settle)
 
     def _forget(self, entry: Held) -> None:
         """Release a held slot no pool callback will release."""

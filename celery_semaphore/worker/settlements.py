@@ -130,6 +130,14 @@ class Settlements:
                         "in the broker until they end (not delivered again)", len(kept))
         return [tag for tag in tags if tag not in keep]
 
+    def settle_kept(self, message: Any, settle: Settle) -> None:
+        """Make ``settle`` of ``message``, which a lost connection left unacknowledged in the
+        broker for whoever settles it (a task a pool child got: :meth:`detach`'s ``keep``, or
+        any message pulled from the waiting room); nothing for another transport than
+        Redis, whose broker requeued it when the channel closed."""
+        if celery_internals.redis_qos(getattr(message, "channel", None)) is not None:
+            self.later(message.delivery_tag, settle)
+
     # -- settling ----------------------------------------------------------------------------
 
     def _take_over(self, qos: Any, delivery_tag: str, settle: Settle,
