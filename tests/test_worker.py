@@ -504,15 +504,61 @@ def test_a_job_written_to_a_pool_child_before_a_broker_reconnect_runs_once(redis
         assert wait_until(lambda: f"settled {queued.id}" in worker.output(), timeout=ttl + 10), \
             worker.output()[-3000:]
         assert "acknowledged" in worker.output().split(f"settled {queued.id}")[1].split("\n")[0]
-        # acknowledged in the broker: it cannot be delivered again
-        assert wait_until(lambda: client.hlen("unacked") == 0 and client.llen(
-            cluster.env["CS_QUEUE"]) == 0, timeout=10)
+        # acknowledged in the broker: it cannot be delivered again; and every delivery of b
+        # the worker received has ended
+        assert wait_until(lambda: not _in_broker(client, cluster), timeout=10)
+        assert wait_until(lambda: worker.output().count(f"{queued.id}] received")
+                          == cluster.probe.completed("free:b").get("free:b", 0), timeout=15)
         assert cluster.probe.completed("free:b") == {"free:b": 1}
     finally:
         if child is not None:
             os.kill(child, signal.SIGCONT)
         client.close()
         cluster.stop()
+
+
+@pytest.mark.serial  # cuts every connection to the shared broker database
+def test_a_task_queued_in_the_thread_pool_runs_once_across_a_broker_reconnect(redis_url, tmp_path):
+    """A thread pool with its one thread busy: ``b`` (a semaphore with room) is granted ahead
+    and queued in the pool's executor when the test cuts the worker's broker connections.
+    The thread pool drops nothing on a reconnect, so ``b`` runs there: its message stays
+    unacknowledged and is acknowledged when it ends. Before, the gate put it back (the
+    request's reference to its thread-pool job is weak and was gone), and ``b`` ran twice
+    (the chaos soak's duplicates on its thread-pool worker)."""
+    broker = servers.redis_broker(redis_url)
+    cluster = Cluster(str(tmp_path), redis_url, broker, redis_url, workers=0)
+    client = redis.Redis.from_url(broker)
+    try:
+        worker = Worker(cluster.env, "threads", 1, pool="threads")
+        worker.wait_ready()
+        cluster.workers.append(worker)
+        running = cluster.task("slow").delay("a", 2.0)
+        assert wait_until(lambda: cluster.started("slow:a"), timeout=30)
+        queued = cluster.task("guarded").delay("b", 0.1)
+        assert wait_until(lambda: _holders(cluster, "images") == [queued.id], timeout=10)
+        assert not cluster.started("guarded:b")  # granted, queued behind the busy thread
+        cut = _kill_clients(client)
+        assert cut and wait_until(lambda: "Trying to re-establish" in worker.output(), 5)
+        assert running.get(timeout=30) == "a" and queued.get(timeout=30) == "b"
+        # both acknowledged in the broker: neither can be delivered again; and every delivery
+        # of b the worker received has ended
+        assert wait_until(lambda: not _in_broker(client, cluster), timeout=15), \
+            _in_broker(client, cluster)
+        assert wait_until(lambda: worker.output().count(f"{queued.id}] received")
+                          == worker.output().count(f"{queued.id}] succeeded"), timeout=15)
+        assert cluster.probe.completed("guarded:b") == {"guarded:b": 1}
+        assert cluster.probe.completed("slow:a") == {"slow:a": 1}
+    finally:
+        client.close()
+        cluster.stop()
+
+
+def _in_broker(client, cluster):
+    """This test's messages in the broker: in its task queue, or unacknowledged (kombu's
+    Redis transport keeps those in one ``unacked`` hash for every queue of the database)."""
+    queue = cluster.env["CS_QUEUE"]
+    unacked = [v for v in client.hvals("unacked") if f'"{queue}"' in v.decode(errors="replace")]
+    return unacked + client.lrange(queue, 0, -1)
 
 
 def _holders(cluster, name):

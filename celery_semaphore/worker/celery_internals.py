@@ -57,6 +57,17 @@ def runs_in_child(pid: int) -> bool:
     return any(other.worker_pid == pid for other in list(worker_state.active_requests))
 
 
+class _RunsOnceHanded:
+    """The job of a request handed to a pool that keeps no reference to it (the thread pool):
+    it runs whatever happens to the broker connection (nothing drops it)."""
+
+    _accepted = True
+    _write_to = None
+
+
+RUNS_ONCE_HANDED: Any = _RunsOnceHanded()
+
+
 def pool_job(request: Any) -> Any:
     """The pool's ApplyResult of ``request`` once handed to the pool (celery 5.x keeps a weak
     reference in ``Request._apply_result``), else None."""
@@ -213,7 +224,7 @@ def forget_unacked(qos: Any) -> List[str]:
     return tags
 
 
-def handed_to_pool() -> Set[str]:
+def handed_to_pool(jobs: Optional[Dict[int, Tuple[Any, Any]]] = None) -> Set[str]:
     """Delivery tags of the requests whose task runs, ran, or will run without a new delivery
     (celery.worker.state; read on the consumer's thread, or copied again if another thread
     changed a set meanwhile): Celery's active requests, those it acknowledged, and those whose
@@ -222,7 +233,9 @@ def handed_to_pool() -> Set[str]:
     (``_write_to``: the pool's flush on a broker reconnect drops the job but finishes the
     write, and the child runs it; :class:`.release.Orphan` settles its message). A prefork
     job no child got is not among them: the flush drops it, counting on the broker to
-    deliver its message again (``AsynPool.flush``)."""
+    deliver its message again (``AsynPool.flush``). ``jobs``: ``id(request) -> (request,
+    job)`` for the requests whose pool job the caller holds (a request's own reference is
+    weak, and the thread pool keeps none: a job queued for a busy thread would look gone)."""
     from celery.worker import state
 
     for _ in range(10):
@@ -236,7 +249,8 @@ def handed_to_pool() -> Set[str]:
         return set()
     handed = set()
     for request in requests:
-        job = pool_job(request)
+        held = jobs.get(id(request)) if jobs is not None else None
+        job = held[1] if held is not None and held[0] is request else pool_job(request)
         if (request in active or getattr(request, "acknowledged", False)
                 or (job is not None and (getattr(job, "_accepted", True)
                                          or getattr(job, "_write_to", None) is not None))):

@@ -90,7 +90,10 @@ class Releases:
 
     def handed_to_pool(self, request: Any) -> None:
         if not getattr(request, "semaphore_ended", False):  # (a pool that runs it at once)
-            self.in_pool[id(request)] = (request, celery_internals.pool_job(request))
+            # the thread pool keeps no reference to its job: it runs, whatever happens to the
+            # broker connection (no flush drops it)
+            job = celery_internals.pool_job(request) or celery_internals.RUNS_ONCE_HANDED
+            self.in_pool[id(request)] = (request, job)
 
     def track(self, request: Any) -> None:
         """Wrap the request's pool callbacks: release its lease, and look for free processes."""
