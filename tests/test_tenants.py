@@ -107,8 +107,11 @@ def test_parked_tasks_a_killed_worker_held_are_found_without_a_new_send(redis_ur
         # queue, not in their lane: the lane's doorbell, restored apart (it may have been
         # delivered long before them), may have been proven empty and acked by then
         queue = cluster.env["CS_QUEUE"]
-        assert wait_until(lambda: [key for _, key in _unacked_routes(cluster, results)]
-                          == [queue] * 4, timeout=10), _unacked_routes(cluster, results)
+        # (the payload's own delivery_info too: a worker that consumes the restored message
+        # records that route for the next restore)
+        assert wait_until(lambda: [(key, inner) for _, key, inner in _unacked_routes(
+            cluster, results)] == [(queue, queue)] * 4, timeout=10), _unacked_routes(
+                cluster, results)
         survivor = Worker(cluster.env, "survivor", 4)  # idle, with room, runs throughout
         cluster.workers.append(survivor)
         survivor.wait_ready()
@@ -124,7 +127,8 @@ def test_parked_tasks_a_killed_worker_held_are_found_without_a_new_send(redis_ur
 
 def _unacked_routes(cluster, results):
     """(exchange, routing key) that a restore of each of ``results``' messages unacked in the
-    Redis broker would use (kombu keeps ``[payload, exchange, routing key]`` per message)."""
+    Redis broker would use (kombu keeps ``[payload, exchange, routing key]`` per message), and
+    the routing key of the restored payload's ``delivery_info``."""
     client = redis.Redis.from_url(cluster.env["CS_BROKER_URL"])
     try:
         ids = {r.id for r in results}
@@ -132,7 +136,8 @@ def _unacked_routes(cluster, results):
         for raw in client.hvals("unacked"):
             payload, exchange, routing_key = json.loads(raw)
             if payload["headers"].get("id") in ids:
-                routes.append((exchange, routing_key))
+                routes.append((exchange, routing_key,
+                               payload["properties"]["delivery_info"]["routing_key"]))
         return routes
     finally:
         client.close()

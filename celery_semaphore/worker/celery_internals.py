@@ -266,8 +266,11 @@ def reroute_unacked(channel: Any, reroutes: List[Tuple[Any, str, str]]) -> None:
     gate's after a lost connection) put the message where ``exchange`` routes
     ``routing_key``, instead of back where it was pulled from: kombu 5.x restores from the
     ``[payload, exchange, routing_key]`` it keeps in the broker's unacked hash
-    (``QoS.append``), which this rewrites in one pipeline. Does nothing on another
-    transport."""
+    (``QoS.append``), which this rewrites in one pipeline. The payload's own
+    ``properties.delivery_info`` is rewritten too: a worker that consumes the restored message
+    from its task queue records the route it finds there, and a later restore of that delivery
+    must not send it back to the parking queue, where no doorbell announces it. Does nothing
+    on another transport."""
     qos = redis_qos(channel)
     if qos is None or not reroutes:
         return
@@ -277,8 +280,21 @@ def reroute_unacked(channel: Any, reroutes: List[Tuple[Any, str, str]]) -> None:
         pipe = client.pipeline()
         for message, exchange, routing_key in reroutes:
             pipe.hset(qos.unacked_key, message.delivery_tag,
-                      dumps([message._raw, exchange, routing_key]))
+                      dumps([_routed(message._raw, exchange, routing_key), exchange,
+                             routing_key]))
         pipe.execute()
+
+
+def _routed(payload: Any, exchange: str, routing_key: str) -> Any:
+    """A copy of a kombu virtual-transport ``payload`` whose ``delivery_info`` says it was
+    published to ``exchange`` with ``routing_key`` (``payload`` itself is unchanged)."""
+    if not isinstance(payload, dict) or not isinstance(payload.get("properties"), dict):
+        return payload
+    properties = dict(payload["properties"])
+    delivery_info = properties.get("delivery_info")
+    properties["delivery_info"] = {**(delivery_info if isinstance(delivery_info, dict) else {}),
+                                   "exchange": exchange, "routing_key": routing_key}
+    return {**payload, "properties": properties}
 
 
 def settle_unacked(app: Any, settlements: List[Tuple[str, bool]],
