@@ -47,6 +47,12 @@ def reserved_count() -> int:
     return len(worker_state.reserved_requests)
 
 
+def still_held(request: Any) -> bool:
+    """True while Celery's worker state counts ``request`` reserved or active (it has not
+    ended, nor been forgotten on a reconnect)."""
+    return request in worker_state.reserved_requests or request in worker_state.active_requests
+
+
 def task_ready(request: Any) -> None:
     """Tell Celery's worker state that ``request`` has left the worker (not run here)."""
     worker_state.task_ready(request)
@@ -88,7 +94,7 @@ def dropped_job_child(consumer: Any, request: Any, job: Any) -> Optional[Any]:
     process it was being written to (which runs it with no callbacks)."""
     pool = getattr(consumer.pool, "_pool", None)  # None once the pool has stopped
     if (job is None or request.time_start is not None or not pool_forks(consumer.pool)
-            or pool is None or job._job in pool._cache):
+            or pool is None or getattr(job, "_job", None) is None or job._job in pool._cache):
         return False
     return getattr(job, "_write_to", None)
 

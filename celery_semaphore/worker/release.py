@@ -92,7 +92,9 @@ class Releases:
         if not getattr(request, "semaphore_ended", False):  # (a pool that runs it at once)
             # the thread pool keeps no reference to its job: it runs, whatever happens to the
             # broker connection (no flush drops it)
-            job = celery_internals.pool_job(request) or celery_internals.RUNS_ONCE_HANDED
+            job = celery_internals.pool_job(request)
+            if job is None and not celery_internals.pool_forks(self.gate.consumer.pool):
+                job = celery_internals.RUNS_ONCE_HANDED
             self.in_pool[id(request)] = (request, job)
 
     def track(self, request: Any) -> None:
@@ -246,6 +248,9 @@ class Releases:
         it: at-least-once). On AMQP the broker put it back when the channel closed, as for
         plain Celery."""
         now = time.monotonic()
+        for key, (request, _) in list(self.in_pool.items()):  # ended unseen (never applied)
+            if not celery_internals.still_held(request):
+                del self.in_pool[key]
         for orphan in list(self.orphans):
             pid = orphan.pid
             alive = celery_internals.process_alive(pid)

@@ -1,0 +1,92 @@
+"""What the gate reads of Celery's and kombu's internals (:mod:`celery_semaphore.worker.
+celery_internals`), on objects shaped as Celery 5.x makes them: which pool jobs a broker
+reconnect leaves running, and the route a rerouted message keeps."""
+
+from types import SimpleNamespace
+
+from celery.concurrency.prefork import TaskPool as PreforkPool
+from celery.worker import state as worker_state
+
+from celery_semaphore.worker import celery_internals
+from celery_semaphore.worker.celery_internals import (
+    RUNS_ONCE_HANDED,
+    _routed,
+    dropped_job_child,
+    handed_to_pool,
+)
+
+
+def prefork_consumer(cache):
+    pool = PreforkPool.__new__(PreforkPool)
+    pool._pool = SimpleNamespace(_cache=cache)
+    return SimpleNamespace(pool=pool)
+
+
+class Request:
+    """Shaped as Celery's: weakly referenceable (Celery keeps weak sets of requests)."""
+
+    def __init__(self, tag):
+        self.message = SimpleNamespace(delivery_tag=tag)
+        self.time_start = None
+        self.acknowledged = False
+        self._apply_result = None
+
+
+def request(tag):
+    return Request(tag)
+
+
+def test_a_job_the_flush_dropped_is_told_apart_by_whether_a_child_got_it():
+    child = SimpleNamespace(pid=42)
+    kept = SimpleNamespace(_job=1, _write_to=None)
+    unwritten = SimpleNamespace(_job=2, _write_to=None)
+    written = SimpleNamespace(_job=3, _write_to=child)
+    consumer = prefork_consumer({1: kept})
+    assert dropped_job_child(consumer, request("a"), kept) is False  # still in the pool
+    assert dropped_job_child(consumer, request("b"), unwritten) is None  # never runs
+    assert dropped_job_child(consumer, request("c"), written) is child  # runs unseen
+    # a job with no pool identity (the thread pool's stand-in, or none at all) is never
+    # taken for a dropped one: the worker's chaos run crashed the gate's stop on it
+    assert dropped_job_child(consumer, request("d"), RUNS_ONCE_HANDED) is False
+    assert dropped_job_child(consumer, request("e"), None) is False
+
+
+def test_handed_counts_accepted_written_and_thread_pool_jobs_but_not_unwritten_ones():
+    requests = [request(tag) for tag in "abcde"]
+    jobs = {
+        id(requests[0]): (requests[0], SimpleNamespace(_accepted=True, _write_to=None)),
+        id(requests[1]): (requests[1], SimpleNamespace(_accepted=False, _write_to=object())),
+        id(requests[2]): (requests[2], SimpleNamespace(_accepted=False, _write_to=None)),
+        id(requests[3]): (requests[3], RUNS_ONCE_HANDED),  # queued for a busy thread
+    }
+    saved = set(worker_state.reserved_requests)
+    worker_state.reserved_requests.clear()
+    worker_state.reserved_requests.update(requests)
+    try:
+        assert handed_to_pool(jobs) == {"a", "b", "d"}
+        assert handed_to_pool() == set()  # the requests' own (weak) references are gone
+    finally:
+        worker_state.reserved_requests.clear()
+        worker_state.reserved_requests.update(saved)
+
+
+def test_a_rerouted_payload_says_where_it_goes_and_the_original_is_unchanged():
+    payload = {"body": "x", "headers": {"id": "t"},
+               "properties": {"delivery_tag": "d", "delivery_info": {
+                   "exchange": "", "routing_key": "semaphore:park.q|lane", "priority": 0}}}
+    routed = _routed(payload, "tasks", "q")
+    assert routed["properties"]["delivery_info"] == {"exchange": "tasks", "routing_key": "q",
+                                                     "priority": 0}
+    assert routed["properties"]["delivery_tag"] == "d" and routed["body"] == "x"
+    assert payload["properties"]["delivery_info"]["routing_key"] == "semaphore:park.q|lane"
+    assert _routed("not a payload", "tasks", "q") == "not a payload"
+
+
+def test_still_held_follows_celerys_worker_state():
+    held = request("a")
+    worker_state.reserved_requests.add(held)
+    try:
+        assert celery_internals.still_held(held)
+    finally:
+        worker_state.reserved_requests.discard(held)
+    assert not celery_internals.still_held(held)
