@@ -53,7 +53,9 @@ and returned), and at the very end the backend's ``status`` of every semaphore. 
               that never started and was sent within 0.5 s before (or 0.1 s after) a
               ``broker_restart`` SIGKILL: kombu's Redis transport pops a message before it
               records it as unacknowledged, and the kill may lose it (details:
-              ``lost_in_broker_kill_window``).
+              ``lost_in_broker_kill_window``); nor one that the broker's AOF shows taken
+              off its queue by such a pop with no record of the delivery before the broker
+              restarted (:mod:`chaos.aof`; also ``lost_popped_as_broker_died``).
 ``duplicates`` task ids whose body ran to its end more than once for a reason other than a
               documented at-least-once redelivery. A body killed mid-run and run again is
               at-least-once (it completed once). Two completed runs are a duplicate, unless

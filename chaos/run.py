@@ -22,6 +22,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
+from chaos import aof
 from chaos import app as chaos_app
 from chaos.checker import NS, Fault, Report, check, parse_probe
 from chaos.proxy import Proxy
@@ -543,10 +544,27 @@ class Chaos:
         # a backend wiped empty forgets when the next start is due)
         report.details["rated_max_starts_in_1s"] = max(
             (bisect.bisect_left(starts, t + NS) - i for i, t in enumerate(starts)), default=0)
+        self.excuse_broker_kill_pops(report)
         report.details["lost_where"] = self.where(report.details.get("lost_tasks") or [])
         report.details["unexpected_worker_exits"] = self.unexpected_exits
         report.details["worker_log_errors"] = self.log_errors()
         return report
+
+    def excuse_broker_kill_pops(self, report: Report) -> None:
+        """Count apart from ``lost`` the lost tasks that the broker's AOF shows taken off a
+        queue by a worker as the broker was SIGKILLed (:mod:`chaos.aof`: kombu's window)."""
+        lost = list(report.details.get("lost_tasks") or [])
+        if not lost or self.broker is None:
+            return
+        died = aof.popped_as_broker_died(os.path.join(self.broker.workdir, "appendonlydir"),
+                                         lost)
+        if not died:
+            return
+        report.lost -= len(died)
+        report.details["lost_tasks"] = [t for t in lost if t not in died]
+        window = list(report.details.get("lost_in_broker_kill_window") or [])
+        report.details["lost_in_broker_kill_window"] = window + sorted(died)
+        report.details["lost_popped_as_broker_died"] = sorted(died)
 
     def where(self, task_ids: List[str]) -> Dict[str, List[str]]:
         """Where the broker holds each of ``task_ids`` at the end of the drain (a list: a task
