@@ -32,6 +32,13 @@ class Request:
         self._apply_result = None
 
 
+class Job:
+    """Shaped as billiard's ApplyResult (weakly referenceable), written to a child."""
+
+    _accepted = False
+    _write_to = object()
+
+
 def request(tag):
     return Request(tag)
 
@@ -65,6 +72,34 @@ def test_handed_counts_accepted_written_and_thread_pool_jobs_but_not_unwritten_o
     try:
         assert handed_to_pool(jobs) == {"a", "b", "d"}
         assert handed_to_pool() == set()  # the requests' own (weak) references are gone
+    finally:
+        worker_state.reserved_requests.clear()
+        worker_state.reserved_requests.update(saved)
+
+
+def test_a_request_applied_after_it_was_handed_is_judged_by_its_live_job():
+    """With every prefork process busy, Celery's worker semaphore applies a request only once
+    a process frees: when the gate handed it over it had no job yet. At a lost connection the
+    gate takes a strong reference to the job it has by then (before the pool's flush drops
+    it), and a job already written to a child counts as handed (the chaos run's duplicate)."""
+    import weakref
+
+    from celery_semaphore.worker.release import Releases
+
+    deferred = request("a")
+    releases = Releases.__new__(Releases)
+    releases.in_pool = {id(deferred): (deferred, None)}
+    job = Job()  # written to a child, not accepted
+    deferred._apply_result = weakref.ref(job)
+    saved = set(worker_state.reserved_requests)
+    worker_state.reserved_requests.clear()
+    worker_state.reserved_requests.add(deferred)
+    try:
+        releases.refresh_jobs()
+        assert releases.in_pool[id(deferred)] == (deferred, job)
+        assert handed_to_pool(releases.in_pool) == {"a"}
+        del job  # the flush dropped the pool's reference: the gate's own keeps it
+        assert handed_to_pool(releases.in_pool) == {"a"}
     finally:
         worker_state.reserved_requests.clear()
         worker_state.reserved_requests.update(saved)

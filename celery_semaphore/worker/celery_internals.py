@@ -256,7 +256,9 @@ def handed_to_pool(jobs: Optional[Dict[int, Tuple[Any, Any]]] = None) -> Set[str
     handed = set()
     for request in requests:
         held = jobs.get(id(request)) if jobs is not None else None
-        job = held[1] if held is not None and held[0] is request else pool_job(request)
+        job = pool_job(request)
+        if job is None and held is not None and held[0] is request:
+            job = held[1]
         if (request in active or getattr(request, "acknowledged", False)
                 or (job is not None and (getattr(job, "_accepted", True)
                                          or getattr(job, "_write_to", None) is not None))):

@@ -192,6 +192,7 @@ class Gate:
             # late, or whose ack the broker did not take) are settled as they end
             # (Settlements): closing the lost connection would restore them all through a
             # detached transport, and run them twice
+            self.releases.refresh_jobs()
             handed = celery_internals.handed_to_pool(self.releases.in_pool) | {
                 r.message.delivery_tag for r in self.handoffs} | self.in_transit
             others = self.settlements.detach(celery_internals.task_channel(self.consumer),

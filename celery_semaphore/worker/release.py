@@ -127,6 +127,18 @@ class Releases:
         on_timeout = request.on_timeout
         request.on_success, request.on_failure, request.on_timeout = success, failure, time_limit
 
+    def refresh_jobs(self) -> None:
+        """Take a strong reference to the pool job of every request handed to the pool whose
+        job did not exist yet when it was handed: with every process busy, prefork's consumer
+        holds a request in Celery's worker semaphore and applies it once a process frees
+        (``WorkController._process_task_sem``). Called when the broker connection is lost,
+        before the pool's flush drops the jobs no child accepted."""
+        for key, (request, job) in list(self.in_pool.items()):
+            if job is None:
+                live = celery_internals.pool_job(request)
+                if live is not None:
+                    self.in_pool[key] = (request, live)
+
     def finished(self, request: Any, exc: Optional[BaseException] = None) -> None:
         """``request`` ended (a pool callback, posted to the loop thread): release its slot,
         and let waiters have the process it freed."""
