@@ -395,14 +395,13 @@ def test_a_try_ahead_counts_against_the_process_it_would_take():
     assert exit_of(commands).how is How.START
 
 
-def test_a_one_try_policy_refused_ahead_is_full_and_a_waiter_leaving_ahead_cancels():
+def test_a_one_try_policy_never_tries_ahead_and_a_waiter_leaving_ahead_cancels():
+    """A skip or fail policy makes its one try once a process is free for it (as
+    documented: a duplicate sent meanwhile is judged then), never ahead."""
     core, world = make(processes=1, lookahead=1)
     busy(core, world)
-    skip, _, _ = arrive(core, guard("t:1", on_full="skip"))
-    assert skip.state is WaitState.AHEAD
-    done = exit_of(core.handle(answer(skip, wait_answer(limit=1))))
-    assert done.how is How.FULL and done.limit == 1
-    world.reserved -= 1  # skipped: it left the worker
+    skip, commands, _ = arrive(core, guard("t:1", on_full="skip"))
+    assert skip.state is WaitState.LINED and commands == []
     gone, _, _ = arrive(core, guard("t:2"))
     assert gone.state is WaitState.AHEAD
     commands = core.handle(Leave(gone, How.GIVE_BACK))

@@ -304,7 +304,9 @@ class AdmissionCore:
 
     Trying ahead: while every process is busy or promised, up to
     :meth:`Surroundings.lookahead` lined requests (counting the granted ones already waiting
-    in the pool's queue) make one try with ``wait=False``, each of a semaphore this worker
+    in the pool's queue) make one try with ``wait=False``, each one that would wait for a
+    full semaphore (``semaphore_on_full="wait"``: a skip or fail policy makes its one try
+    once a process is free, as documented), each of a semaphore this worker
     neither queues for nor was told to wait for: the backend grants it only a free slot
     nobody queues for, and the request goes to the pool's queue with it, to start the moment
     a process frees (no acquire round trip between one task's end and the next one's start).
@@ -430,16 +432,12 @@ class AdmissionCore:
 
     def _answered_ahead(self, waiter: Waiter, answer: Answer) -> None:
         """The answer to ``waiter``'s try ahead: a grant sends it to the pool's queue; a
-        refusal lines it up again (or, for a one-try policy, skips or fails it: its one try
-        found the semaphore full); an error lines it up again."""
+        refusal or an error lines it up again."""
         attempt = answer.attempt
         if attempt is not None and attempt.grant is not None:
             return self._exit(waiter, How.START, answer=answer)
         if isinstance(answer.error, ConfigurationError):
             return self._exit(waiter, How.FAIL, error=answer.error)
-        if attempt is not None and not waiter.waits:
-            return self._exit(waiter, How.FULL, limit=attempt.limit,
-                              blocking=getattr(attempt, "blocking", None) or waiter.guard.name)
         waiter.tried_ahead = True
         self._move(waiter, WaitState.LINED)
         # back where it was: behind those that tried ahead before it, ahead of the rest
@@ -563,8 +561,8 @@ class AdmissionCore:
         counts = self.counts
         for waiter in list(self.line):
             name = waiter.guard.name
-            if (waiter.tried_ahead or waiter.guard.priority > 0 or name in counts.blocked
-                    or name in counts.queued or name in counts.ahead):
+            if (waiter.tried_ahead or not waiter.waits or waiter.guard.priority > 0
+                    or name in counts.blocked or name in counts.queued or name in counts.ahead):
                 continue
             self.line.remove(waiter)
             self._move(waiter, WaitState.AHEAD)
