@@ -406,7 +406,7 @@ class ParkOnSend:
     def _ring(self, lane: str, destination: Dict[str, Any], options: Dict[str, Any]) -> None:
         """Send the doorbell for ``lane`` to ``destination``, unless one went less than
         :data:`DOORBELL_EVERY` ago (a worker that took it pulls the lane again
-        :data:`.parking.RECHECK_AFTER` later). Raises what the broker raised: the caller parks
+        :data:`.lanes.RECHECK_AFTER` later). Raises what the broker raised: the caller parks
         nothing then. A throttled send counts on a doorbell that was sent, never on one still
         on its way (two sends at once may both ring)."""
         queue = destination.get("queue")

@@ -8,7 +8,8 @@ grants a slot, then handed to the pool with its lease.
 Its parts: :mod:`.core` (every decision about a waiting request: events in, commands out,
 no threads, no Celery), :mod:`.admission` (the shell that feeds the core and carries out its
 commands), :mod:`.threads` (the loop thread owns every state, one I/O thread calls out),
-:mod:`.waiter` (a waiting request's state machine), :mod:`.parking` (the waiting room),
+:mod:`.waiter` (a waiting request's state machine), :mod:`.parking` (the waiting room, whose
+pulling decisions are a core of their own: :mod:`.lanes`),
 :mod:`.release` (release on every ending), :mod:`.requeue` (when the waiting room cannot take
 a request), :mod:`.outcomes` (every result-backend write, in order), :mod:`.reporting`
 (events, WAITING, remote control) and :mod:`.celery_internals` (every touch of Celery's

@@ -34,13 +34,12 @@ Threads: the parking connection belongs to the I/O thread; the loop thread decid
 
 from __future__ import annotations
 
-import enum
 import heapq
 import logging
 import threading
 import time
-from collections import Counter, OrderedDict, deque
-from dataclasses import dataclass, field
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Deque, Dict, List, Optional, Set, Tuple
 
 from celery.worker.control import control_command
@@ -54,7 +53,6 @@ from ..waiting_room import (
     FIRST_WAIT_HEADER,
     PARKED_BY_HEADER,
     PARKED_HEADER,
-    RERING_EVERY,
     ROUTE_HEADER,
     lane_of,
     parking_queue,
@@ -66,6 +64,18 @@ from . import celery_internals
 from .core import How
 from .headers import lane_or_none
 from .lane_guards import SETTLE, LaneBusy, LaneGuards
+from .lanes import (
+    REFUSE_FOR,
+    AckDuplicate,
+    Bell,
+    Hold,
+    LaneBook,
+    LaneCommand,
+    LetGo,
+    Pull,
+    Recheck,
+    Ring,
+)
 from .requeue import publish_copy
 from .settlements import EVERY_MESSAGE, Settle
 from .waiter import Waiter
@@ -75,43 +85,15 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: After a doorbell, pull once more this much later: a sender rings at most once every
-#: :data:`DOORBELL_EVERY`, so what it parked after ringing is there by then.
-RECHECK_AFTER = 2.5 * DOORBELL_EVERY
 #: Requests of one semaphore a worker holds waiting, per pool process.
 SHARE_PER_PROCESS = 2
 #: Parked tasks a worker remembers, to announce their revocation or max-wait failure while
 #: they are parked (the oldest are forgotten first; they are still judged when pulled).
 MAX_TRACKED = 100_000
-#: Messages one pull takes at most.
-PULL_BATCH = 16
-#: Seconds a lane whose tasks this worker does not know is left to the other workers.
-REFUSE_FOR = 30.0
 #: Seconds before a lane another worker is deleting (AMQP) is pulled again.
 BUSY_RETRY = 1.0
 #: Seconds after a lane was proven empty before its parking queue is deleted (AMQP).
 DELETE_AFTER = 2.0
-
-
-class BellState(enum.Enum):
-    """A doorbell this worker holds (unacked on the consumer's channel) for one lane."""
-
-    PULLING = "pulling"  # the lane may hold parked tasks: pulled while there is room
-    DRAINED = "drained"  # found empty late enough; acked once its pulled tasks are settled
-
-
-@dataclass(eq=False)
-class Bell:
-    lane: str
-    message: Any  # the doorbell's message on the consumer channel
-    state: BellState = BellState.PULLING
-    #: Monotonic time of the last doorbell of this lane (held or not): a pull must begin
-    #: RECHECK_AFTER later to prove the lane empty.
-    rung: float = field(default_factory=time.monotonic)
-    rerung: float = 0.0
-    #: Monotonic time before which pulled tasks of this lane go back (a task this worker
-    #: does not know): the lane is left to the other workers meanwhile.
-    refused_until: float = 0.0
 
 
 @dataclass
@@ -132,11 +114,9 @@ class ParkingLot:
     def __init__(self, gate: "Gate") -> None:
         self.gate = gate
         # loop thread
-        self.bells: Dict[str, Bell] = {}  # lane -> the doorbell this worker holds for it
-        self.lanes: Dict[str, Deque[str]] = {}  # semaphore -> its held lanes, in turn
-        self.pulling: Dict[str, int] = {}  # lane -> gets on their way
+        #: the doorbells held, by lane and semaphore, and the pulls on their way: decisions
+        self.book = LaneBook(_LaneSurroundings(self))
         self.parking: Dict[str, int] = {}  # lane -> copies being published
-        self._rung: Dict[str, float] = {}  # lane -> when this worker last rang it
         self._io_rung: Dict[str, float] = {}  # the same for doorbells rung before a park (I/O)
         self.tracked: "OrderedDict[str, ParkedTask]" = OrderedDict()  # task id -> parked task
         self._deadlines: List[Tuple[float, str]] = []  # heap of (deadline, task id)
@@ -210,91 +190,55 @@ class ParkingLot:
         message = waiter.request.message
         self.gate.io.call(self._reject, message, (message.headers or {}).get(PARKED_HEADER))
 
+    @property
+    def bells(self) -> Dict[str, Bell]:
+        return self.book.bells
+
+    @property
+    def lanes(self) -> Dict[str, Deque[str]]:
+        return self.book.lanes
+
+    @property
+    def pulling(self) -> Dict[str, int]:
+        return self.book.pulling
+
     def refill(self, name: str) -> None:
         """Pull parked requests of semaphore ``name`` (or of a lane's semaphore) while this
-        worker has room for them: from the lanes it holds a doorbell for, in turn (with
-        ``semaphore_fair_by``, one per fair key), an equal part of the room each, the next
-        refill starting at the next lane, so that the backend's fair queue sees every key
-        that has parked requests. A lane it has no room for is rung again for the others."""
-        semaphore = semaphore_of(name)
-        lanes = self.lanes.get(semaphore)
-        if not lanes or not self.gate.open:
-            return
-        want = min(self.room(semaphore), PULL_BATCH)
-        if want <= 0:
-            for lane in lanes:
-                self._ring_again(self.bells[lane])
-            return
-        part = max(1, want // len(lanes))
-        now = time.monotonic()
-        for _ in range(len(lanes)):
-            if want <= 0:
-                break
-            lane = lanes[0]
-            lanes.rotate(-1)
-            bell = self.bells[lane]
-            if bell.state is not BellState.PULLING or bell.refused_until > now:
-                continue
-            take = min(part, want)
-            want -= take
-            self.pulling[lane] = self.pulling.get(lane, 0) + take
-            self.gate.io.call(self._pull, lane, take, now)
+        worker has room for them (:meth:`.LaneBook.refill`)."""
+        self._run(self.book.refill(name))
 
     def refill_all(self) -> None:
-        for semaphore in list(self.lanes):
-            self.refill(semaphore)
+        self._run(self.book.refill_all())
 
     def doorbell(self, lane: str, message: Any) -> None:
         """A doorbell of ``lane`` reached this worker (through a queue it consumes): hold it
         (or, holding one already, ack this one) and pull; look again :data:`RECHECK_AFTER`
         later, for what was parked after it was rung."""
-        bell = self.bells.get(lane)
-        if bell is None:
-            bell = self.bells[lane] = Bell(lane, message)
-            self.gate.consumer.qos.increment_eventually()  # held: the consumer fetches on
-            self.lanes.setdefault(semaphore_of(lane), deque()).append(lane)
-        else:
-            message.ack_log_error(logger, self.gate.consumer.connection_errors)
-            bell.rung = time.monotonic()
-            bell.state = BellState.PULLING
-        self.refill(lane)
-        self.gate.io.call(self.gate.loop.post, self._recheck, bell, delay=RECHECK_AFTER)
+        self._run(self.book.doorbell(lane, message))
 
     def _recheck(self, bell: Bell) -> None:
-        if self.bells.get(bell.lane) is bell:
-            self.refill(bell.lane)
+        self._run(self.book.recheck(bell))
 
-    def _drained(self, bell: Bell) -> None:
-        """A pull begun late enough found ``bell``'s lane empty: ack the doorbell once no task
-        pulled from the lane is unsettled (else when the last one is: :meth:`_settled`). While
-        a message this worker gives back has not reached the broker yet (:class:`.Settlements`
-        after a lost connection), the lane is not proven empty: look again later."""
-        if len(self.gate.settlements):
-            self.gate.io.call(self.gate.loop.post, self._recheck, bell, delay=RECHECK_AFTER)
-            return
-        bell.state = BellState.DRAINED
-        with self._unsettled_lock:
-            if self._unsettled.get(bell.lane):
-                return
-        self._let_go(bell, ack=True)
-
-    def _let_go(self, bell: Bell, ack: bool) -> None:
-        """Stop holding ``bell``: ack it (its lane is empty) or leave it to the broker (the
-        consumer's channel is gone or about to give it back)."""
-        if self.bells.get(bell.lane) is not bell:
-            return
-        del self.bells[bell.lane]
-        semaphore = semaphore_of(bell.lane)
-        lanes = self.lanes[semaphore]
-        lanes.remove(bell.lane)
-        if not lanes:
-            del self.lanes[semaphore]
-        if ack:
-            bell.message.ack_log_error(logger, self.gate.consumer.connection_errors)
-            self.gate.consumer.qos.decrement_eventually()
-            if self._amqp():  # proven empty: its parking queue goes, a little later (not
-                # in the way of the releases that end a drain, nor of a lane that refills)
-                self.gate.io.call(self._delete_lane, bell.lane, delay=DELETE_AFTER)
+    def _run(self, commands: List[LaneCommand]) -> None:
+        """Carry out the lane book's commands, in order (loop thread)."""
+        for command in commands:
+            if isinstance(command, Pull):
+                self.gate.io.call(self._pull, command.lane, command.want, command.began)
+            elif isinstance(command, Recheck):
+                self.gate.io.call(self.gate.loop.post, self._recheck, command.bell,
+                                  delay=command.delay)
+            elif isinstance(command, Ring):
+                self.gate.io.call(self._ring, command.lane)
+            elif isinstance(command, Hold):
+                self.gate.consumer.qos.increment_eventually()  # held: the consumer fetches on
+            elif isinstance(command, AckDuplicate):
+                command.message.ack_log_error(logger, self.gate.consumer.connection_errors)
+            elif isinstance(command, LetGo):
+                command.bell.message.ack_log_error(logger, self.gate.consumer.connection_errors)
+                self.gate.consumer.qos.decrement_eventually()
+                if self._amqp():  # proven empty: its parking queue goes, a little later (not
+                    # in the way of the releases that end a drain, nor of a lane that refills)
+                    self.gate.io.call(self._delete_lane, command.bell.lane, delay=DELETE_AFTER)
 
     def _amqp(self) -> bool:
         """Whether the broker is RabbitMQ (AMQP), whose parking queues are real queues."""
@@ -305,33 +249,13 @@ class ParkingLot:
 
     def held_bells(self) -> List[Any]:
         """The doorbell messages this worker holds."""
-        return [bell.message for bell in self.bells.values()]
+        return self.book.held()
 
     def let_go_of_bells(self) -> List[Any]:
         """The consumer stops: stop holding every doorbell; return their messages, for the
         gate to reject while the connection is open (else the broker has them back
         already)."""
-        messages = []
-        for bell in list(self.bells.values()):
-            self._let_go(bell, ack=False)
-            messages.append(bell.message)
-        return messages
-
-    def _ring_again(self, bell: Bell) -> None:
-        """This worker holds ``bell`` but has no room for its lane: ring it again (at most
-        once every :data:`RERING_EVERY`) for another worker that consumes the same queue."""
-        now = time.monotonic()
-        if bell.state is BellState.PULLING and now - bell.rerung >= RERING_EVERY:
-            bell.rerung = now
-            self._ring_soon(bell.lane, every=RERING_EVERY)
-
-    def _ring_soon(self, lane: str, every: float = DOORBELL_EVERY) -> None:
-        now = time.monotonic()
-        if now - self._rung.get(lane, -every) >= every:
-            self._rung[lane] = now
-            if len(self._rung) > 10_000:
-                self._rung = {k: t for k, t in self._rung.items() if now - t < RERING_EVERY}
-            self.gate.io.call(self._ring, lane)
+        return self.book.let_go_of_all()
 
     def parked(self, waiter: Waiter, lane: str, published: bool) -> None:
         self.parking[lane] -= 1
@@ -385,9 +309,7 @@ class ParkingLot:
 
     def _pulled(self, lane: str, asked: int, messages: List[Any], empty: bool,
                 began: float) -> None:
-        self.pulling[lane] -= asked
-        if not self.pulling[lane]:
-            del self.pulling[lane]
+        self.book.pull_landed(lane, asked)
         bell = self.bells.get(lane)
         if not self.gate.open:  # the consumer stopped meanwhile: they wait for another pull
             for message in messages:
@@ -402,17 +324,7 @@ class ParkingLot:
             self._deliver(message, lane)
         if not messages:  # nothing held of it now, perhaps (AMQP: stop holding the lane)
             self.gate.io.call(self._release_if_idle, lane)
-        if bell is None:
-            return
-        if empty and not messages and bell.state is BellState.PULLING:
-            if began >= bell.rung + RECHECK_AFTER:
-                self._drained(bell)
-            else:  # what was parked after the doorbell may not have been there yet
-                delay = bell.rung + RECHECK_AFTER - time.monotonic()
-                self.gate.io.call(self.gate.loop.post, self._recheck, bell,
-                                  delay=max(delay, 0.0))
-            return
-        self.refill(lane)  # more of this lane, or the room it left to the others
+        self._run(self.book.pulled(bell, len(messages), empty, began, lane))
 
     def _deliver(self, message: Any, lane: str) -> None:
         """Hand a pulled message to Celery's strategy for its task, as the consumer does for a
@@ -428,12 +340,7 @@ class ParkingLot:
             logger.warning("celery-semaphore: parked task %s[%s] is not registered on this "
                            "worker; leaving its lane to the other workers for %gs",
                            headers.get("task"), headers.get("id"), REFUSE_FOR)
-            bell = self.bells.get(lane)
-            if bell is not None:
-                bell.refused_until = time.monotonic() + REFUSE_FOR
-                bell.rerung = 0.0
-                self._ring_again(bell)
-                self.gate.io.call(self.gate.loop.post, self._recheck, bell, delay=REFUSE_FOR)
+            self._run(self.book.refused(lane))
             self.gate.io.call(self._reject, message, lane, False)
             return
         try:
@@ -547,12 +454,9 @@ class ParkingLot:
 
     def _parked_then_ring(self, waiter: Waiter, lane: str, queue: Queue) -> None:
         self.parked(waiter, lane, True)
-        bell = self.bells.get(lane)
-        if bell is not None:  # held here: a pull begun from now on must find the copy
-            bell.rung = time.monotonic()
-            bell.state = BellState.PULLING
-            self.gate.io.call(self.gate.loop.post, self._recheck, bell, delay=RECHECK_AFTER)
-        # (otherwise its doorbell was rung before the copy was published: _park)
+        # held here: a pull begun from now on must find the copy (otherwise its doorbell was
+        # rung before the copy was published: _park)
+        self._run(self.book.rung_here(lane))
 
     def _ring_first(self, lane: str) -> None:
         """Ring ``lane`` before parking a copy in it, unless this worker rang it less than
@@ -580,7 +484,7 @@ class ParkingLot:
         except Exception as exc:
             logger.warning("celery-semaphore: ringing the doorbell of %r failed (its parked "
                            "tasks wait for the next one): %s", semaphore_of(lane), exc)
-            self.gate.loop.post(self._rung.pop, lane, None)
+            self.gate.loop.post(self.book.ring_failed, lane)
 
     def _pull(self, lane: str, want: int, began: float) -> None:
         messages: List[Any] = []
@@ -704,10 +608,7 @@ class ParkingLot:
     def _back_in_lane(self, lane: str) -> None:
         """A pulled message went back to ``lane`` (Celery rejected it with requeue): the
         lane must be proven empty anew before its doorbell goes."""
-        bell = self.bells.get(lane)
-        if bell is not None:
-            bell.state, bell.rung = BellState.PULLING, time.monotonic()
-            self.refill(lane)
+        self._run(self.book.back_in_lane(lane))
 
     def _settled(self, lane: str) -> None:
         with self._unsettled_lock:
@@ -719,13 +620,7 @@ class ParkingLot:
         self.gate.loop.post(self._last_settled, lane)
 
     def _last_settled(self, lane: str) -> None:
-        bell = self.bells.get(lane)
-        if bell is None:
-            return
-        if bell.state is BellState.DRAINED:
-            self._drained(bell)
-        else:
-            self.refill(lane)
+        self._run(self.book.last_settled(lane))
 
     def _reject(self, message: Any, lane: Optional[str] = None, rearm: bool = True) -> None:
         """Give back a pulled message (I/O thread); ``rearm``: its lane must be proven empty
@@ -768,10 +663,7 @@ class ParkingLot:
     def _rearm(self) -> None:
         """Messages pulled from the held lanes went back (loop thread): pull every held lane
         again, proving it empty anew before its doorbell goes."""
-        now = time.monotonic()
-        for bell in self.bells.values():
-            bell.state, bell.rung = BellState.PULLING, now
-        self.refill_all()
+        self._run(self.book.rearm())
 
     def close(self) -> None:  # I/O thread, at shutdown, after the last ack
         connection, self._connection = self._connection, None
@@ -781,6 +673,27 @@ class ParkingLot:
                 connection.close()
             except Exception:
                 pass
+
+
+class _LaneSurroundings:
+    """What the lane book reads of the worker (:class:`.LaneSurroundings`)."""
+
+    def __init__(self, lot: ParkingLot) -> None:
+        self.lot = lot
+
+    @property
+    def open(self) -> bool:
+        return self.lot.gate.open
+
+    def room(self, semaphore: str) -> int:
+        return self.lot.room(semaphore)
+
+    def settling(self) -> bool:
+        return len(self.lot.gate.settlements) > 0
+
+    def unsettled(self, lane: str) -> int:
+        with self.lot._unsettled_lock:
+            return self.lot._unsettled.get(lane, 0)
 
 
 def doorbell_strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Any:

@@ -1,0 +1,161 @@
+"""The waiting room's pulling decisions (:mod:`celery_semaphore.worker.lanes`), driven event by
+event: no threads, no Celery, no broker. Each test feeds events and checks the commands that
+come out, in order; the clock and what the book reads of the worker are the test's."""
+
+from celery_semaphore.waiting_room import RERING_EVERY, lane_of
+from celery_semaphore.worker.lanes import (
+    PULL_BATCH,
+    RECHECK_AFTER,
+    REFUSE_FOR,
+    AckDuplicate,
+    BellState,
+    Hold,
+    LaneBook,
+    LetGo,
+    Pull,
+    Recheck,
+    Ring,
+)
+
+
+class Worker:
+    """The book's surroundings, set by the test."""
+
+    def __init__(self, room=8):
+        self.open = True
+        self.rooms = {}
+        self.default_room = room
+        self.pending = False
+        self.unsettled_by_lane = {}
+        self.now = 100.0
+
+    def room(self, semaphore):
+        return self.rooms.get(semaphore, self.default_room)
+
+    def settling(self):
+        return self.pending
+
+    def unsettled(self, lane):
+        return self.unsettled_by_lane.get(lane, 0)
+
+
+def make(**worker):
+    w = Worker(**worker)
+    return LaneBook(w, clock=lambda: w.now), w
+
+
+def kinds(commands):
+    return [type(c).__name__ for c in commands]
+
+
+LANE = lane_of("s", None, "celery")
+
+
+def test_a_doorbell_is_held_pulled_and_looked_at_again_later():
+    book, _ = make(room=5)
+    commands = book.doorbell(LANE, "bell-1")
+    assert kinds(commands) == ["Hold", "Pull", "Recheck"]
+    assert commands[1] == Pull(LANE, 5, 100.0) and book.pulling == {LANE: 5}
+    assert commands[2].delay == RECHECK_AFTER
+    # a second doorbell of the same lane: acked at once, the lane rearmed, pulled again
+    commands = book.doorbell(LANE, "bell-2")
+    assert commands[0] == AckDuplicate("bell-2") and kinds(commands)[1:] == ["Pull", "Recheck"]
+    assert book.held() == ["bell-1"]
+
+
+def test_an_early_empty_pull_is_no_proof_and_a_late_one_lets_go_once_settled():
+    book, worker = make()
+    bell = book.doorbell(LANE, "bell")[-1].bell
+    book.pull_landed(LANE, 8)
+    worker.now += RECHECK_AFTER / 4  # the pull began too early: look again once it is not
+    commands = book.pulled(bell, 0, True, 100.0, LANE)
+    assert commands == [Recheck(bell, RECHECK_AFTER * 3 / 4)] and bell.state is BellState.PULLING
+    worker.now = 100.0 + RECHECK_AFTER
+    commands = book.recheck(bell)
+    assert commands == [Pull(LANE, 8, worker.now)]
+    book.pull_landed(LANE, 8)
+    worker.unsettled_by_lane[LANE] = 1  # a task pulled from it still runs
+    assert book.pulled(bell, 0, True, worker.now, LANE) == []
+    assert bell.state is BellState.DRAINED and book.held() == ["bell"]
+    worker.unsettled_by_lane[LANE] = 0
+    assert book.last_settled(LANE) == [LetGo(bell)]
+    assert book.held() == [] and book.lanes == {} and book.pulling == {}
+
+
+def test_a_lane_is_not_proven_empty_while_given_back_messages_are_on_their_way():
+    book, worker = make()
+    bell = book.doorbell(LANE, "bell")[-1].bell
+    book.pull_landed(LANE, 8)
+    worker.pending = True
+    assert book.pulled(bell, 0, True, 200.0, LANE) == [Recheck(bell, RECHECK_AFTER)]
+    assert bell.state is BellState.PULLING
+
+
+def test_a_message_back_in_its_lane_rearms_it_and_delivered_ones_pull_on():
+    book, worker = make()
+    bell = book.doorbell(LANE, "bell")[-1].bell
+    book.pull_landed(LANE, 8)
+    assert kinds(book.pulled(bell, 3, False, 100.0, LANE)) == ["Pull"]  # more of it
+    bell.state = BellState.DRAINED
+    worker.now = 150.0
+    commands = book.back_in_lane(LANE)
+    assert bell.state is BellState.PULLING and bell.rung == 150.0 and kinds(commands) == ["Pull"]
+
+
+def test_no_room_rings_the_lane_again_for_the_others_at_most_every_rering():
+    book, worker = make(room=0)
+    commands = book.doorbell(LANE, "bell")
+    assert kinds(commands) == ["Hold", "Ring", "Recheck"] and commands[1] == Ring(LANE)
+    assert book.refill("s") == []  # rung a moment ago
+    worker.now += RERING_EVERY
+    assert book.refill("s") == [Ring(LANE)]
+    book.ring_failed(LANE)  # the broker did not take it: the bell's own throttle still holds
+    assert book.refill("s") == []
+
+
+def test_the_room_is_shared_between_the_lanes_of_a_semaphore_in_turn():
+    book, worker = make(room=PULL_BATCH)
+    lanes = [lane_of("s", f"k{i}", "celery") for i in range(3)]
+    worker.default_room = 0
+    for lane in lanes:
+        book.doorbell(lane, lane)
+    worker.default_room = 6
+    commands = book.refill("s")
+    assert [(c.lane, c.want) for c in commands] == [(lanes[0], 2), (lanes[1], 2), (lanes[2], 2)]
+    worker.default_room = 1
+    assert [c.lane for c in book.refill("s")] == [lanes[0]]
+    assert [c.lane for c in book.refill("s")] == [lanes[1]]  # the next refill, the next lane
+
+
+def test_a_lane_of_an_unknown_task_is_left_to_the_others_for_a_while():
+    book, worker = make()
+    bell = book.doorbell(LANE, "bell")[-1].bell
+    book.pull_landed(LANE, 8)
+    bell.rerung = worker.now  # rung again a moment ago: refusing rings it anyway
+    commands = book.refused(LANE)
+    assert commands == [Ring(LANE), Recheck(bell, REFUSE_FOR)]
+    assert book.refill("s") == []  # refused meanwhile
+    worker.now += REFUSE_FOR
+    assert kinds(book.recheck(bell)) == ["Pull"]
+
+
+def test_a_stopped_consumer_pulls_nothing_and_lets_go_of_every_doorbell_unacked():
+    book, worker = make()
+    bell = book.doorbell(LANE, "bell")[-1].bell
+    other = lane_of("t", None, "celery")
+    book.doorbell(other, "other")
+    worker.open = False
+    assert book.refill_all() == []
+    assert book.let_go_of_all() == ["bell", "other"] and book.held() == []
+    assert book.recheck(bell) == [] and book.last_settled(LANE) == []  # nothing held
+
+
+def test_a_copy_parked_here_makes_the_held_lane_prove_itself_empty_anew():
+    book, worker = make()
+    bell = book.doorbell(LANE, "bell")[-1].bell
+    bell.state = BellState.DRAINED
+    worker.now = 130.0
+    assert book.rung_here(LANE) == [Recheck(bell, RECHECK_AFTER)]
+    assert bell.state is BellState.PULLING and bell.rung == 130.0
+    assert book.rung_here(lane_of("t", None, "celery")) == []
+    assert Hold() == Hold()
