@@ -41,9 +41,16 @@ def create_app(env):
     probe = Probe(env.get("CS_PROBE", "/tmp/celery-semaphore-probe.log"))
 
     def body(key, hold):
+        """Mark the start and end of `key` around a hold: seconds, or a path (str) to wait
+        for, at most two minutes, so a test decides when the task ends."""
         probe.mark("start", key)
         try:
-            time.sleep(hold)
+            if isinstance(hold, str):
+                deadline = time.monotonic() + 120
+                while not os.path.exists(hold) and time.monotonic() < deadline:
+                    time.sleep(0.02)
+            else:
+                time.sleep(hold)
         finally:
             probe.mark("end", key)
 

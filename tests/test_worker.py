@@ -620,7 +620,9 @@ def test_a_backlog_past_the_worker_bound_is_parked_in_the_broker_and_drained(
                                               "semaphore_park_on_send": False}))
     try:
         guarded = cluster.task("guarded")
-        long = [guarded.delay(f"long{i}", 6) for i in range(2)]  # both slots, for a while
+        done = tmp_path / "long-tasks-may-end"
+        # both slots, until the test says so (a fixed hold ran out under a loaded CI once)
+        long = [guarded.delay(f"long{i}", str(done)) for i in range(2)]
         assert wait_until(lambda: all(cluster.started(f"guarded:long{i}") for i in range(2)))
         results = [guarded.delay(f"p{i}", 0.02) for i in range(80)]
         # 3 wait in each worker, the rest in the parking queue: WAITING, parked, and counted
@@ -647,6 +649,7 @@ def test_a_backlog_past_the_worker_bound_is_parked_in_the_broker_and_drained(
         shown = run_cli(cluster.env, "workers")
         assert re.search(r"since it started: \d+ parked, \d+ pulled back", shown.stdout)
         assert re.search(r"^images\s+\d+$", shown.stdout, re.M), shown.stdout + shown.stderr
+        done.touch()
         assert [r.get(timeout=30) for r in long] == ["long0", "long1"]
         assert sorted(r.get(timeout=60) for r in results) == sorted(f"p{i}" for i in range(80))
         assert cluster.probe.max_concurrent("guarded:p") == 2
