@@ -22,7 +22,7 @@ from tests import servers
 from tests.celery_app import create_app
 from tests.probe import Probe
 from tests.util import wait_until
-from tests.workers import Worker, cluster_env, run_cli
+from tests.workers import NAME_SUFFIX, Worker, cluster_env, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -488,12 +488,17 @@ def test_a_job_written_to_a_pool_child_before_a_broker_reconnect_runs_once(redis
         worker = Worker(cluster.env, "flushed", 1)
         worker.wait_ready()
         cluster.workers.append(worker)
-        assert cluster.task("guarded").delay("warm").get(timeout=30) == "warm"
+        warm = cluster.task("guarded").delay("warm")
+        assert warm.get(timeout=30) == "warm"
+        # the pool has the child's result (else it holds b until the stopped child answers)
+        assert wait_until(lambda: f"{warm.id}] succeeded" in worker.output(), timeout=10)
+        assert wait_until(lambda: _pool_writes(cluster, worker) == 1, timeout=10)
         (child,) = worker.pool_pids()
         os.kill(child, signal.SIGSTOP)
         queued = cluster.task("unguarded").delay("b", 0.1)
-        assert wait_until(lambda: queued.id + "] received" in worker.output(), timeout=10)
-        time.sleep(0.3)  # (the job is written to the child's pipe within a loop iteration)
+        # b's job is written to the stopped child's pipe: the pool counts the write done
+        assert wait_until(lambda: _pool_writes(cluster, worker) == 2, timeout=10), \
+            worker.output()[-3000:]
         cut = _kill_clients(client)
         assert cut and wait_until(lambda: "Trying to re-establish" in worker.output(), 5)
         assert wait_until(lambda: f"{queued.id} runs in pool child {child}" in worker.output(),
@@ -515,6 +520,15 @@ def test_a_job_written_to_a_pool_child_before_a_broker_reconnect_runs_once(redis
             os.kill(child, signal.SIGCONT)
         client.close()
         cluster.stop()
+
+
+def _pool_writes(cluster, worker):
+    """Jobs ``worker``'s prefork pool has written to its children (``inspect stats``)."""
+    replies = cluster.app.control.inspect(timeout=1.0).stats() or {}
+    for name, stats in replies.items():
+        if name.startswith(f"{worker.name}{NAME_SUFFIX}@"):
+            return stats["pool"]["writes"]["total"]
+    return None
 
 
 @pytest.mark.serial  # cuts every connection to the shared broker database
