@@ -24,21 +24,13 @@ The worker machinery itself (the gate, Celery's pool internals) loads only on in
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, List
 
 from celery import signals
 
+from .guards import INSTALLED, guarded_tasks
+
 logger = logging.getLogger(__name__)
-
-#: The app attribute that marks it installed.
-INSTALLED = "_celery_semaphore_installed"
-
-
-def guarded_tasks(app: Any) -> Dict[str, Any]:
-    """Task name -> its task class, for every task that declares a semaphore."""
-    return {name: task for name, task in sorted(app.tasks.items())
-            if getattr(task, "semaphore", None) is not None}
-
 
 def auto_install(app: Any, where: str) -> bool:
     """Install into ``app`` if it declares guarded tasks and is not installed yet, with one

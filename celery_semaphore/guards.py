@@ -424,3 +424,13 @@ class Guards:
                 f"task {task.name}: cannot fill {what} {template!r} from the "
                 f"call's arguments: {type(exc).__name__}: {exc}"
             ) from None
+
+
+#: The app attribute that marks it installed.
+INSTALLED = "_celery_semaphore_installed"
+
+
+def guarded_tasks(app: Any) -> Dict[str, Any]:
+    """Task name -> its task class, for every task that declares a semaphore."""
+    return {name: task for name, task in sorted(app.tasks.items())
+            if getattr(task, "semaphore", None) is not None}

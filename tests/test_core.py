@@ -485,7 +485,8 @@ def test_the_shell_carries_out_every_command_the_core_can_emit():
     from celery_semaphore.worker.admission import Admission
     from celery_semaphore.worker.core import Command
 
-    shell = Admission(SimpleNamespace(backend=None))
+    shell = Admission(SimpleNamespace(backend=None), None, None, None, None, None,
+                      hand_off=print, give_back=print)
     assert set(shell._carry_out) == set(Command.__args__)
 
 

@@ -9,8 +9,7 @@ import pytest
 from celery import Celery, _state, shared_task
 
 from celery_semaphore import ConfigurationError, Semaphore, SemaphoreFull, task
-from celery_semaphore.autoinstall import INSTALLED
-from celery_semaphore.guards import Guards
+from celery_semaphore.guards import INSTALLED, Guards
 from celery_semaphore.settings import Settings, unknown_settings
 from tests import servers
 from tests.workers import Worker, cluster_env, run_cli

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Protocol, Tuple, Union
 
 from ..backends.base import FAIR_KEY, Attempt, MultiAttempt, new_holder_id
 from ..guards import Guard
@@ -26,6 +26,7 @@ from ..semaphore import Lease, LeaseGroup
 from ..stats import FIRST_WAIT_META
 from ..task_lease import LEASE_KEY, lease_record_of
 from . import celery_internals
+from .context import GateContext
 from .core import (
     AdmissionCore,
     Answer,
@@ -54,51 +55,80 @@ from .core import (
     Woken,
 )
 from .limits import LimitWatch
+from .outcomes import Outcomes
+from .release import Releases
+from .reporting import Reporting
+from .requeue import Requeue
 from .waiter import Waiter
-
-if TYPE_CHECKING:
-    from .gate import Gate
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["Admission", "Answer"]
 
 
+class WaitingRoom(Protocol):
+    """What admission asks of the waiting room (:class:`.ParkingLot`)."""
+
+    def publishing(self) -> int:
+        """Requests being parked: Celery still counts them reserved."""
+
+    def room(self, name: str, waiting_of_name: int, waiting: int) -> int:
+        """How many more requests of ``name`` this worker should hold waiting."""
+
+    def park(self, waiter: Waiter, why: str) -> None:
+        """Park ``waiter``, which left the core."""
+
+    def refill(self, name: str) -> None:
+        """The line of ``name`` has room: pull its parked requests."""
+
+
 class GateSurroundings:
     """What the core reads of this worker: its pool and its waiting room."""
 
-    def __init__(self, gate: "Gate") -> None:
-        self.gate = gate
+    def __init__(self, ctx: GateContext, waiting_room: WaitingRoom) -> None:
+        self.ctx = ctx
+        self.waiting_room = waiting_room
 
     def free_processes(self, waiting: int) -> int:
         busy = (celery_internals.reserved_count() - waiting
-                - sum(self.gate.parking.parking.values()))
-        return celery_internals.pool_size(self.gate.consumer.pool) - busy
+                - self.waiting_room.publishing())
+        return celery_internals.pool_size(self.ctx.consumer.pool) - busy
 
     def room(self, name: str, waiting_of_name: int, waiting: int) -> int:
-        return self.gate.parking.room(name, waiting_of_name, waiting)
+        return self.waiting_room.room(name, waiting_of_name, waiting)
 
     def lookahead(self) -> int:
-        if not celery_internals.pool_queues(self.gate.consumer.pool):
+        if not celery_internals.pool_queues(self.ctx.consumer.pool):
             return 0
-        return self.gate.settings.worker_lookahead
+        return self.ctx.settings.worker_lookahead
 
 
 class Admission:
     """The waiting requests of one worker and their way to a slot: the core and its shell.
     Loop thread only, except the methods marked I/O."""
 
-    def __init__(self, gate: "Gate") -> None:
-        self.gate = gate
-        self.backend = gate.backend
-        self.core = AdmissionCore(GateSurroundings(gate))
+    def __init__(self, ctx: GateContext, waiting_room: WaitingRoom, releases: Releases,
+                 requeue: Requeue, reporting: Reporting, outcomes: Outcomes,
+                 hand_off: Callable[[Any], None], give_back: Callable[[Waiter], None]) -> None:
+        """``hand_off``: hands a granted request to the pool (outside the lock);
+        ``give_back``: gives a waiter's message back to the broker as the consumer stops."""
+        self.ctx = ctx
+        self.backend = ctx.backend
+        self.waiting_room = waiting_room
+        self.releases = releases
+        self.requeue = requeue
+        self.reporting = reporting
+        self.outcomes = outcomes
+        self.hand_off = hand_off
+        self.give_back = give_back
+        self.core = AdmissionCore(GateSurroundings(ctx, waiting_room))
         self.limits = LimitWatch(self.backend)  # logs a limit in force we do not declare
         self._carry_out: Dict[type, Callable[[Any], None]] = {
             Exit: self._exit, Watch: self._watch, Unwatch: self._unwatch,
             SendAttempt: self._send, StopAttempts: self._stop_attempts, Cancel: self._cancel,
             ReleaseLate: self._release_late, GiveBackGrant: self._give_back_grant,
-            RaisePrefetch: lambda _: self.gate.consumer.qos.increment_eventually(),
-            LowerPrefetch: lambda _: self.gate.consumer.qos.decrement_eventually(),
+            RaisePrefetch: lambda _: self.ctx.consumer.qos.increment_eventually(),
+            LowerPrefetch: lambda _: self.ctx.consumer.qos.decrement_eventually(),
             ReportWaiting: self._report_waiting, Refill: self._refill,
         }
 
@@ -118,7 +148,7 @@ class Admission:
         return self.core.blocked(name)
 
     def pool_size(self) -> int:
-        return celery_internals.pool_size(self.gate.consumer.pool)
+        return celery_internals.pool_size(self.ctx.consumer.pool)
 
     # -- events in ---------------------------------------------------------------------------
 
@@ -160,15 +190,15 @@ class Admission:
             self._start(waiter, command.answer)
         elif how is How.FAIL:
             assert command.error is not None
-            self.gate.outcomes.fail(request, command.error)
+            self.outcomes.fail(request, command.error)
         elif how is How.FULL:
-            self.gate.full(request, waiter.guard, command.limit, command.blocking)
+            self.outcomes.full(request, waiter.guard, command.limit, command.blocking)
         elif how is How.PARK:
-            self.gate.parking.park(waiter, command.why)
+            self.waiting_room.park(waiter, command.why)
         elif how is How.REQUEUE:
-            self.gate.requeue.requeue(waiter)
+            self.requeue.requeue(waiter)
         elif how is How.GIVE_BACK:
-            self.gate.give_back(waiter)
+            self.give_back(waiter)
         elif how is How.LET_GO:
             request.acknowledged = True  # its message is back in the broker
             celery_internals.task_ready(request)
@@ -178,21 +208,21 @@ class Admission:
         lease = self._lease(waiter, answer)
         request = waiter.request
         if request.revoked():  # by id, by stamped header or expired: announced and acked
-            self.gate.io.call(self.gate.releases.release, lease)
+            self.ctx.io.call(self.releases.release, lease)
             return
         request.request_dict[LEASE_KEY] = lease_record_of(
             lease, self.backend.url, self.backend.key_prefix,
             waited=waiter.attempts > 0,  # WAITING was stored: the task stores STARTED
         ).to_header()
-        self.gate.releases.hold(request, lease, waiter.guard)
-        self.gate.handoffs.append(request)
+        self.releases.hold(request, lease, waiter.guard)
+        self.hand_off(request)
 
     def _watch(self, command: Watch) -> None:
-        self.gate.io.call(self._watch_io, command.waiter, command.waiter.holder)
+        self.ctx.io.call(self._watch_io, command.waiter, command.waiter.holder)
 
     def _watch_io(self, waiter: Waiter, holder: str) -> None:  # I/O thread
         def woken() -> None:
-            self.gate.loop.post(self.handle, Woken(waiter, holder))
+            self.ctx.loop.post(self.handle, Woken(waiter, holder))
 
         for name in waiter.guard.names:  # a multi-semaphore request waits in any one's queue
             self.backend.watch(name, holder, woken)
@@ -205,9 +235,9 @@ class Admission:
         waiter = command.waiter
         if waiter.next_attempt is not None:
             waiter.next_attempt.cancel()
-        waiter.next_attempt = self.gate.io.call(self._acquire, waiter, command.holder,
-                                                command.sent, command.ahead,
-                                                delay=command.delay)
+        waiter.next_attempt = self.ctx.io.call(self._acquire, waiter, command.holder,
+                                               command.sent, command.ahead,
+                                               delay=command.delay)
 
     def _stop_attempts(self, command: StopAttempts) -> None:
         waiter = command.waiter
@@ -237,12 +267,12 @@ class Admission:
             pause = (self.backend.pause_after(attempt, guard.settings.poll_interval)
                      if attempt.grant is None else 0.0)
             answer = Answer(holder, attempt, None, requested_at, sent, pause)
-        self.gate.loop.post(self.handle, Answered(waiter, answer))
+        self.ctx.loop.post(self.handle, Answered(waiter, answer))
         if answer.attempt is not None:
             self.limits.saw(guard, answer.attempt)
 
     def _cancel(self, command: Cancel) -> None:
-        self.gate.io.call(self._cancel_io, command.names, command.holder, command.expires)
+        self.ctx.io.call(self._cancel_io, command.names, command.holder, command.expires)
 
     def _cancel_io(self, names: Tuple[str, ...], holder: str, expires: float,
                    retry: float = 0.0) -> None:  # I/O thread
@@ -252,32 +282,32 @@ class Admission:
         try:
             self.backend.abandon_all(names, holder)
         except Exception as exc:
-            self.gate.retry_io(
+            self.ctx.retry_io(
                 lambda next_retry: self._cancel_io(names, holder, expires, next_retry),
                 retry, expires - time.monotonic(), f"leaving the queue of {names[0]!r}", exc)
 
     def _release_late(self, command: ReleaseLate) -> None:
-        if command.answer.holder in self.gate.releases.held:
+        if command.answer.holder in self.releases.held:
             return  # that holder runs with this very grant
-        self.gate.io.call(self.gate.releases.release, self._lease(command.waiter,
+        self.ctx.io.call(self.releases.release, self._lease(command.waiter,
                                                                   command.answer))
 
     def _give_back_grant(self, command: GiveBackGrant) -> None:
-        self.gate.io.call(self._give_back_grant_io, command.waiter,
-                          self._lease(command.waiter, command.answer))
+        self.ctx.io.call(self._give_back_grant_io, command.waiter,
+                         self._lease(command.waiter, command.answer))
 
     def _give_back_grant_io(self, waiter: Waiter,
                             lease: Union[Lease, LeaseGroup]) -> None:  # I/O thread
         """Release a grant the pool had no process for, then tell the core."""
-        self.gate.releases.release(lease)
-        self.gate.loop.post(self.handle, GrantReturned(waiter, lease.released,
-                                                       new_holder_id(waiter.request.id)))
+        self.releases.release(lease)
+        self.ctx.loop.post(self.handle, GrantReturned(waiter, lease.released,
+                                                      new_holder_id(waiter.request.id)))
 
     def _report_waiting(self, command: ReportWaiting) -> None:
-        self.gate.reporting.waiting(command.waiter, command.position, command.limit)
+        self.reporting.waiting(command.waiter, command.position, command.limit)
 
     def _refill(self, command: Refill) -> None:
-        self.gate.parking.refill(command.name)
+        self.waiting_room.refill(command.name)
 
     # -- leases ------------------------------------------------------------------------------
 
@@ -295,7 +325,7 @@ class Admission:
 
     def meta(self, request: Any, guard: Guard) -> Dict[str, Any]:
         meta = {"task_id": request.id, "task": request.name,
-                "worker": self.gate.consumer.hostname, "pid": os.getpid()}
+                "worker": self.ctx.consumer.hostname, "pid": os.getpid()}
         if guard.fair is not None:
             meta[FAIR_KEY] = guard.fair
         meta.update(guard.traffic_meta())

@@ -5,115 +5,117 @@ Where it sits: Celery hands every request that is due (after ETA and rate limits
 through. A guarded one is held in the main process (never in a pool process) until the backend
 grants a slot, then handed to the pool with its lease.
 
-Its parts: :mod:`.core` (every decision about a waiting request: events in, commands out,
-no threads, no Celery), :mod:`.admission` (the shell that feeds the core and carries out its
-commands), :mod:`.threads` (the loop thread owns every state, one I/O thread calls out),
+Its parts, which the gate assembles and none of which imports it: :mod:`.core` (every
+decision about a waiting request: events in, commands out, no threads, no Celery),
+:mod:`.admission` (the shell that feeds the core and carries out its commands),
+:mod:`.context` (what the parts share), :mod:`.threads` (the loop thread owns every state,
+one I/O thread calls out),
 :mod:`.waiter` (a waiting request's state machine), :mod:`.parking` (the waiting room, whose
 pulling decisions are a core of their own: :mod:`.lanes`),
 :mod:`.release` (release on every ending), :mod:`.requeue` (when the waiting room cannot take
 a request), :mod:`.outcomes` (every result-backend write, in order), :mod:`.reporting`
-(events, WAITING, remote control) and :mod:`.celery_internals` (every touch of Celery's
-internals).
+(events, WAITING, remote control), :mod:`.settlements` (what a lost connection could not
+settle), :mod:`.tally` (worker-side counts) and :mod:`.celery_internals` (every touch of
+Celery's internals).
 """
 
 from __future__ import annotations
 
-import enum
 import functools
 import logging
-import threading
 from collections import deque
-from typing import Any, Callable, Deque, List, Optional, Set
+from typing import Any, Callable, Deque, Dict, List, Optional
 
 from ..backends import close_all
 from ..backends.base import Backend
-from ..exceptions import ConfigurationError, SemaphoreError, SemaphoreFull
-from ..guards import Guard, Guards
-from ..scheduler import Scheduler
+from ..exceptions import ConfigurationError, SemaphoreError
+from ..guards import Guards
 from ..settings import Settings
-from ..signals import task_skipped
-from ..states import SKIPPED_EVENT, SKIPPED_REASON
 from ..waiting_room import PARKED_HEADER
 from . import celery_internals
 from .admission import Admission
+from .context import GateContext, GateState
 from .core import How
 from .headers import check_gate_headers
 from .outcomes import Outcomes
 from .parking import ParkingLot
 from .release import Releases
-from .reporting import Reporting
+from .reporting import Reporting, snapshot
 from .requeue import Requeue
 from .settlements import Settlements
 from .tally import Tally
-from .threads import RETRY_FIRST, RETRY_MAX, LoopCaller
+from .threads import RETRY_FIRST, RETRY_MAX
 
 logger = logging.getLogger(__name__)
 
 
-class GateState(enum.Enum):
-    NEW = "new"  # not started
-    OPEN = "open"  # the consumer runs: requests are admitted, parked ones pulled
-    PAUSED = "paused"  # the consumer stopped (a reconnect): nothing waits; leases still go
-    CLOSED = "closed"  # the worker exits
-
-
 class Gate:
-    """Holds guarded requests until the semaphore admits them. See the module docstring."""
+    """Holds guarded requests until the semaphore admits them. See the module docstring.
+
+    The gate is the assembly: it builds the parts around one :class:`.GateContext`, hands
+    each the parts it calls, wraps the consumer's entry points, and runs the lifecycle
+    (start, stop on a reconnect, shutdown). No part reaches back to it."""
 
     def __init__(self, consumer: Any, settings: Settings, backend: Backend) -> None:
         self.consumer = consumer
-        self.app = consumer.app
-        self.settings = settings
         self.guards = Guards(settings)
-        self.backend = backend
-        self.lock = threading.RLock()
         # Requests to hand to the pool once the lock is released: with prefork's putlocks the
         # pool can block in apply_async until its result thread, which needs the lock to run
         # our completion callbacks, frees a process.
         self.handoffs: Deque[Any] = deque()
-        self.loop = LoopCaller(consumer.hub, self.lock, self.flush_handoffs)
-        self.io = Scheduler("celery-semaphore-gate")
-        self.admission = Admission(self)
-        self.outcomes = Outcomes(self)
-        self.releases = Releases(self)
-        self.requeue = Requeue(self)
-        self.parking = ParkingLot(self)
-        self.reporting = Reporting(self)
-        self.tally = Tally(self)
-        self.settlements = Settlements(self)
-        #: Delivery tags of requests that left the core to be parked or requeued and whose
-        #: original is not settled yet (loop thread): that path settles it, once its copy is
-        #: published or not, so a lost connection must not put it back too.
-        self.in_transit: Set[str] = set()
+        ctx = self.ctx = GateContext(consumer, settings, backend, self.flush_handoffs)
+
+        def capacity_changed() -> None:  # a slot or a process freed: the line may move
+            self.admission.pump()
+
+        self.tally = Tally(ctx)
+        self.settlements = Settlements(ctx)
+        self.outcomes = Outcomes(ctx, capacity_changed)
+        self.reporting = Reporting(ctx, self.outcomes)
+        self.requeue = Requeue(ctx, self.tally, capacity_changed)
+        self.parking = ParkingLot(ctx, self.settlements, self.tally, self.requeue,
+                                  self.reporting)
+        self.releases = Releases(ctx, self.settlements, self.parking.dropped_by_pool,
+                                 capacity_changed)
+        self.admission = Admission(ctx, self.parking, self.releases, self.requeue,
+                                   self.reporting, self.outcomes,
+                                   hand_off=self.handoffs.append, give_back=self.give_back)
+        self.parking.serve(self.admission)
+        consumer.semaphore_parking = self.parking  # its doorbell strategy finds it there
         self.original: Callable[[Any], Any] = consumer.on_task_request
         consumer.on_task_request = self.on_task_request
         self._on_connection_lost = consumer.on_connection_error_after_connected
         consumer.on_connection_error_after_connected = self.on_connection_lost
-        self.state = GateState.NEW
         self._connected_at_stop = False
         #: Rejects to make once :meth:`stop` has let go of the lock (loop thread).
         self._rejects: List[Callable[[], Any]] = []
 
     @property
-    def running(self) -> bool:
-        """Leases are kept and released (the worker has not shut down)."""
-        return self.state in (GateState.OPEN, GateState.PAUSED)
+    def backend(self) -> Backend:
+        return self.ctx.backend
 
     @property
-    def open(self) -> bool:
-        """Requests are admitted and parked ones pulled (the consumer runs)."""
-        return self.state is GateState.OPEN
+    def running(self) -> bool:
+        """Leases are kept and released (the worker has not shut down)."""
+        return self.ctx.running
+
+    def snapshot(self) -> Dict[str, Any]:
+        """What ``celery semaphore workers`` shows of this worker (any thread)."""
+        with self.ctx.lock:
+            return snapshot(self.admission.waiters.values(), self.releases.held.values(),
+                            self.parking.parked_total, self.parking.pulled_total)
 
     # -- lifecycle (consumer bootstep) -------------------------------------------------------
 
     def start(self) -> None:
-        self.loop.hub = self.consumer.hub
-        self.loop.start()
-        if self.state is GateState.NEW:
-            self.io.call(self._tick, delay=self.settings.poll_interval)
+        ctx = self.ctx
+        ctx.loop.hub = self.consumer.hub
+        ctx.loop.start()
+        if ctx.state is GateState.NEW:
+            ctx.io.call(self._tick, delay=ctx.settings.poll_interval)
             self.releases.connect()
-        self.state = GateState.OPEN
-        self.loop.post(self.parking.refill_all)  # what a reconnect gave back
+        ctx.state = GateState.OPEN
+        ctx.loop.post(self.parking.refill_all)  # what a reconnect gave back
 
     def stop(self) -> None:
         """The consumer stops (shutdown or reconnect): give waiting requests back.
@@ -127,9 +129,9 @@ class Gate:
         give_back`), and their semaphores are pulled again once the consumer runs. The
         rejects go out after the gate's lock is released (no lock is held across I/O)."""
         self._rejects = []
-        with self.lock:
-            if self.state is GateState.OPEN:
-                self.state = GateState.PAUSED  # pulls still on their way go back
+        with self.ctx.lock:
+            if self.ctx.state is GateState.OPEN:
+                self.ctx.state = GateState.PAUSED  # pulls still on their way go back
             connected = self._connected_at_stop = celery_internals.consumer_connected(
                 self.consumer)
             waiters = list(self.admission.waiters.values())
@@ -154,7 +156,7 @@ class Gate:
             except Exception as exc:  # the broker redelivers it all the same
                 logger.debug("celery-semaphore: giving back a message on stop failed: %s",
                              exc)
-        self.loop.stop()
+        self.ctx.loop.stop()
 
     def give_back(self, waiter: Any) -> None:
         """The consumer stops with ``waiter`` still waiting (it left the core): its message
@@ -180,7 +182,7 @@ class Gate:
         Messages pulled from the waiting room and not settled yet (waiting, or dropped by the
         pool's flush with no callback) go back to their parking queues the same way
         (:meth:`.ParkingLot.reset`)."""
-        with self.lock:
+        with self.ctx.lock:
             waiters = list(self.admission.waiters.values())
             detached = [w for w in waiters
                         if not w.pulled and celery_internals.detach_unacked(w.request.message)]
@@ -195,15 +197,15 @@ class Gate:
             # detached transport, and run them twice
             self.releases.refresh_jobs()
             handed = celery_internals.handed_to_pool(self.releases.in_pool) | {
-                r.message.delivery_tag for r in self.handoffs} | self.in_transit
+                r.message.delivery_tag for r in self.handoffs} | self.ctx.in_transit
             others = self.settlements.detach(celery_internals.task_channel(self.consumer),
                                              handed)
         tags = ([w.request.message.delivery_tag for w in detached]
                 + [m.delivery_tag for m in bells] + others)
         if tags:
-            self.io.call(self.restore_detached, tags, None, RETRY_FIRST, len(detached),
-                         len(bells))
-        self.io.call(self.parking.reset)
+            self.ctx.io.call(self.restore_detached, tags, None, RETRY_FIRST, len(detached),
+                             len(bells))
+        self.ctx.io.call(self.parking.reset)
         return self._on_connection_lost(exc)
 
     def restore_detached(self, tags: List[str], then: Optional[Callable[[], None]] = None,
@@ -218,11 +220,11 @@ class Gate:
         with :meth:`stop`'s count of waiting requests (the pulled ones are counted by the
         parking lot, which gives them back)."""
         try:
-            celery_internals.restore_unacked(self.app, tags)
+            celery_internals.restore_unacked(self.ctx.app, tags)
         except Exception as exc:
-            if self.running:
-                self.io.call(self.restore_detached, tags, then, min(retry * 2, RETRY_MAX),
-                             waiting, doorbells, delay=retry)
+            if self.ctx.running:
+                self.ctx.io.call(self.restore_detached, tags, then, min(retry * 2, RETRY_MAX),
+                                 waiting, doorbells, delay=retry)
             else:
                 logger.warning("celery-semaphore: %d tasks stay unacknowledged in the broker "
                                "until its visibility_timeout restores them: %s", len(tags), exc)
@@ -238,25 +240,26 @@ class Gate:
                         "acknowledged when the broker connection was lost, are back in their "
                         "queue (delivered again)", len(tags) - waiting - doorbells)
         if then is not None:
-            self.loop.post(then)
+            self.ctx.loop.post(then)
 
     def shutdown(self) -> None:
         """The worker exits: release every lease still held, then stop the I/O thread."""
         self.stop()
         self.releases.disconnect()
         self.releases.release_all()
-        self.state = GateState.CLOSED
-        self.io.call(self.parking.close)  # after the acks and rejects already on their way
-        self.io.call(self.settlements.final_flush)
-        self.io.call(self.tally.flush)
-        self.io.stop()
+        self.ctx.state = GateState.CLOSED
+        io = self.ctx.io
+        io.call(self.parking.close)  # after the acks and rejects already on their way
+        io.call(self.settlements.final_flush)
+        io.call(self.tally.flush)
+        io.stop()
         close_all()  # this process's backends: wake-up listeners, connections, socket files
 
     # -- entry -------------------------------------------------------------------------------
 
     def on_task_request(self, request: Any) -> None:
         self.settlements.watch(getattr(request.message, "channel", None))
-        with self.lock:
+        with self.ctx.lock:
             self._admit(request)
         self.flush_handoffs()
 
@@ -290,57 +293,13 @@ class Gate:
     # -- bounds and failure ------------------------------------------------------------------
 
     def _tick(self) -> None:  # I/O thread, every poll interval
-        if not self.running:
+        if not self.ctx.running:
             return
-        self.loop.post(self._check_bounds)
-        self.io.call(self._tick, delay=self.settings.poll_interval)
+        self.ctx.loop.post(self._check_bounds)
+        self.ctx.io.call(self._tick, delay=self.ctx.settings.poll_interval)
 
     def _check_bounds(self) -> None:
         self.admission.tick()
         self.releases.check_orphans()
         self.parking.check_tracked()
         self.parking.refill_all()
-
-    def full(self, request: Any, guard: Guard, limit: Any,
-             blocking: Optional[str] = None) -> None:
-        """The one try of a request whose ``semaphore_on_full`` is ``skip`` or ``fail`` found
-        its semaphore full (no free slot, others queued for one, or a twin of the task
-        holding one; under several semaphores: ``blocking``, the one that refused it): skip
-        or fail it, without running it."""
-        policy = guard.settings.on_full
-        name = blocking or guard.name
-        why = (f"semaphore {name!r} is full (limit {limit}); "
-               f"semaphore_on_full={policy!r}")
-        if policy == "fail":
-            return self.outcomes.fail(request, SemaphoreFull(why))
-        logger.info("celery-semaphore: task %s[%s] skipped: %s", request.name, request.id, why)
-        request.send_event(SKIPPED_EVENT, semaphore=name, limit=limit, reason=why)
-        try:
-            task_skipped.send(sender=request.task, task_id=request.id, semaphore=name,
-                              limit=limit, request=request)
-        except Exception:  # a receiver's bug must not keep the message unacked
-            logger.exception("celery-semaphore: a task_skipped receiver failed")
-        self.outcomes.skip(request, f"{SKIPPED_REASON}: {why}")
-
-    def fail_parked(self, task_id: str, task_name: str, exc: BaseException) -> None:
-        """Fail a parked task (its message waits in the parking queue: whoever pulls it fails
-        it again, acking it)."""
-        logger.error("celery-semaphore: task %s[%s] failed: %s", task_name, task_id, exc)
-        self.reporting.event("task-failed", task_id, exception=repr(exc), traceback="")
-        self.outcomes.parked_outcome(task_id, task_name, "failure", exc)
-
-    def retry_io(self, again: Callable[[float], None], retry: float, left: float, what: str,
-                 exc: BaseException) -> None:  # I/O thread
-        """A call failed because the backend did not answer: call ``again(next_retry)`` in
-        ``retry`` seconds (the first failure, ``retry`` 0: in :data:`RETRY_FIRST`, logged),
-        doubling up to :data:`RETRY_MAX`, while that is within ``left`` seconds and the worker
-        runs; else log that the backend's expiry frees it."""
-        delay = retry or RETRY_FIRST
-        if self.running and delay < left:
-            if not retry:
-                logger.warning("celery-semaphore: %s failed, retrying until the backend "
-                               "answers: %s", what, exc)
-            self.io.call(again, min(delay * 2, RETRY_MAX), delay=delay)
-        else:
-            logger.warning("celery-semaphore: %s failed (the backend's expiry frees it): %s",
-                           what, exc)

@@ -11,14 +11,13 @@ from celery import signals
 from celery import states as celery_states
 
 from .. import states
-from ..autoinstall import INSTALLED
 from ..eager import (
     acquire_for_eager,
     acquires_in_before_start,
     guard_eager_calls,
     release_for_eager,
 )
-from ..guards import check_definitions_and_sends
+from ..guards import INSTALLED, check_definitions_and_sends
 from ..task_lease import lease_record
 from ..waiting_room import (
     DOORBELL_TASK,

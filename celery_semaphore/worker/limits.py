@@ -16,9 +16,8 @@ import logging
 import threading
 from typing import Any, Dict, List, Set, Union
 
-from ..autoinstall import guarded_tasks
 from ..backends.base import Attempt, Backend, MultiAttempt
-from ..guards import Guard, Guards
+from ..guards import Guard, Guards, guarded_tasks
 from ..settings import Settings
 
 logger = logging.getLogger(__name__)

@@ -21,14 +21,15 @@ No lock is held across a write.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
-from ..states import WAITING
+from ..exceptions import SemaphoreFull
+from ..guards import Guard
+from ..signals import task_skipped
+from ..states import SKIPPED_EVENT, SKIPPED_REASON, WAITING
 from . import celery_internals
+from .context import GateContext
 from .waiter import Waiter, WaitState
-
-if TYPE_CHECKING:
-    from .gate import Gate
 
 logger = logging.getLogger(__name__)
 
@@ -43,13 +44,15 @@ class Outcomes:
     """See the module docstring. ``waiting``, ``fail`` and ``skip`` are called on the loop
     thread; the writes run on the I/O thread."""
 
-    def __init__(self, gate: "Gate") -> None:
-        self.gate = gate
+    def __init__(self, ctx: GateContext, capacity_changed: Callable[[], None]) -> None:
+        self.ctx = ctx
+        #: told when a request it settled frees what counted as a busy process
+        self.capacity_changed = capacity_changed
 
     def waiting(self, waiter: Waiter, fields: Dict[str, Any], parked: bool = False) -> None:
         """Write ``WAITING`` with ``fields`` for ``waiter`` (unless its task ignores results)."""
         if not waiter.request.ignore_result:
-            self.gate.io.call(self._write_waiting, waiter, fields, parked)
+            self.ctx.io.call(self._write_waiting, waiter, fields, parked)
 
     def _write_waiting(self, waiter: Waiter, fields: Dict[str, Any],
                        parked: bool) -> None:  # I/O thread
@@ -71,13 +74,34 @@ class Outcomes:
         request.send_event("task-failed", exception=repr(exc), traceback="")
         self._write_then_settle(request, "failure", exc)
 
+    def full(self, request: Any, guard: Guard, limit: Any,
+             blocking: Optional[str] = None) -> None:
+        """The one try of a request whose ``semaphore_on_full`` is ``skip`` or ``fail`` found
+        its semaphore full (no free slot, others queued for one, or a twin of the task
+        holding one; under several semaphores: ``blocking``, the one that refused it): skip
+        or fail it, without running it."""
+        policy = guard.settings.on_full
+        name = blocking or guard.name
+        why = (f"semaphore {name!r} is full (limit {limit}); "
+               f"semaphore_on_full={policy!r}")
+        if policy == "fail":
+            return self.fail(request, SemaphoreFull(why))
+        logger.info("celery-semaphore: task %s[%s] skipped: %s", request.name, request.id, why)
+        request.send_event(SKIPPED_EVENT, semaphore=name, limit=limit, reason=why)
+        try:
+            task_skipped.send(sender=request.task, task_id=request.id, semaphore=name,
+                              limit=limit, request=request)
+        except Exception:  # a receiver's bug must not keep the message unacked
+            logger.exception("celery-semaphore: a task_skipped receiver failed")
+        self.skip(request, f"{SKIPPED_REASON}: {why}")
+
     def skip(self, request: Any, reason: str) -> None:
         """``request`` is skipped (stored as revoked with ``reason``); its message acked once
         the state is written. The caller announces it."""
         self._write_then_settle(request, "revoked", reason)
 
     def _write_then_settle(self, request: Any, outcome: str, detail: Any) -> None:
-        self.gate.io.call(self._write, request, outcome, detail, self._settle)
+        self.ctx.io.call(self._write, request, outcome, detail, self._settle)
 
     def _write(self, request: Any, outcome: str, detail: Any,
                then: Optional[Callable[[Any], None]]) -> None:  # I/O thread
@@ -94,25 +118,25 @@ class Outcomes:
             logger.warning("celery-semaphore: storing the %s of %s failed: %s", outcome,
                            request.id, store_exc)
         if then is not None:
-            self.gate.loop.post(then, request)
+            self.ctx.loop.post(then, request)
 
     def _settle(self, request: Any) -> None:  # loop thread
         request.acknowledge()
         celery_internals.task_ready(request)
         # it counted as a busy process until now (Celery's reserved requests): waiters in
         # the line may have one now
-        self.gate.admission.pump()
+        self.capacity_changed()
 
     def parked_outcome(self, task_id: str, task_name: str, outcome: str,
                        exc: Optional[BaseException]) -> None:
         """Write the outcome of a task parked in the waiting room (``"revoked"`` or
         ``"failure"``): its message is settled by whoever pulls it."""
-        self.gate.io.call(self._write_parked, task_id, task_name, outcome, exc)
+        self.ctx.io.call(self._write_parked, task_id, task_name, outcome, exc)
 
     def _write_parked(self, task_id: str, task_name: str, outcome: str,
                       exc: Optional[BaseException]) -> None:  # I/O thread
-        task = self.gate.app.tasks.get(task_name)
-        backend = task.backend if task is not None else self.gate.app.backend
+        task = self.ctx.app.tasks.get(task_name)
+        backend = task.backend if task is not None else self.ctx.app.backend
         try:
             if outcome == "revoked":
                 backend.mark_as_revoked(task_id, "revoked")

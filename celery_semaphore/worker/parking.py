@@ -40,7 +40,7 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Deque, Dict, List, Optional, Set, Tuple
+from typing import Any, Deque, Dict, List, Optional, Set, Tuple
 
 from celery.worker.control import control_command
 from kombu import Producer, Queue
@@ -61,6 +61,8 @@ from ..waiting_room import (
     semaphore_of,
 )
 from . import celery_internals
+from .admission import Admission
+from .context import GateContext
 from .core import How
 from .headers import lane_or_none
 from .lane_guards import SETTLE, LaneBusy, LaneGuards
@@ -76,12 +78,11 @@ from .lanes import (
     Recheck,
     Ring,
 )
-from .requeue import publish_copy
-from .settlements import EVERY_MESSAGE, Settle
+from .reporting import Reporting
+from .requeue import Requeue, publish_copy
+from .settlements import EVERY_MESSAGE, Settle, Settlements
+from .tally import Tally
 from .waiter import Waiter
-
-if TYPE_CHECKING:
-    from .gate import Gate
 
 logger = logging.getLogger(__name__)
 
@@ -111,8 +112,15 @@ class ParkedTask:
 class ParkingLot:
     """Parks and pulls one worker's guarded requests. See the module docstring."""
 
-    def __init__(self, gate: "Gate") -> None:
-        self.gate = gate
+    def __init__(self, ctx: GateContext, settlements: Settlements, tally: Tally,
+                 requeue: Requeue, reporting: Reporting) -> None:
+        self.ctx = ctx
+        self.settlements = settlements
+        self.tally = tally
+        self.requeue = requeue
+        self.reporting = reporting
+        #: the line of waiting requests this room refills (:meth:`serve`)
+        self.line: Admission
         # loop thread
         #: the doorbells held, by lane and semaphore, and the pulls on their way: decisions
         self.book = LaneBook(_LaneSurroundings(self))
@@ -127,7 +135,7 @@ class ParkingLot:
         self._connection: Any = None
         self._declared: Set[str] = set()
         #: AMQP: the lanes this worker holds messages of, as the broker sees it
-        self.guards = LaneGuards(gate.settings.key_prefix)
+        self.guards = LaneGuards(ctx.settings.key_prefix)
         self._is_amqp: Optional[bool] = None
         self._producer_of: Optional[Tuple[Any, Producer]] = None
         self._returned: List[Any] = []
@@ -135,7 +143,21 @@ class ParkingLot:
         self._unsettled: Counter[str] = Counter()
         self._unsettled_lock = threading.Lock()
 
+    def serve(self, line: Admission) -> None:
+        """Refill ``line`` (each needs the other: the line parks here, the room reads the
+        line's counts and hands it what it pulls). Called once, before the gate starts."""
+        self.line = line
+
+    def doorbell_arrived(self, lane: str, message: Any) -> None:
+        """A doorbell of ``lane`` was delivered to this worker (any thread)."""
+        self.ctx.loop.post(self.doorbell, lane, message)
+
     # -- decisions (loop thread) -------------------------------------------------------------
+
+    def publishing(self) -> int:
+        """Requests whose parked copy is being published (Celery still counts them
+        reserved)."""
+        return sum(self.parking.values())
 
     def room(self, name: str, waiting_of_name: Optional[int] = None,
              waiting: Optional[int] = None) -> int:
@@ -144,31 +166,31 @@ class ParkingLot:
         within ``semaphore_worker_max_waiting`` in all. The rest wait in the parking queue,
         where any worker with room takes them, and a hot semaphore does not crowd out the
         others."""
-        admission = self.gate.admission
+        admission = self.line
         if waiting_of_name is None:
             waiting_of_name = admission.count(name)
         if waiting is None:
             waiting = len(admission)
         share = (SHARE_PER_PROCESS * admission.pool_size() - waiting_of_name
                  - sum(self.pulling.get(lane, 0) for lane in self.lanes.get(name, ())))
-        total = (self.gate.settings.worker_max_waiting - waiting
+        total = (self.ctx.settings.worker_max_waiting - waiting
                  - sum(self.pulling.values()))
         return min(share, total)
 
     def park(self, waiter: Waiter, why: str) -> None:
         """Park ``waiter``, which left the core (:attr:`.How.PARK`), in its lane (its message
         is acked once the parked copy is published, and a doorbell rung for the lane)."""
-        queue = celery_internals.consumed_queue(self.gate.consumer, waiter.request)
+        queue = celery_internals.consumed_queue(self.ctx.consumer, waiter.request)
         if queue is None:  # no lane whose doorbell would reach the workers of its queue
-            self.gate.requeue.requeue(waiter)
+            self.requeue.requeue(waiter)
             return
         lane = lane_of(waiter.guard.name, waiter.guard.fair, queue.name)
         self.parking[lane] = self.parking.get(lane, 0) + 1
-        self.gate.in_transit.add(waiter.request.message.delivery_tag)
+        self.ctx.in_transit.add(waiter.request.message.delivery_tag)
         logger.debug("celery-semaphore: parking %s (%s)", waiter.request.id, why)
         # stored before the copy exists: never after it ran
-        self.gate.reporting.waiting(waiter, None, waiter.guard.limit, parked=True)
-        self.gate.io.call(self._park, waiter, lane, queue)
+        self.reporting.waiting(waiter, None, waiter.guard.limit, parked=True)
+        self.ctx.io.call(self._park, waiter, lane, queue)
 
     def dropped_by_pool(self, request: Any) -> None:
         """The pool's flush on a broker reconnect dropped ``request``'s job (loop thread). If
@@ -178,8 +200,8 @@ class ParkingLot:
         message = request.message
         channel = getattr(message, "channel", None)
         if (channel is not None and channel is not celery_internals.task_channel(
-                self.gate.consumer) and celery_internals.redis_qos(channel) is not None):
-            self.gate.settlements.later(message.delivery_tag, Settle.REQUEUE)
+                self.ctx.consumer) and celery_internals.redis_qos(channel) is not None):
+            self.settlements.later(message.delivery_tag, Settle.REQUEUE)
 
     def give_back(self, waiter: Waiter) -> None:
         """The consumer stops with ``waiter``, pulled from the waiting room, still waiting:
@@ -188,7 +210,7 @@ class ParkingLot:
         channel does nothing). The lane's doorbell goes back with the consumer's channel."""
         waiter.request.acknowledged = True  # settled here, not on the consumer's channel
         message = waiter.request.message
-        self.gate.io.call(self._reject, message, (message.headers or {}).get(PARKED_HEADER))
+        self.ctx.io.call(self._reject, message, (message.headers or {}).get(PARKED_HEADER))
 
     @property
     def bells(self) -> Dict[str, Bell]:
@@ -223,27 +245,27 @@ class ParkingLot:
         """Carry out the lane book's commands, in order (loop thread)."""
         for command in commands:
             if isinstance(command, Pull):
-                self.gate.io.call(self._pull, command.lane, command.want, command.began)
+                self.ctx.io.call(self._pull, command.lane, command.want, command.began)
             elif isinstance(command, Recheck):
-                self.gate.io.call(self.gate.loop.post, self._recheck, command.bell,
-                                  delay=command.delay)
+                self.ctx.io.call(self.ctx.loop.post, self._recheck, command.bell,
+                                 delay=command.delay)
             elif isinstance(command, Ring):
-                self.gate.io.call(self._ring, command.lane)
+                self.ctx.io.call(self._ring, command.lane)
             elif isinstance(command, Hold):
-                self.gate.consumer.qos.increment_eventually()  # held: the consumer fetches on
+                self.ctx.consumer.qos.increment_eventually()  # held: the consumer fetches on
             elif isinstance(command, AckDuplicate):
-                command.message.ack_log_error(logger, self.gate.consumer.connection_errors)
+                command.message.ack_log_error(logger, self.ctx.consumer.connection_errors)
             elif isinstance(command, LetGo):
-                command.bell.message.ack_log_error(logger, self.gate.consumer.connection_errors)
-                self.gate.consumer.qos.decrement_eventually()
+                command.bell.message.ack_log_error(logger, self.ctx.consumer.connection_errors)
+                self.ctx.consumer.qos.decrement_eventually()
                 if self._amqp():  # proven empty: its parking queue goes, a little later (not
                     # in the way of the releases that end a drain, nor of a lane that refills)
-                    self.gate.io.call(self._delete_lane, command.bell.lane, delay=DELETE_AFTER)
+                    self.ctx.io.call(self._delete_lane, command.bell.lane, delay=DELETE_AFTER)
 
     def _amqp(self) -> bool:
         """Whether the broker is RabbitMQ (AMQP), whose parking queues are real queues."""
         if self._is_amqp is None:
-            with self.gate.app.connection_for_write() as connection:  # not connected
+            with self.ctx.app.connection_for_write() as connection:  # not connected
                 self._is_amqp = connection.transport.driver_type == "amqp"
         return self._is_amqp
 
@@ -263,15 +285,15 @@ class ParkingLot:
             del self.parking[lane]
         request = waiter.request
         if not published:  # what the waiting room cannot take goes the requeue way
-            self.gate.requeue.requeue(waiter)
+            self.requeue.requeue(waiter)
             return
-        self.gate.in_transit.discard(request.message.delivery_tag)
+        self.ctx.in_transit.discard(request.message.delivery_tag)
         request.acknowledge()
         celery_internals.task_ready(request)
         self.parked_total[semaphore_of(lane)] += 1
-        self.gate.tally.add(semaphore_of(lane), "parked_worker")
+        self.tally.add(semaphore_of(lane), "parked_worker")
         self._track(waiter)
-        self.gate.admission.pump()
+        self.line.pump()
 
     # -- parked tasks revoked or past semaphore_max_wait (loop thread) ------------------------
 
@@ -295,7 +317,7 @@ class ParkingLot:
             _, task_id = heapq.heappop(self._deadlines)
             task = self.tracked.pop(task_id, None)
             if task is not None:
-                self.gate.fail_parked(task.task_id, task.task_name, SemaphoreTimeout(
+                self.reporting.failed_parked(task.task_id, task.task_name, SemaphoreTimeout(
                     f"no slot of semaphore {task.semaphore!r} in its semaphore_max_wait "
                     f"(parked)"))
         revocations = celery_internals.revocations()
@@ -305,25 +327,25 @@ class ParkingLot:
         for task in list(self.tracked.values()):
             if celery_internals.is_revoked(task.task_id, task.stamps):
                 del self.tracked[task.task_id]
-                self.gate.reporting.revoked_parked(task.task_id, task.task_name)
+                self.reporting.revoked_parked(task.task_id, task.task_name)
 
     def _pulled(self, lane: str, asked: int, messages: List[Any], empty: bool,
                 began: float) -> None:
         self.book.pull_landed(lane, asked)
         bell = self.bells.get(lane)
-        if not self.gate.open:  # the consumer stopped meanwhile: they wait for another pull
+        if not self.ctx.open:  # the consumer stopped meanwhile: they wait for another pull
             for message in messages:
-                self.gate.io.call(self._reject, message, lane, False)
+                self.ctx.io.call(self._reject, message, lane, False)
             return
         if messages:
             self.pulled_total[semaphore_of(lane)] += len(messages)
             sent = sum(1 for m in messages if PARKED_BY_HEADER not in (m.headers or {}))
             if sent:  # parked on send: counted when first pulled
-                self.gate.tally.add(semaphore_of(lane), "parked_send", sent)
+                self.tally.add(semaphore_of(lane), "parked_send", sent)
         for message in messages:
             self._deliver(message, lane)
         if not messages:  # nothing held of it now, perhaps (AMQP: stop holding the lane)
-            self.gate.io.call(self._release_if_idle, lane)
+            self.ctx.io.call(self._release_if_idle, lane)
         self._run(self.book.pulled(bell, len(messages), empty, began, lane))
 
     def _deliver(self, message: Any, lane: str) -> None:
@@ -334,29 +356,29 @@ class ParkingLot:
         route = headers.get(ROUTE_HEADER)
         if isinstance(route, (list, tuple)) and len(route) == 2:  # retries go where it was sent
             message.delivery_info.update(exchange=route[0], routing_key=route[1])
-        consumer = self.gate.consumer
+        consumer = self.ctx.consumer
         strategy = consumer.strategies.get(headers.get("task"))
         if strategy is None:  # not a task this worker knows: leave the lane to the others
             logger.warning("celery-semaphore: parked task %s[%s] is not registered on this "
                            "worker; leaving its lane to the other workers for %gs",
                            headers.get("task"), headers.get("id"), REFUSE_FOR)
             self._run(self.book.refused(lane))
-            self.gate.io.call(self._reject, message, lane, False)
+            self.ctx.io.call(self._reject, message, lane, False)
             return
         try:
             strategy(message, None,
-                     promise(self.gate.io.call, (self._settle, message, lane, True)),
-                     promise(self.gate.io.call, (self._settle, message, lane, False)),
+                     promise(self.ctx.io.call, (self._settle, message, lane, True)),
+                     promise(self.ctx.io.call, (self._settle, message, lane, False)),
                      consumer.on_task_message)
         except Exception:  # as the consumer does for a delivery: the rest of the pull goes on
             logger.exception("celery-semaphore: cannot take pulled %s; it goes back",
                              message.delivery_tag)
-            self.gate.io.call(self._reject, message, lane)
+            self.ctx.io.call(self._reject, message, lane)
 
     # -- broker calls (I/O thread) -----------------------------------------------------------
 
     def _queue(self, lane: str) -> Queue:
-        return parking_queue(self.gate.settings.key_prefix, lane,
+        return parking_queue(self.ctx.settings.key_prefix, lane,
                              self._connection.transport.driver_type)
 
     def _producer(self) -> Producer:
@@ -374,12 +396,12 @@ class ParkingLot:
         if self._connection is None:
             # AMQP: publisher confirms, so that a parked copy the broker returns (its queue
             # expired unused, x-expires) is published again (:meth:`_park`)
-            self._connection = self.gate.app.connection_for_write(
+            self._connection = self.ctx.app.connection_for_write(
                 transport_options={"confirm_publish": True})
             self._declared.clear()
         self._connection.ensure_connection(max_retries=1, interval_start=0)
         channel = self._connection.default_channel
-        self.gate.settlements.watch(channel)  # an ack the broker does not take is made again
+        self.settlements.watch(channel)  # an ack the broker does not take is made again
         return channel
 
     def _declared_queue(self, lane: str) -> Queue:
@@ -408,14 +430,14 @@ class ParkingLot:
         each goes back to its queue through :class:`.Settlements` once the broker answers
         (AMQP requeued them as the connection closed). Then every held lane is pulled again,
         and proven empty anew before its doorbell goes."""
-        admission = self.gate.admission
+        admission = self.line
         let_go = [w for w in admission.waiters.values()
                   if w.pulled and getattr(w.request.message, "channel", None) is channel]
         redis = celery_internals.redis_qos(channel) is not None
         for waiter in let_go:
             admission.leave(waiter, How.LET_GO)
             if redis:
-                self.gate.settlements.later(waiter.request.message.delivery_tag,
+                self.settlements.later(waiter.request.message.delivery_tag,
                                             Settle.REQUEUE)
         if let_go:
             logger.info("celery-semaphore: %d tasks that were waiting when the broker "
@@ -448,9 +470,9 @@ class ParkingLot:
                                    f"(parking queue {parking.name})")
         except Exception as exc:
             self._lost(exc, f"parking {waiter.request.id}, requeueing it")
-            self.gate.loop.post(self.parked, waiter, lane, False)
+            self.ctx.loop.post(self.parked, waiter, lane, False)
             return
-        self.gate.loop.post(self._parked_then_ring, waiter, lane, queue)
+        self.ctx.loop.post(self._parked_then_ring, waiter, lane, queue)
 
     def _parked_then_ring(self, waiter: Waiter, lane: str, queue: Queue) -> None:
         self.parked(waiter, lane, True)
@@ -472,9 +494,9 @@ class ParkingLot:
 
     def _publish_doorbell(self, lane: str) -> None:
         queue = queue_of(lane)
-        consumed = {q.name: q for q in celery_internals.consumed_queues(self.gate.consumer)}
+        consumed = {q.name: q for q in celery_internals.consumed_queues(self.ctx.consumer)}
         self._channel()
-        ring(self.gate.app, lane, {"queue": consumed.get(queue, queue)} if queue else {},
+        ring(self.ctx.app, lane, {"queue": consumed.get(queue, queue)} if queue else {},
              connection=self._connection)
 
     def _ring(self, lane: str) -> None:
@@ -484,7 +506,7 @@ class ParkingLot:
         except Exception as exc:
             logger.warning("celery-semaphore: ringing the doorbell of %r failed (its parked "
                            "tasks wait for the next one): %s", semaphore_of(lane), exc)
-            self.gate.loop.post(self.book.ring_failed, lane)
+            self.ctx.loop.post(self.book.ring_failed, lane)
 
     def _pull(self, lane: str, want: int, began: float) -> None:
         messages: List[Any] = []
@@ -493,8 +515,8 @@ class ParkingLot:
             try:
                 queue = self._pulling_queue(lane)
             except LaneBusy:  # another worker deletes it (it was empty): look again soon
-                self.gate.loop.post(self._pulled, lane, want, [], False, began)
-                self.gate.io.call(self.gate.loop.post, self.refill, lane, delay=BUSY_RETRY)
+                self.ctx.loop.post(self._pulled, lane, want, [], False, began)
+                self.ctx.io.call(self.ctx.loop.post, self.refill, lane, delay=BUSY_RETRY)
                 return
             while len(messages) < want:
                 try:
@@ -517,9 +539,9 @@ class ParkingLot:
             for message in messages:  # never delivered: back to their queue (Redis; AMQP
                 # requeued them as the connection closed)
                 if celery_internals.redis_qos(message.channel) is not None:
-                    self.gate.settlements.later(message.delivery_tag, Settle.REQUEUE)
+                    self.settlements.later(message.delivery_tag, Settle.REQUEUE)
             messages, empty = [], False
-        self.gate.loop.post(self._pulled, lane, want, messages, empty, began)
+        self.ctx.loop.post(self._pulled, lane, want, messages, empty, began)
 
     def _pulling_queue(self, lane: str) -> Queue:
         """The lane's parking queue, bound to the channel to pull it on: on AMQP a channel of
@@ -559,7 +581,7 @@ class ParkingLot:
                          semaphore_of(lane), exc)
             return
         if locked is not None:
-            self.gate.io.call(self._delete_locked, lane, locked, self._connection, delay=SETTLE)
+            self.ctx.io.call(self._delete_locked, lane, locked, self._connection, delay=SETTLE)
 
     def _delete_locked(self, lane: str, channel: Any, connection: Any) -> None:
         if connection is not self._connection:  # reset meanwhile: the lock went with it
@@ -584,7 +606,7 @@ class ParkingLot:
         the doorbell held with it, in the same instant.) A task this worker does not know stays
         routed to its lane, for the workers that know it."""
         reroutes = []
-        strategies = self.gate.consumer.strategies
+        strategies = self.ctx.consumer.strategies
         for message in messages:
             headers = message.headers or {}
             route = headers.get(ROUTE_HEADER)
@@ -602,7 +624,7 @@ class ParkingLot:
         else:
             message.reject_log_error(log, errors, requeue)
         if not ack and requeue:  # back in the lane, which may have been proven empty since
-            self.gate.loop.post(self._back_in_lane, lane)
+            self.ctx.loop.post(self._back_in_lane, lane)
         self._settled(lane)
 
     def _back_in_lane(self, lane: str) -> None:
@@ -616,8 +638,8 @@ class ParkingLot:
             if self._unsettled[lane] > 0:
                 return
             del self._unsettled[lane]
-        self.gate.io.call(self._release_if_idle, lane)
-        self.gate.loop.post(self._last_settled, lane)
+        self.ctx.io.call(self._release_if_idle, lane)
+        self.ctx.loop.post(self._last_settled, lane)
 
     def _last_settled(self, lane: str) -> None:
         self._run(self.book.last_settled(lane))
@@ -632,7 +654,7 @@ class ParkingLot:
                          message.delivery_tag, exc)
         if lane is not None:
             if rearm:
-                self.gate.loop.post(self._back_in_lane, lane)
+                self.ctx.loop.post(self._back_in_lane, lane)
             self._settled(lane)
 
     def reset(self) -> None:
@@ -653,12 +675,12 @@ class ParkingLot:
         if connection is None:
             return
         channel = celery_internals.parking_channel(connection)
-        self.gate.settlements.detach(channel, keep=EVERY_MESSAGE)
+        self.settlements.detach(channel, keep=EVERY_MESSAGE)
         try:
             connection.close()
         except Exception:
             pass
-        self.gate.loop.post(self._let_go_of_pulled, channel)
+        self.ctx.loop.post(self._let_go_of_pulled, channel)
 
     def _rearm(self) -> None:
         """Messages pulled from the held lanes went back (loop thread): pull every held lane
@@ -683,13 +705,13 @@ class _LaneSurroundings:
 
     @property
     def open(self) -> bool:
-        return self.lot.gate.open
+        return self.lot.ctx.open
 
     def room(self, semaphore: str) -> int:
         return self.lot.room(semaphore)
 
     def settling(self) -> bool:
-        return len(self.lot.gate.settlements) > 0
+        return len(self.lot.settlements) > 0
 
     def unsettled(self, lane: str) -> int:
         with self.lot._unsettled_lock:
@@ -704,16 +726,16 @@ def doorbell_strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Any:
 
     def on_doorbell(message: Any, body: Any, ack: Any, reject: Any, callbacks: Any,
                     **options: Any) -> None:
-        gate: Optional["Gate"] = getattr(consumer, "semaphore_gate", None)
+        lot: Optional[ParkingLot] = getattr(consumer, "semaphore_parking", None)
         raw = (message.headers or {}).get(DOORBELL_HEADER)
         lane = lane_or_none(raw)
         if lane is None:
             logger.warning("celery-semaphore: ignoring a doorbell whose %s header is not a "
                            "parking lane: %.80r", DOORBELL_HEADER, raw)
-        if gate is None or lane is None:
+        if lot is None or lane is None:
             ack(logger, consumer.connection_errors)  # as Request.acknowledge calls it
             return
-        gate.loop.post(gate.parking.doorbell, lane, message)
+        lot.doorbell_arrived(lane, message)
 
     return on_doorbell
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from celery import signals
 from celery.exceptions import TimeLimitExceeded
@@ -26,10 +26,8 @@ from ..guards import Guard
 from ..keeper import default_keeper
 from ..semaphore import Lease, LeaseGroup
 from . import celery_internals
-from .settlements import Settle
-
-if TYPE_CHECKING:
-    from .gate import Gate
+from .context import GateContext
+from .settlements import Settle, Settlements
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +62,15 @@ class Releases:
     """The slots this worker's requests hold, and their release. Loop thread, except the
     methods marked I/O."""
 
-    def __init__(self, gate: "Gate") -> None:
-        self.gate = gate
+    def __init__(self, ctx: GateContext, settlements: Settlements,
+                 dropped_by_pool: Callable[[Any], None],
+                 capacity_changed: Callable[[], None]) -> None:
+        self.ctx = ctx
+        self.settlements = settlements
+        #: told of a request pulled from the waiting room that the pool dropped unrun
+        self.dropped_by_pool = dropped_by_pool
+        #: told when a slot or a pool process frees
+        self.capacity_changed = capacity_changed
         self.held: Dict[str, Held] = {}  # lease holder -> Held
         #: Requests handed to the pool whose ending has not been seen, with their pool job (a
         #: strong reference: the request's own is weak, and the flush drops the pool's):
@@ -83,7 +88,7 @@ class Releases:
         """``request`` got its slot and goes to the pool: renew its lease until it ends."""
         entry = self.held[lease.holder] = Held(request, lease, guard)
         request.semaphore_held = entry
-        lease.on_lost(lambda lost: self.gate.loop.post(self._lease_lost, entry))
+        lease.on_lost(lambda lost: self.ctx.loop.post(self._lease_lost, entry))
         default_keeper.add(lease)
         self.track(request)
         return entry
@@ -93,7 +98,7 @@ class Releases:
             # the thread pool keeps no reference to its job: it runs, whatever happens to the
             # broker connection (no flush drops it)
             job = celery_internals.pool_job(request)
-            if job is None and not celery_internals.pool_forks(self.gate.consumer.pool):
+            if job is None and not celery_internals.pool_forks(self.ctx.consumer.pool):
                 job = celery_internals.RUNS_ONCE_HANDED
             self.in_pool[id(request)] = (request, job)
 
@@ -103,7 +108,7 @@ class Releases:
 
         # Pool callbacks run on the pool's thread (prefork: the loop thread; threads, gevent:
         # others): each posts its ending to the loop thread, which owns the gate's state.
-        post = self.gate.loop.post
+        post = self.ctx.loop.post
 
         def success(*args: Any, **kwargs: Any) -> Any:
             try:
@@ -149,20 +154,20 @@ class Releases:
             pid = request.worker_pid
             exc = getattr(exc, "exc", exc)  # billiard's ExceptionWithTraceback
             if (isinstance(exc, celery_internals.CHILD_KILLED) and pid
-                    and celery_internals.pool_forks(self.gate.consumer.pool)):
+                    and celery_internals.pool_forks(self.ctx.consumer.pool)):
                 # Celery reports these before the pool child has died; the body may still
                 # run (a finally block, a handler): keep the slot until it exits.
-                self.gate.io.call(self._release_after_exit, entry.lease, pid,
-                                  time.monotonic() + CHILD_EXIT_WAIT)
+                self.ctx.io.call(self._release_after_exit, entry.lease, pid,
+                                 time.monotonic() + CHILD_EXIT_WAIT)
             else:
                 self._release_soon(entry.lease)
-        self.gate.admission.pump()
+        self.capacity_changed()
 
     def _release_after_exit(self, lease: AnyLease, pid: int, deadline: float) -> None:  # I/O
         # At worker shutdown the pool has been stopped first: release now, not never.
-        if (self.gate.running and celery_internals.process_alive(pid)
+        if (self.ctx.running and celery_internals.process_alive(pid)
                 and time.monotonic() < deadline):
-            self.gate.io.call(self._release_after_exit, lease, pid, deadline, delay=0.005)
+            self.ctx.io.call(self._release_after_exit, lease, pid, deadline, delay=0.005)
             return
         default_keeper.discard(lease)
         self.release(lease)
@@ -174,12 +179,12 @@ class Releases:
             if not lease.release() and not lease.lost:
                 logger.debug("celery-semaphore: lease %r had expired before release", lease)
         except Exception as exc:
-            self.gate.retry_io(lambda next_retry: self.release(lease, next_retry), retry,
-                               lease.remaining, f"releasing {lease!r}", exc)
+            self.ctx.retry_io(lambda next_retry: self.release(lease, next_retry), retry,
+                              lease.remaining, f"releasing {lease!r}", exc)
 
     def release_all(self) -> None:
         """The worker exits: release every lease still held."""
-        with self.gate.lock:
+        with self.ctx.lock:
             held = list(self.held.values())
             self.held.clear()
         for entry in held:
@@ -188,7 +193,7 @@ class Releases:
     def _release_soon(self, lease: AnyLease) -> None:
         """Stop renewing ``lease`` and release it on the I/O thread."""
         default_keeper.discard(lease)
-        self.gate.io.call(self.release, lease)
+        self.ctx.io.call(self.release, lease)
 
     def _lease_lost(self, entry: Held) -> None:
         if self.held.get(entry.lease.holder) is not entry:
@@ -197,14 +202,14 @@ class Releases:
         logger.error("celery-semaphore: task %s lost its slot of %r (token %s); policy: %s",
                      entry.request.id, entry.lease.name, entry.lease.token, policy)
         if policy == "terminate":
-            entry.request.terminate(self.gate.consumer.pool, signal="SIGTERM")
+            entry.request.terminate(self.ctx.consumer.pool, signal="SIGTERM")
 
     # -- revoked before a pool process took it ----------------------------------------------
 
     def _on_task_revoked(self, sender: Any = None, request: Any = None, **kwargs: Any) -> None:
         task_id = getattr(request, "id", None)
         if task_id is not None:
-            self.gate.loop.post(self._revoked, task_id)
+            self.ctx.loop.post(self._revoked, task_id)
 
     def _revoked(self, task_id: str) -> None:
         for entry in list(self.held.values()):
@@ -224,7 +229,7 @@ class Releases:
         whose write to a child had begun runs there unseen: an :class:`Orphan` until that child
         has moved on (:meth:`check_orphans`)."""
         for request, job in list(self.in_pool.values()):
-            child = celery_internals.dropped_job_child(self.gate.consumer, request, job)
+            child = celery_internals.dropped_job_child(self.ctx.consumer, request, job)
             if child is False:
                 continue
             del self.in_pool[id(request)]
@@ -232,7 +237,7 @@ class Releases:
             if entry is not None and self.held.get(entry.lease.holder) is not entry:
                 entry = None
             if child is None:
-                self.gate.parking.dropped_by_pool(request)
+                self.dropped_by_pool(request)
                 if entry is not None:
                     logger.warning("celery-semaphore: %s was dropped by the pool on a broker "
                                    "reconnect before any child got it; releasing its slot",
@@ -267,10 +272,10 @@ class Releases:
             pid = orphan.pid
             alive = celery_internals.process_alive(pid)
             if alive and not celery_internals.runs_in_child(pid):
-                if not celery_internals.child_is_up(self.gate.consumer.pool, pid):
+                if not celery_internals.child_is_up(self.ctx.consumer.pool, pid):
                     continue
                 ttl = (orphan.held.lease.ttl if orphan.held is not None
-                       else self.gate.settings.lease_ttl)
+                       else self.ctx.settings.lease_ttl)
                 if orphan.child_up is None:
                     orphan.child_up = now
                     continue
@@ -285,7 +290,7 @@ class Releases:
             logger.info("celery-semaphore: settled %s (its job went to pool child %s, which %s):"
                         " %s", orphan.request.id, pid, "moved on" if alive else "exited",
                         "acknowledged" if alive else "put back in its queue")
-            self.gate.settlements.settle_kept(orphan.request.message, settle)
+            self.settlements.settle_kept(orphan.request.message, settle)
 
     def _forget(self, entry: Held) -> None:
         """Release a held slot no pool callback will release."""

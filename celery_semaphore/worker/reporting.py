@@ -6,22 +6,22 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Dict, Optional
+from typing import Any, Dict, Iterable, Mapping, Optional, Protocol
 
 from celery.worker.control import inspect_command
 
 from ..states import WAITING_EVENT
+from .context import GateContext
+from .outcomes import Outcomes
 from .waiter import Waiter, WaitState
-
-if TYPE_CHECKING:
-    from .gate import Gate
 
 logger = logging.getLogger(__name__)
 
 
 class Reporting:
-    def __init__(self, gate: "Gate") -> None:
-        self.gate = gate
+    def __init__(self, ctx: GateContext, outcomes: Outcomes) -> None:
+        self.ctx = ctx
+        self.outcomes = outcomes
 
     def waiting(self, waiter: Waiter, position: Optional[int], limit: Any,
                 parked: bool = False) -> None:
@@ -41,7 +41,7 @@ class Reporting:
         if parked:
             fields["parked"] = True
         waiter.request.send_event(WAITING_EVENT, **fields)
-        self.gate.outcomes.waiting(waiter, fields, parked)
+        self.outcomes.waiting(waiter, fields, parked)
 
     def revoked_parked(self, task_id: str, task_name: str) -> None:
         """A parked task was revoked: announce it now, as Celery does for a request it holds
@@ -49,46 +49,63 @@ class Reporting:
         logger.info("celery-semaphore: discarding revoked parked task: %s[%s]", task_name,
                     task_id)
         self.event("task-revoked", task_id, terminated=False, signum=None, expired=False)
-        self.gate.outcomes.parked_outcome(task_id, task_name, "revoked", None)
+        self.outcomes.parked_outcome(task_id, task_name, "revoked", None)
+
+    def failed_parked(self, task_id: str, task_name: str, exc: BaseException) -> None:
+        """A parked task failed (``semaphore_max_wait`` ran out): announce it and store the
+        failure now (its message waits in the parking queue: whoever pulls it fails it
+        again, acking it). Loop thread."""
+        logger.error("celery-semaphore: task %s[%s] failed: %s", task_name, task_id, exc)
+        self.event("task-failed", task_id, exception=repr(exc), traceback="")
+        self.outcomes.parked_outcome(task_id, task_name, "failure", exc)
 
     def event(self, kind: str, task_id: str, **fields: Any) -> None:
-        dispatcher = getattr(self.gate.consumer, "event_dispatcher", None)
+        dispatcher = getattr(self.ctx.consumer, "event_dispatcher", None)
         if dispatcher is not None and dispatcher.enabled:
             dispatcher.send(kind, uuid=task_id, **fields)
 
-    def snapshot(self) -> Dict[str, Any]:
-        gate = self.gate
-        with gate.lock:
-            return {
-                "waiting": [
-                    {"id": w.request.id, "task": w.request.name,
-                     "semaphore": w.blocking or w.guard.name,
-                     "semaphores": list(w.guard.names),
-                     "position": w.position, "queued": w.state is WaitState.QUEUED,
-                     "waits_for": w.waits_for, "cost": w.guard.cost,
-                     "priority": w.guard.priority,
-                     "waited": round(time.monotonic() - w.entered, 3),
-                     "requeues": w.requeues}
-                    for w in gate.admission.waiters.values()
-                ],
-                "held": [
-                    {"id": h.request.id, "task": h.request.name, "semaphore": h.lease.name,
-                     "semaphores": list(h.guard.names),
-                     "holder": h.lease.holder, "token": str(h.lease.token),
-                     "tokens": {name: str(lease.token) for name, lease in
-                                getattr(h.lease, "leases", {h.lease.name: h.lease}).items()}}
-                    for h in gate.releases.held.values()
-                ],
-                "parked": dict(gate.parking.parked_total),
-                "pulled": dict(gate.parking.pulled_total),
-            }
+
+def snapshot(waiters: Iterable[Waiter], held: Iterable[Any], parked: Mapping[str, int],
+             pulled: Mapping[str, int]) -> Dict[str, Any]:
+    """What ``celery semaphore workers`` shows of one worker: the requests it holds waiting,
+    those that run holding a slot (:class:`.Held`), and per semaphore the requests it parked
+    and pulled back since it started. The caller holds the gate's lock."""
+    return {
+        "waiting": [
+            {"id": w.request.id, "task": w.request.name,
+             "semaphore": w.blocking or w.guard.name,
+             "semaphores": list(w.guard.names),
+             "position": w.position, "queued": w.state is WaitState.QUEUED,
+             "waits_for": w.waits_for, "cost": w.guard.cost,
+             "priority": w.guard.priority,
+             "waited": round(time.monotonic() - w.entered, 3),
+             "requeues": w.requeues}
+            for w in waiters
+        ],
+        "held": [
+            {"id": h.request.id, "task": h.request.name, "semaphore": h.lease.name,
+             "semaphores": list(h.guard.names),
+             "holder": h.lease.holder, "token": str(h.lease.token),
+             "tokens": {name: str(lease.token) for name, lease in
+                        getattr(h.lease, "leases", {h.lease.name: h.lease}).items()}}
+            for h in held
+        ],
+        "parked": dict(parked),
+        "pulled": dict(pulled),
+    }
+
+
+class Inspectable(Protocol):
+    """What the remote-control command reads of a worker's gate."""
+
+    def snapshot(self) -> Dict[str, Any]: ...
 
 
 @inspect_command(alias="semaphores")
 def semaphore_requests(state: Any, **kwargs: Any) -> Any:
     """Requests this worker holds for a slot ("waiting") and runs with one ("held"); per
     semaphore, the requests it parked and pulled back since it started."""
-    gate: Optional["Gate"] = getattr(state.consumer, "semaphore_gate", None)
+    gate: Optional[Inspectable] = getattr(state.consumer, "semaphore_gate", None)
     if gate is None:
         return {"error": "celery-semaphore is not installed on this worker"}
-    return gate.reporting.snapshot()
+    return gate.snapshot()

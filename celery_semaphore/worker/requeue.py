@@ -8,15 +8,14 @@ from __future__ import annotations
 import logging
 import random
 from datetime import datetime, timedelta, timezone
-from typing import TYPE_CHECKING, Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 from ..waiting_room import FIRST_WAIT_HEADER, PARKED_BY_HEADER, PARKED_HEADER, ROUTE_HEADER
 from . import celery_internals
+from .context import GateContext
 from .headers import REQUEUES_HEADER
+from .tally import Tally
 from .waiter import Waiter
-
-if TYPE_CHECKING:
-    from .gate import Gate
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +51,12 @@ def publish_copy(producer: Any, request: Any, exchange: str, routing_key: Option
 
 
 class Requeue:
-    def __init__(self, gate: "Gate") -> None:
-        self.gate = gate
+    def __init__(self, ctx: GateContext, tally: Tally,
+                 capacity_changed: Callable[[], None]) -> None:
+        self.ctx = ctx
+        self.tally = tally
+        #: told when a requeued request no longer counts as a busy process
+        self.capacity_changed = capacity_changed
 
     def requeue(self, waiter: Waiter) -> None:
         """Publish a copy of the message of ``waiter`` (which left the core) with a backoff
@@ -61,17 +64,17 @@ class Requeue:
         broker refused the parked copy, no lane for its queue, a priority request held past
         ``semaphore_worker_max_hold``)."""
         countdown = backoff(waiter)
-        self.gate.in_transit.add(waiter.request.message.delivery_tag)
+        self.ctx.in_transit.add(waiter.request.message.delivery_tag)
         logger.warning("celery-semaphore: requeueing %s with a backoff of %.2fs: the waiting "
                        "room could not take it", waiter.request.id, countdown)
-        self.gate.io.call(self._republish, waiter, countdown)
+        self.ctx.io.call(self._republish, waiter, countdown)
 
     def _republish(self, waiter: Waiter, countdown: float) -> None:  # I/O thread
         request = waiter.request
         delivery = request.delivery_info or {}
         eta = (datetime.now(timezone.utc) + timedelta(seconds=countdown)).isoformat()
         try:
-            with self.gate.app.producer_or_acquire() as producer:
+            with self.ctx.app.producer_or_acquire() as producer:
                 publish_copy(producer, request, delivery.get("exchange") or "",
                              delivery.get("routing_key"),
                              {REQUEUES_HEADER: waiter.requeues + 1,
@@ -82,17 +85,17 @@ class Requeue:
         except Exception as exc:
             logger.warning("celery-semaphore: requeue of %s failed, rejecting for redelivery: %s",
                            request.id, exc)
-            self.gate.loop.post(self._settle, waiter, False)
+            self.ctx.loop.post(self._settle, waiter, False)
             return
-        self.gate.loop.post(self._settle, waiter, True)
+        self.ctx.loop.post(self._settle, waiter, True)
 
     def _settle(self, waiter: Waiter, republished: bool) -> None:
         request = waiter.request
-        self.gate.in_transit.discard(request.message.delivery_tag)
+        self.ctx.in_transit.discard(request.message.delivery_tag)
         if republished:
-            self.gate.tally.add(waiter.guard.name, "requeued")
+            self.tally.add(waiter.guard.name, "requeued")
             request.acknowledge()
         else:
             request.reject(requeue=True)
         celery_internals.task_ready(request)
-        self.gate.admission.pump()  # it counted as a busy process until now
+        self.capacity_changed()  # it counted as a busy process until now

@@ -33,13 +33,11 @@ from __future__ import annotations
 import enum
 import logging
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Container, Dict, List, Optional
+from typing import Any, Callable, Container, Dict, List, Optional
 
 from . import celery_internals
+from .context import GateContext
 from .threads import RETRY_FIRST, RETRY_MAX
-
-if TYPE_CHECKING:
-    from .gate import Gate
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +67,8 @@ class Settlements:
     """Settles, through the gate's own connection, what a lost channel could not. See the
     module docstring."""
 
-    def __init__(self, gate: "Gate") -> None:
-        self.gate = gate
+    def __init__(self, ctx: GateContext) -> None:
+        self.ctx = ctx
         self._lock = threading.Lock()
         #: delivery tag -> what to make of it (taken over, not landed yet)
         self._pending: Dict[str, Settle] = {}
@@ -155,7 +153,7 @@ class Settlements:
             if self._flushing:
                 return
             self._flushing = True
-        self.gate.io.call(self.flush)
+        self.ctx.io.call(self.flush)
 
     def flush(self, retry: float = RETRY_FIRST) -> None:
         """Make every pending settlement (I/O thread), retrying while the broker is away and
@@ -165,15 +163,15 @@ class Settlements:
         landed: List[str] = []
         try:
             celery_internals.settle_unacked(
-                self.gate.app, [(tag, settle is Settle.REQUEUE) for tag, settle in pending.items()],
+                self.ctx.app, [(tag, settle is Settle.REQUEUE) for tag, settle in pending.items()],
                 landed.append)
         except Exception as exc:
             with self._lock:
                 for tag in landed:
                     if self._pending.get(tag) is pending[tag]:
                         del self._pending[tag]
-            if self.gate.running:
-                self.gate.io.call(self.flush, min(retry * 2, RETRY_MAX), delay=retry)
+            if self.ctx.running:
+                self.ctx.io.call(self.flush, min(retry * 2, RETRY_MAX), delay=retry)
             else:
                 self._give_up(exc)
             return
@@ -184,7 +182,7 @@ class Settlements:
             more = bool(self._pending)
             self._flushing = more
         if more:
-            self.gate.io.call(self.flush)
+            self.ctx.io.call(self.flush)
 
     def _give_up(self, exc: BaseException) -> None:
         with self._lock:

@@ -8,11 +8,10 @@ from typing import Any
 from celery import bootsteps
 from celery.exceptions import ImproperlyConfigured
 
-from ..autoinstall import guarded_tasks
 from ..backends import get_backend
 from ..backends.base import Backend
 from ..exceptions import ConfigurationError
-from ..guards import Guards, check_options
+from ..guards import Guards, check_options, guarded_tasks
 from ..settings import Settings, lookup
 from ..traffic import options_used
 from . import celery_internals

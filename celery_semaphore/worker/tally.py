@@ -14,19 +14,17 @@ from __future__ import annotations
 import logging
 import threading
 from collections import defaultdict
-from typing import TYPE_CHECKING, Dict
+from typing import Dict
 
 from ..stats import FLUSH_EVERY
-
-if TYPE_CHECKING:
-    from .gate import Gate
+from .context import GateContext
 
 logger = logging.getLogger(__name__)
 
 
 class Tally:
-    def __init__(self, gate: "Gate") -> None:
-        self.gate = gate
+    def __init__(self, ctx: GateContext) -> None:
+        self.ctx = ctx
         self._lock = threading.Lock()
         self._pending: Dict[str, Dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self._scheduled = False
@@ -38,7 +36,7 @@ class Tally:
             if self._scheduled:
                 return
             self._scheduled = True
-        self.gate.io.call(self.flush, delay=FLUSH_EVERY)
+        self.ctx.io.call(self.flush, delay=FLUSH_EVERY)
 
     def flush(self) -> None:  # I/O thread
         with self._lock:
@@ -46,9 +44,9 @@ class Tally:
             self._scheduled = False
         for name, counts in pending.items():
             try:
-                self.gate.backend.count(name, dict(counts))
+                self.ctx.backend.count(name, dict(counts))
             except Exception as exc:
-                if not self.gate.running:  # at shutdown: no next time
+                if not self.ctx.running:  # at shutdown: no next time
                     logger.warning("celery-semaphore: counts %s of %r lost at shutdown: %s",
                                    dict(counts), name, exc)
                     continue

@@ -21,8 +21,7 @@ OPTION_ERRORS = (ConfigurationError, InvalidLimit, InvalidName)
 
 @checks.register()
 def check_celery_semaphore(app_configs: Any = None, **kwargs: Any) -> List[checks.CheckMessage]:
-    from celery_semaphore.autoinstall import guarded_tasks
-    from celery_semaphore.guards import check_options, check_task_class
+    from celery_semaphore.guards import check_options, check_task_class, guarded_tasks
     from celery_semaphore.settings import Settings
 
     from .apps import find_app
