@@ -16,11 +16,12 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Dict, List, Mapping
+from typing import Dict, List, Mapping, Optional
 
 from celery import Celery
 
 import celery_semaphore
+from celery_semaphore import current_leases
 
 #: name -> limit of the fixed semaphores; templates below.
 PLAIN = "chaos-plain"
@@ -72,10 +73,14 @@ def all_names() -> List[str]:
             + [f"{MULTI}:{t}" for t in TENANTS])
 
 
-def mark(path: str, kind: str, task_id: str, node: str, names: List[str]) -> None:
-    """Append ``kind task_id monotonic_ns wall_ns pid tid node name,name`` to ``path``."""
+def mark(path: str, kind: str, task_id: str, node: str, names: List[str],
+         granted_us: Optional[int] = None) -> None:
+    """Append ``kind task_id monotonic_ns wall_ns pid tid node name,name granted`` to
+    ``path``; ``granted``: the earliest fencing epoch of the body's leases (microseconds, the
+    backend's clock; ``-`` when not given)."""
     line = (f"{kind} {task_id} {time.monotonic_ns()} {time.time_ns()} {os.getpid()} "
-            f"{threading.get_ident()} {node} {','.join(names)}\n").encode()
+            f"{threading.get_ident()} {node} {','.join(names)} "
+            f"{'-' if granted_us is None else granted_us}\n").encode()
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         os.write(fd, line)
@@ -114,7 +119,8 @@ def create_app(env: Mapping[str, str]) -> Celery:
 
     def body(task, names: List[str], hold: float) -> None:
         node = task.request.hostname or "?"
-        mark(probe, "start", task.request.id, node, names)
+        epochs = [lease.token.epoch for lease in current_leases().values()]
+        mark(probe, "start", task.request.id, node, names, min(epochs) if epochs else None)
         time.sleep(hold)
         mark(probe, "end", task.request.id, node, names)
 

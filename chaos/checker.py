@@ -49,6 +49,10 @@ class Run:
     names: Tuple[str, ...]
     end: Optional[int] = None  # the end mark; None: the body never finished
     cut_at: Optional[int] = None  # when it stopped without an end mark (its process died)
+    #: monotonic time by which the backend had granted its slots: the earliest fencing epoch of
+    #: its leases (an epoch never falls below the backend's clock at the grant), on the
+    #: probe's clock; None when the mark carries none
+    granted: Optional[int] = None
 
     @property
     def stop(self) -> int:
@@ -105,12 +109,16 @@ def parse_probe(lines: Iterable[str]) -> List[Run]:
     open_: Dict[Tuple[str, int, int], List[Run]] = defaultdict(list)
     for line in lines:
         parts = line.split()
-        if len(parts) != 8:
+        if len(parts) == 8:
+            parts.append("-")
+        if len(parts) != 9:
             continue  # not a mark (a mark is one write with O_APPEND: never cut short)
-        kind, task_id, mono, _wall, pid, tid, node, names = parts
+        kind, task_id, mono, wall, pid, tid, node, names, epoch_us = parts
         key = (task_id, int(pid), int(tid))
         if kind == "start":
             run = Run(task_id, int(mono), int(pid), int(tid), node, tuple(names.split(",")))
+            if epoch_us.isdigit():  # wall clock microseconds -> the mark's monotonic clock
+                run.granted = int(epoch_us) * 1000 - (int(wall) - int(mono))
             runs.append(run)
             open_[key].append(run)
         elif kind == "end" and open_[key]:
@@ -171,7 +179,9 @@ def over_limit(runs: List[Run], faults: List[Fault], ttl_ns: int,
     units than its limit in force (a body marked ``name*k`` holds k units, one otherwise;
     concurrency only rises at a start). Documented: the start falls in a fault's
     documented window, or one of the bodies running then was paused (its process SIGSTOPped)
-    past the lease TTL: the README's "paused holder" that no backend can stop."""
+    past the lease TTL: the README's "paused holder" that no backend can stop. That body ran
+    during the pause, or was granted its slot before the pause began and started after it
+    ended (its worker held the slot, paused, while the lease lapsed)."""
     by_name: Dict[str, List[Run]] = defaultdict(list)
     units: Dict[str, List[int]] = defaultdict(list)
     for run in runs:
@@ -200,7 +210,9 @@ def over_limit(runs: List[Run], faults: List[Fault], ttl_ns: int,
             if why is None:
                 for j in running:
                     r = named[j]
-                    if any(a < r.stop and r.start < b and a <= t for a, b in frozen.get(r.pid, [])):
+                    if any(a <= t and (a < r.stop and r.start < b
+                                       or r.granted is not None and r.granted < a <= b <= r.start)
+                           for a, b in frozen.get(r.pid, [])):
                         why = "paused holder"
                         break
             if why is None:

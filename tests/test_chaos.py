@@ -87,6 +87,35 @@ def test_a_holder_paused_past_its_lease_is_excused_only_then():
     assert run_check(lines, faults=[short_freeze]).over_limit_outside_documented_windows == 1
 
 
+def test_a_body_granted_before_a_pause_past_its_lease_and_started_after_it_is_excused():
+    """t3's worker was handed its slot at 1.5 s (its fencing epoch), frozen from 2 s to 8 s
+    (past the 5 s lease TTL: t1 got the lapsed slot meanwhile) and started t3 as it resumed:
+    the paused holder's window. Granted after the pause, or with no epoch to show when it
+    was granted, the same start is over the limit outside every window."""
+    def start(task, t, pid, granted=None):  # wall clock = monotonic clock here
+        epoch = "-" if granted is None else str(int(granted * 1_000_000))
+        return f"start {task} {int(t * NS)} {int(t * NS)} {pid} 1 w0-1@h a {epoch}"
+
+    def end(task, t, pid):
+        return f"end {task} {int(t * NS)} {int(t * NS)} {pid} 1 w0-1@h a -"
+
+    freeze = Fault("worker_freeze", int(2 * NS), int(8 * NS), frozen=[3])
+    others = [start("t1", 7, 1, 7), end("t1", 12, 1), start("t2", 7.5, 2, 7.5), end("t2", 12, 2)]
+
+    def outside(granted):
+        lines = others + [start("t3", 8.1, 3, granted), end("t3", 10, 3)]
+        report = run_check(lines, faults=[freeze])
+        assert report.over_limit == 1
+        return report.over_limit_outside_documented_windows
+
+    assert outside(granted=1.5) == 0
+    assert outside(granted=8.05) == 1  # granted after the pause: a real overlap
+    assert outside(granted=None) == 1
+    short = Fault("worker_freeze", int(2 * NS), int(4 * NS), frozen=[3])  # within the TTL
+    lines = others + [start("t3", 8.1, 3, 1.5), end("t3", 10, 3)]
+    assert run_check(lines, faults=[short]).over_limit_outside_documented_windows == 1
+
+
 def test_the_limit_in_force_follows_a_resize_after_its_grace():
     resize = Fault("resize", int(10 * NS), int(20 * NS),
                    resizes=[("a", 2, 1, int(10 * NS), int(10.1 * NS)),
