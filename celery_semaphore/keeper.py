@@ -12,15 +12,32 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import TYPE_CHECKING, Dict, Union
+from typing import Dict, Protocol
 
 from .scheduler import Scheduler, Timer
 
-if TYPE_CHECKING:
-    from .semaphore import Lease, LeaseGroup
 
-    #: What the keeper renews: a lease, or a group of leases renewed as one.
-    Renewable = Union[Lease, LeaseGroup]
+class Renewable(Protocol):
+    """What the keeper renews: a :class:`.Lease`, or a :class:`.LeaseGroup` renewed as one."""
+
+    @property
+    def ttl(self) -> float: ...
+
+    @property
+    def remaining(self) -> float:
+        """Seconds until the local deadline (0 once it passed)."""
+
+    @property
+    def released(self) -> bool: ...
+
+    @property
+    def releasing(self) -> bool: ...
+
+    def renew(self) -> bool:
+        """Extend the lease by its TTL; False when the backend no longer holds it."""
+
+    def mark_lost(self) -> None:
+        """Report the lease lost to its ``on_lost`` callbacks."""
 
 logger = logging.getLogger(__name__)
 
@@ -40,13 +57,13 @@ class LeaseKeeper:
 
     def _forked(self) -> None:
         self._lock = threading.Lock()
-        self._timers: Dict["Renewable", Timer] = {}
+        self._timers: Dict[Renewable, Timer] = {}
 
-    def add(self, lease: "Renewable") -> None:
+    def add(self, lease: Renewable) -> None:
         """Renew ``lease`` every third of its TTL until it is discarded, released or lost."""
         self._reschedule(lease, lease.ttl / 3, add=True)
 
-    def discard(self, lease: "Renewable") -> None:
+    def discard(self, lease: Renewable) -> None:
         with self._lock:
             timer = self._timers.pop(lease, None)
         if timer is not None:
@@ -55,7 +72,7 @@ class LeaseKeeper:
     def __len__(self) -> int:
         return len(self._timers)
 
-    def _renew(self, lease: "Renewable") -> None:
+    def _renew(self, lease: Renewable) -> None:
         try:
             renewed = lease.renew()
         except Exception as exc:
@@ -75,7 +92,7 @@ class LeaseKeeper:
             logger.error("lease %r lost: the backend no longer holds it", lease)
             self.discard(lease)
 
-    def _reschedule(self, lease: "Renewable", delay: float, add: bool = False) -> None:
+    def _reschedule(self, lease: Renewable, delay: float, add: bool = False) -> None:
         with self._lock:
             old = self._timers.get(lease)
             if old is None and not add:  # discarded meanwhile

@@ -18,15 +18,27 @@ import json
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Protocol, Set, Tuple
 
 import consul
 
 from ...exceptions import BackendUnavailable
 from ...scheduler import Scheduler, Timer
 
-if TYPE_CHECKING:
-    from .backend import ConsulBackend
+
+class SessionHost(Protocol):
+    """What the sessions use of their backend (:class:`.ConsulBackend`)."""
+
+    client_id: str
+
+    @property
+    def client(self) -> consul.Consul: ...
+
+    def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)``, a failure to reach Consul raised as BackendUnavailable."""
+
+    def prefix(self, name: str) -> str:
+        """The KV prefix of semaphore ``name``."""
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +52,7 @@ sweeper = Scheduler("celery-semaphore-consul-sweep")
 class Sessions:
     """The sessions of one backend instance in one process (thread-safe)."""
 
-    def __init__(self, backend: "ConsulBackend", spare_keep: float) -> None:
+    def __init__(self, backend: SessionHost, spare_keep: float) -> None:
         self.backend = backend
         self.spare_keep = spare_keep
         self._lock = threading.Lock()

@@ -14,32 +14,9 @@ else Celery's current app: the one ``proj/__init__.py`` imports, as Celery's "Fi
 with Django" sets it up.
 """
 
-from typing import Any, Optional
-
 from django.apps import AppConfig
 
-
-def find_app(required: bool = False) -> Optional[Any]:
-    """The project's Celery app (see the module); None when there is none and not
-    ``required`` (then Celery's default app). ``ImportError``/``AttributeError`` naming
-    ``CELERY_SEMAPHORE_APP`` when that setting names no app."""
-    from importlib import import_module
-
-    from django.conf import settings
-
-    path = getattr(settings, "CELERY_SEMAPHORE_APP", None)
-    if path:
-        module, _, attr = str(path).partition(":")
-        try:
-            return getattr(import_module(module), attr or "app")
-        except (ImportError, AttributeError) as exc:
-            raise type(exc)(f"CELERY_SEMAPHORE_APP {path!r}: {exc}") from None
-    from celery import _state, current_app
-
-    app = _state._tls.current_app or _state.default_app
-    if app is None and required:
-        return current_app._get_current_object()
-    return app
+from .project import find_app
 
 
 class CelerySemaphoreConfig(AppConfig):

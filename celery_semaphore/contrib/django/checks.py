@@ -24,7 +24,7 @@ def check_celery_semaphore(app_configs: Any = None, **kwargs: Any) -> List[check
     from celery_semaphore.guards import check_options, check_task_class, guarded_tasks
     from celery_semaphore.settings import Settings
 
-    from .apps import find_app
+    from .project import find_app
 
     try:
         app = find_app()

@@ -22,7 +22,7 @@ DJANGO_OPTIONS = ("--settings", "--pythonpath")
 
 
 def find_app() -> Any:
-    from celery_semaphore.contrib.django.apps import find_app as find
+    from celery_semaphore.contrib.django.project import find_app as find
 
     try:
         return find(required=True)
