@@ -527,8 +527,9 @@ def test_a_rolling_deploy_never_exceeds_the_larger_limit(spec):
     try:
         for r in old:
             r.start()
-        # (a liveness check: a RabbitMQ backend under the whole parallel suite took over 60 s
-        # once to have its 4 tokens out at the same moment)
+        # (a liveness check: under the whole parallel suite the amqp:// backend once lost a
+        # token for good on a waiter's channel and never had 4 holders again; see
+        # test_amqp_a_delivery_crossing_the_waiters_own_get_keeps_its_token)
         assert wait_until(lambda: before.highest.value >= 4, timeout=120), (
             before.highest.value, errors.value)
         phase.value = 1

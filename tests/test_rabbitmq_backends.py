@@ -5,7 +5,10 @@ token count after many reject/requeue cycles. Token counts are read from the bro
 
 import multiprocessing
 import os
+import select
 import signal
+import socket
+import struct
 import subprocess
 import threading
 import time
@@ -309,6 +312,70 @@ def test_25_reject_requeue_cycles_leave_exactly_limit_tokens(amqp_url, tokens):
     queue = token_queue(options, "cycles")
     assert wait_until(lambda: tokens(queue) == 2)
     assert tokens.numbers(queue) == [0, 1]
+
+
+def _delivery_arrived(sock, channel_id):
+    """The next frame (heartbeats aside) waiting unread on ``sock`` is a basic.deliver on
+    ``channel_id``: peeked, left for the client to read."""
+    if not select.select([sock], [], [], 0.01)[0]:
+        return False
+    data = sock.recv(4096, socket.MSG_PEEK)
+    while len(data) >= 7:
+        kind, channel, size = struct.unpack(">BHI", data[:7])
+        if kind != 8:  # not a heartbeat: the frame we wait for
+            if len(data) < 11:
+                return False
+            method = struct.unpack(">HH", data[7:11])
+            assert (kind, channel, method) == (1, channel_id, (60, 60)), data  # basic.deliver
+            return True
+        data = data[7 + size + 1:]
+    return False
+
+
+@pytest.mark.parametrize("get_answers", ["empty", "another token"])
+def test_amqp_a_delivery_crossing_the_waiters_own_get_keeps_its_token(amqp_url, tagged,
+                                                                      tokens, get_answers):
+    """A waiter next in line consumes the token queue; its next try also takes a token with
+    basic.get, and the token freed meanwhile is delivered to its consumer while that get is
+    in flight (py-amqp dispatches the delivery before it returns the get's answer). The
+    waiter must use that token, not drop it on the floor: overwritten by the get's answer, it
+    stayed unacked on the waiter's channel for good, one slot fewer (the rolling-deploy
+    contract test saw at most 3 holders of 4 for minutes)."""
+    name, limit = "crossed", 1 if get_answers == "empty" else 2
+    queue = token_queue(tagged, name)
+    backend = get_backend(amqp_url, **tagged)
+    first = backend.acquire(name, "creator", limit=limit, ttl=30, meta={}, wait=False)
+    assert first.grant is not None and backend.release(name, "creator")
+    assert wait_until(lambda: tokens(queue) == limit)
+    with Connection(amqp_url) as elsewhere:  # holds every token, unknown to the registry
+        channel = elsewhere.channel()
+        taken = [channel.basic_get(queue, no_ack=False) for _ in range(limit)]
+        assert None not in taken
+        delivered = taken[0].headers["x-semaphore-token"]  # the token freed during the get
+        waiting = backend.acquire(name, "waiter", limit=limit, ttl=30, meta={}, wait=True)
+        assert waiting.grant is None and waiting.position == 0
+        hand = backend.link.call(lambda: backend._hands[(name, "waiter")])
+        assert hand.consumer_tag is not None  # next in line: it consumes the token queue
+        sock = backend.link.conn.transport.sock
+        real_get = hand.channel.basic_get
+
+        def get_crossed_by_a_delivery(*args, **kwargs):  # the waiter's next try, I/O thread
+            del hand.channel.basic_get  # once
+            channel.basic_reject(taken[0].delivery_tag, requeue=True)
+            assert wait_until(lambda: _delivery_arrived(sock, hand.channel.channel_id))
+            if get_answers == "another token":
+                channel.basic_reject(taken[1].delivery_tag, requeue=True)
+                assert wait_until(lambda: channel.queue_declare(queue, passive=True)
+                                  .message_count == 1)
+            return real_get(*args, **kwargs)
+
+        hand.channel.basic_get = get_crossed_by_a_delivery
+        again = backend.acquire(name, "waiter", limit=limit, ttl=30, meta={}, wait=True)
+        assert again.grant is not None and again.grant.slot == delivered, again
+        assert backend.release(name, "waiter")
+    # Every token is back in the queue: none was left unacked on the waiter's channel.
+    assert wait_until(lambda: tokens(queue) == limit)
+    assert tokens.numbers(queue) == list(range(limit))
 
 
 def test_slot_backend_url_and_a_missing_broker(amqp_url):

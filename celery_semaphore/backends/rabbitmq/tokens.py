@@ -17,6 +17,9 @@ Beyond the blog, and why:
   registry; no management plugin is needed.
 * **No greed.** Only the waiters next in line (position < limit) hold a consumer, with prefetch
   1, and it is cancelled as soon as a token arrives. Everyone else is woken by the registry.
+  A try also takes a ready token with ``basic.get``; should our consumer's delivery cross
+  that get, the hand keeps the delivered token and gives the other back, so a hand's channel
+  never holds a token the hand does not know of (see :meth:`TokenBackend._take_token`).
 * **Numbered tokens.** Each token carries its number and a generation; the registry keeps the
   current generation of every number below the limit. A token above the limit or of an old
   generation (a duplicate left by a shrink and regrow, or by re-creation) is acked away when
@@ -174,13 +177,28 @@ class TokenBackend(RabbitBackend[TokenHand]):
     # -- hands ---------------------------------------------------------------------------
 
     def _take_token(self, hand: TokenHand) -> None:
+        """Take a ready token into ``hand.message`` (``basic.get``) if it holds none.
+
+        The hand may still be consuming (next in line on an earlier try), and py-amqp
+        dispatches the frames that arrive while it waits for the get's answer: a token
+        delivered to our own consumer then lands in ``hand.message`` (:meth:`_on_token`)
+        before the get returns, typically ``get-empty`` since that token was the ready one.
+        The hand keeps that token and gives the get's back: every token a hand's channel
+        holds unacked is ``hand.message``, a parked one, or on its way back. (Overwriting it
+        left it unacked on a channel that lives on, unreachable: one slot fewer for as long
+        as the process's connection lasts.)"""
         queue_name = self.tokens_queue(hand.name)
         if hand.message is None and self._exists(queue_name):
             try:
-                hand.message = hand.channel.basic_get(queue_name, no_ack=False)
+                message = hand.channel.basic_get(queue_name, no_ack=False)
             except amqp.exceptions.NotFound:  # reset meanwhile; the channel held nothing
                 self._known.discard(queue_name)
                 self._rehome(hand)  # the broker closed its channel (py-amqp reopened it bare)
+                return
+            if hand.message is None:
+                hand.message = message
+            elif message is not None:  # both: the delivery crossed our get
+                hand.channel.basic_reject(message.delivery_tag, requeue=True)
 
     def _consume(self, hand: TokenHand) -> None:
         if hand.consumer_tag is None and hand.message is None:
