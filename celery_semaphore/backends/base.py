@@ -96,6 +96,18 @@ task no other holder holds), addressed to
 the process that queued them (its ``client_id``). A notification is only a hint: waiters also
 re-try after ``retry_after`` or their poll interval, because a notification can be lost and an
 expiring lease notifies nobody.
+
+Pushed grants (backends with :attr:`Backend.pushes_grants`): a waiter that queued with
+``push`` (:attr:`Acquire.push`) is not woken to try again: the operation that makes it
+admissible (a release, a cancel, a resize, pruning) grants it the slot there and then, under
+the same rules and in the same order as its own acquire would have been granted, for the lease
+TTL it asked for, and its wake-up carries the grant (:class:`PushedGrant`). So a slot freed by
+a release goes to the next waiter in that one operation, with no round trip of the waiter's
+own. Nothing else changes for it: its next acquire returns that grant, a cancel (``abandon``)
+releases it, and it expires with its TTL if nobody takes it up (a pushed notification can be
+lost like any other: the waiter's next try finds its grant). With a rate, one grant at most is
+pushed per operation; the others admissible are woken. A waiter of several semaphores at once
+(``acquire_all``) is never pushed a grant.
 """
 
 from __future__ import annotations
@@ -119,6 +131,7 @@ from typing import (
     Mapping,
     NamedTuple,
     Optional,
+    Protocol,
     Sequence,
     Tuple,
     Union,
@@ -226,6 +239,100 @@ class MultiAttempt:
 
 #: (name, declared limit) of each semaphore a multi-semaphore request asks for.
 Requests = Sequence[Tuple[str, int]]
+
+
+# -- operations as values ---------------------------------------------------------------------
+# What a caller that makes many calls at once (the worker's gate) hands a backend: each is one
+# of the contract's operations below, with its arguments. :meth:`Backend.perform_all` runs a
+# batch of them (in one round trip where the backend can), and :meth:`Backend.event_loop_link`
+# runs them on an event loop without blocking it, where the backend can.
+
+
+@dataclass(frozen=True)
+class Acquire:
+    """:meth:`Backend.acquire`. ``push``: while it waits, the caller may be granted a slot by
+    another caller's operation (:attr:`Backend.pushes_grants`: "Pushed grants" in the module
+    docs); a backend that does not push ignores it and wakes the caller, as always."""
+
+    name: str
+    holder: str
+    limit: int
+    ttl: float
+    meta: Meta
+    wait: bool
+    push: bool = False
+
+
+@dataclass(frozen=True)
+class AcquireAll:
+    """:meth:`Backend.acquire_all`."""
+
+    requests: Tuple[Tuple[str, int], ...]
+    holder: str
+    ttl: float
+    meta: Meta
+    wait: bool
+
+
+@dataclass(frozen=True)
+class Release:
+    """:meth:`Backend.release`."""
+
+    name: str
+    holder: str
+
+
+@dataclass(frozen=True)
+class Renew:
+    """:meth:`Backend.renew`."""
+
+    name: str
+    holder: str
+    ttl: float
+
+
+@dataclass(frozen=True)
+class Abandon:
+    """:meth:`Backend.abandon_all`: leave the queues of ``names`` for good, and release a grant
+    whose reply was lost."""
+
+    names: Tuple[str, ...]
+    holder: str
+
+
+Operation = Union[Acquire, AcquireAll, Release, Renew, Abandon]
+#: What one operation of a batch came to: ``(result, None)``, or ``(None, the exception it
+#: raised)``.
+Outcome = Tuple[Any, Optional[BaseException]]
+
+
+@dataclass(frozen=True)
+class PushedGrant:
+    """A grant another caller's operation made to a waiter that asked for pushed grants
+    (:attr:`Acquire.push`), as its wake-up announced it: the same grant the waiter's next
+    acquire returns. ``server_now``: the backend's clock when it was made (seconds)."""
+
+    name: str
+    holder: str
+    grant: Grant
+    limit: int
+    server_now: float
+
+
+class EventLoopLink(Protocol):
+    """A backend's operations on an event loop (:meth:`Backend.event_loop_link`): calls are
+    queued and go out together once per turn of the loop (a pipeline), their outcomes come
+    back on the loop's thread, and nothing blocks the loop."""
+
+    def submit(self, op: Operation, done: Callable[[Any, Optional[BaseException]], None]
+               ) -> None:
+        """Queue ``op``; ``done(result, None)`` or ``done(None, exc)`` later, on the loop."""
+
+    def start(self) -> None:
+        """(Re)connect on the loop; wake-ups flow from now on."""
+
+    def close(self) -> None:
+        """Drop the connections; every call queued or on its way gets ``BackendUnavailable``."""
 
 
 @dataclass(frozen=True)
@@ -514,6 +621,49 @@ class Backend(abc.ABC):
         """:meth:`abandon` each of ``names`` (a multi-semaphore request leaves for good)."""
         for name in names:
             self.abandon(name, holder)
+
+    #: True where a waiter that asks for it (:attr:`Acquire.push`) is granted by whatever
+    #: operation makes it admissible, the grant announced by its wake-up ("Pushed grants" in
+    #: the module docs).
+    pushes_grants = False
+
+    def perform(self, op: Operation) -> Any:
+        """Run one operation (:data:`Operation`) with the method it names."""
+        if isinstance(op, Acquire):
+            return self.acquire(op.name, op.holder, limit=op.limit, ttl=op.ttl, meta=op.meta,
+                                wait=op.wait)
+        if isinstance(op, AcquireAll):
+            return self.acquire_all(op.requests, op.holder, ttl=op.ttl, meta=op.meta,
+                                    wait=op.wait)
+        if isinstance(op, Release):
+            return self.release(op.name, op.holder)
+        if isinstance(op, Renew):
+            return self.renew(op.name, op.holder, op.ttl)
+        if isinstance(op, Abandon):
+            return self.abandon_all(op.names, op.holder)
+        raise TypeError(f"not a backend operation: {op!r}")
+
+    def perform_all(self, ops: Sequence[Operation]) -> List[Outcome]:
+        """Run ``ops`` in order, each one's outcome on its own (one failing does not stop the
+        others). This default makes one call after the other; a backend that can sends them
+        in one round trip."""
+        out: List[Outcome] = []
+        for op in ops:
+            try:
+                out.append((self.perform(op), None))
+            except Exception as exc:
+                out.append((None, exc))
+        return out
+
+    def event_loop_link(self, hub: Any,
+                        on_wake: Callable[[str, str, Optional[PushedGrant]], None],
+                        on_listening: Callable[[], None]) -> Optional[EventLoopLink]:
+        """A link that runs this backend's operations on ``hub`` (kombu's event loop, the
+        worker's), or None where this backend has none (the caller then runs them on a thread
+        of its own). ``on_wake(name, holder, pushed)``: a wake-up for a waiter of this process
+        (``pushed``: the grant it announces, or None); ``on_listening()``: the wake-up channel
+        is (again) subscribed, after it was lost: what was published meanwhile is lost."""
+        return None
 
     #: True where :meth:`acquire_all` grants every semaphore in one atomic step (an override);
     #: False: the generic protocol below.

@@ -86,12 +86,21 @@ from ..base import (
     DEFAULT_WAITER_TTL,
     EMPTY_TTL,
     LISTENER_RETRY_FIRST,
+    Abandon,
+    Acquire,
+    AcquireAll,
     Attempt,
     Backend,
+    EventLoopLink,
     Grant,
     HolderInfo,
     Meta,
     MultiAttempt,
+    Operation,
+    Outcome,
+    PushedGrant,
+    Release,
+    Renew,
     Requests,
     SemaphoreStatus,
     WaiterInfo,
@@ -328,21 +337,12 @@ class RedisBackend(Backend):
     # -- operations --------------------------------------------------------------------------
 
     def acquire(
-        self, name: str, holder: str, *, limit: int, ttl: float, meta: Meta, wait: bool
+        self, name: str, holder: str, *, limit: int, ttl: float, meta: Meta, wait: bool,
+        push: bool = False,
     ) -> Attempt:
-        meta_json, traffic = self._traffic_argv(meta)
-        reply = self._call(
-            "acquire", name, holder, int(limit), int(ttl * 1e6), meta_json, 1 if wait else 0,
-            self.client_id, int(self.waiter_ttl * 1e6), fair_key_of(meta) or "", *traffic,
-            int(self.declared_at * 1e6),  # always the last argument
-        )
-        if reply[0] == 1:
-            _, slot, epoch, expires, now, current_limit = reply
-            return Attempt(
-                Grant(slot, epoch, expires / 1e6, (expires - now) / 1e6), limit=current_limit
-            )
-        _, position, retry_after, _, current_limit, *rest = reply
-        return Attempt(None, limit=current_limit, **self._refused(position, retry_after, rest))
+        """:meth:`.Backend.acquire`; ``push``: see :attr:`.Acquire.push`."""
+        result: Attempt = self._run(Acquire(name, holder, limit, ttl, meta, wait, push))
+        return result
 
     @property
     def atomic_acquire_all(self) -> bool:  # type: ignore[override]
@@ -355,16 +355,138 @@ class RedisBackend(Backend):
         """``scripts/acquire_all.lua`` over the keys of every semaphore (one EVALSHA)."""
         if not self.atomic_acquire_all:
             return super().acquire_all(requests, holder, ttl=ttl, meta=meta, wait=wait)
-        requests = list(requests)
-        keys = [key for name, _ in requests for key in self._keys(name)]
-        meta_json, traffic = self._traffic_argv(meta)
-        argv = [self._idle_ms, self._channel_prefix, requests[0][0], holder, int(ttl * 1e6),
-                meta_json, 1 if wait else 0, self.client_id, int(self.waiter_ttl * 1e6),
-                fair_key_of(meta) or "", len(requests)]
-        argv += [x for name, limit in requests for x in (name, int(limit))]
-        argv += traffic
-        argv.append(int(self.declared_at * 1e6))  # always the last argument
-        reply = self._riding(lambda: self._script("acquire_all", keys, argv))
+        result: MultiAttempt = self._run(AcquireAll(tuple(requests), holder, ttl, meta, wait))
+        return result
+
+    def release(self, name: str, holder: str) -> bool:
+        done: bool = self._run(Release(name, holder))
+        return done
+
+    def renew(self, name: str, holder: str, ttl: float) -> Optional[float]:
+        expires: Optional[float] = self._run(Renew(name, holder, ttl))
+        return expires
+
+    def abandon_all(self, names: Sequence[str], holder: str) -> None:
+        self._run(Abandon(tuple(names), holder))
+
+    # -- operations as script calls: one place for the sync path, pipelines and the link -----
+
+    #: One script call: (script, keys, argv).
+    Call = Tuple[str, List[str], List[Any]]
+
+    def calls_of(self, op: Operation) -> Tuple[List["RedisBackend.Call"],
+                                               Callable[[List[Any]], Any]]:
+        """The script calls that make ``op``, and the function that turns their replies (in
+        order) into the operation's result. :class:`.AcquireAll` only where
+        :attr:`atomic_acquire_all`."""
+        head = [self._idle_ms, self._channel_prefix]
+        if isinstance(op, Acquire):
+            meta_json, traffic = self._traffic_argv(op.meta)
+            client = self.client_id
+            if op.push and op.wait:  # pushed grants: the lease TTL to grant it (scripts/prelude)
+                client = f"{client} {int(op.ttl * 1e6)}"
+            argv = [*head, op.name, op.holder, int(op.limit), int(op.ttl * 1e6), meta_json,
+                    1 if op.wait else 0, client, int(self.waiter_ttl * 1e6),
+                    fair_key_of(op.meta) or "", *traffic,
+                    int(self.declared_at * 1e6)]  # always the last argument
+            return [("acquire", self._keys(op.name), argv)], lambda r: self._attempt(r[0])
+        if isinstance(op, AcquireAll):
+            if not self.atomic_acquire_all:
+                raise NotImplementedError("acquire_all is not one script on a Redis Cluster")
+            requests = list(op.requests)
+            keys = [key for name, _ in requests for key in self._keys(name)]
+            meta_json, traffic = self._traffic_argv(op.meta)
+            argv = [*head, requests[0][0], op.holder, int(op.ttl * 1e6), meta_json,
+                    1 if op.wait else 0, self.client_id, int(self.waiter_ttl * 1e6),
+                    fair_key_of(op.meta) or "", len(requests)]
+            argv += [x for name, limit in requests for x in (name, int(limit))]
+            argv += traffic
+            argv.append(int(self.declared_at * 1e6))  # always the last argument
+            return ([("acquire_all", keys, argv)],
+                    lambda r: self._multi_attempt(requests, r[0]))
+        if isinstance(op, Release):
+            return ([("release", self._keys(op.name), [*head, op.name, op.holder])],
+                    lambda r: r[0] == 1)
+        if isinstance(op, Renew):
+            return ([("renew", self._keys(op.name),
+                      [*head, op.name, op.holder, int(op.ttl * 1e6)])],
+                    lambda r: None if r[0] < 0 else r[0] / 1e6)
+        if isinstance(op, Abandon):  # leave each queue, and release a grant whose reply was lost
+            calls: List[RedisBackend.Call] = []
+            for name in op.names:
+                calls.append(("cancel", self._keys(name), [*head, name, op.holder]))
+                calls.append(("release", self._keys(name), [*head, name, op.holder]))
+            return calls, lambda r: None
+        raise TypeError(f"not a backend operation: {op!r}")
+
+    def _run(self, op: Operation) -> Any:
+        calls, parse = self.calls_of(op)
+        replies = []
+        for script, keys, argv in calls:
+            replies.append(self._riding(functools.partial(self._script, script, keys, argv)))
+        return parse(replies)
+
+    def perform(self, op: Operation) -> Any:
+        if isinstance(op, AcquireAll) and not self.atomic_acquire_all:
+            return super().perform(op)
+        return self._run(op)
+
+    def perform_all(self, ops: Sequence[Operation]) -> List[Outcome]:
+        """Every operation's script calls in one pipeline (one round trip; a Redis Cluster
+        runs them one by one)."""
+        if self.kind == deployments.CLUSTER or len(ops) < 2:
+            return super().perform_all(ops)
+        plans = [self.calls_of(op) for op in ops]
+        calls = [call for plan, _ in plans for call in plan]
+        sources = _sources()
+
+        def run() -> List[Any]:
+            pipe = self.client.pipeline(transaction=False)
+            for script, keys, argv in calls:
+                pipe.evalsha(sources[script][1], len(keys), *keys, *argv)
+            replies: List[Any] = pipe.execute(raise_on_error=False)
+            for i, reply in enumerate(replies):  # a server without the script: run it once
+                if isinstance(reply, redis.exceptions.NoScriptError):
+                    try:
+                        replies[i] = self._script(*calls[i])
+                    except redis.RedisError as exc:
+                        replies[i] = exc
+            return replies
+
+        try:
+            replies = self._riding(run)
+        except Exception as exc:  # the round trip itself failed: every operation with it
+            return [(None, exc) for _ in ops]
+        out: List[Outcome] = []
+        at = 0
+        for plan, parse in plans:
+            mine = replies[at:at + len(plan)]
+            at += len(plan)
+            error = next((r for r in mine if isinstance(r, Exception)), None)
+            if error is not None:
+                try:
+                    self._unavailable(error)
+                except Exception as mapped:
+                    out.append((None, mapped))
+                continue
+            try:
+                out.append((parse(mine), None))
+            except Exception as exc:
+                out.append((None, exc))
+        return out
+
+    def _attempt(self, reply: Any) -> Attempt:
+        """An acquire's result from scripts/acquire.lua's reply."""
+        if reply[0] == 1:
+            _, slot, epoch, expires, now, current_limit = reply
+            return Attempt(
+                Grant(slot, epoch, expires / 1e6, (expires - now) / 1e6), limit=current_limit
+            )
+        _, position, retry_after, _, current_limit, *rest = reply
+        return Attempt(None, limit=current_limit, **self._refused(position, retry_after, rest))
+
+    def _multi_attempt(self, requests: Requests, reply: Any) -> MultiAttempt:
+        """An acquire_all's result from scripts/acquire_all.lua's reply."""
         if reply[0] == 1:
             now = reply[1]
             grants, limits = {}, {}
@@ -376,13 +498,33 @@ class RedisBackend(Backend):
         return MultiAttempt(None, requests[index - 1][0], limit=limit,
                             **self._refused(position, retry_after, rest))
 
-    def release(self, name: str, holder: str) -> bool:
-        done: int = self._call("release", name, holder)  # 1 or 0
-        return done == 1
+    # -- on the worker's event loop -------------------------------------------------------
 
-    def renew(self, name: str, holder: str, ttl: float) -> Optional[float]:
-        expires = self._call("renew", name, holder, int(ttl * 1e6))
-        return None if expires < 0 else expires / 1e6
+    pushes_grants = True
+
+    def event_loop_link(self, hub: Any,
+                        on_wake: Callable[[str, str, Optional[PushedGrant]], None],
+                        on_listening: Callable[[], None]) -> Optional[EventLoopLink]:
+        """A :class:`.hublink.HubLink` on one server (TCP or a Unix socket, no TLS) when
+        hiredis is installed; None for Sentinel, Cluster and TLS (the caller runs the
+        operations on a thread)."""
+        from . import hublink
+
+        return hublink.link_for(self, hub, on_wake, on_listening)
+
+    @staticmethod
+    def pushed_grant(data: str) -> Tuple[str, str, Optional[PushedGrant]]:
+        """``(name, holder, pushed grant or None)`` of a wake-up's payload
+        (``name\nholder``, or with a pushed grant ``...\nslot\nepoch\nexpires\nnow\nlimit``,
+        times in us: scripts/prelude.lua)."""
+        parts = data.split("\n")
+        name, holder = parts[0], parts[1] if len(parts) > 1 else ""
+        if len(parts) < 7:
+            return name, holder, None
+        slot, epoch, expires, now, limit = (int(p) for p in parts[2:7])
+        return name, holder, PushedGrant(name, holder, Grant(slot, epoch, expires / 1e6,
+                                                             (expires - now) / 1e6),
+                                         limit, now / 1e6)
 
     def verify(self, name: str, holder: str) -> bool:
         # A script, though read-only: on a cluster, the clock of the node holding the lease.
@@ -587,7 +729,7 @@ class RedisBackend(Backend):
                 backoff = self._listener_pause(backoff)
                 continue
             if message and message["type"] == "message":
-                name, _, holder = message["data"].partition("\n")
+                name, holder, _ = self.pushed_grant(message["data"])
                 try:
                     self._notify(name, holder)
                 except Exception:  # a broken callback must not stop everyone's wake-ups

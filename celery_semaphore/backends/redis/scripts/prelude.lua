@@ -204,16 +204,31 @@ local function begin()
   return before
 end
 
--- ...and ends here: notify each waiter this operation made admissible, on the channel of the
--- process that queued it. A waiter queued by this very operation is never admissible, so when
--- nobody waited before (before == nil) there is nobody to wake.
+-- Defined below (it grants, which needs what follows): grants an admissible waiter that asked
+-- for pushed grants, and announces the grant on its channel.
+local push_grant
+
+-- ...and ends here: every waiter admissible now that asked for pushed grants (winfo's client
+-- field 'client ttl', ttl in us) is granted at once (base.py, "Pushed grants"), and each other
+-- waiter this operation made admissible is notified, on the channel of the process that
+-- queued it. A waiter queued by this very operation is never admissible, so when nobody waited
+-- before (before == nil) there is nobody to wake. With a rate, one grant at most is pushed per
+-- operation (each start moves the rate's next one); the others are woken and try.
 local function wake(before)
   if not before then return end
-  for _, h in ipairs(admissible()) do
-    if not before[h] then
-      local info = redis.call('HGET', winfo, h)
-      if info then
-        redis.call('PUBLISH', channel_prefix .. string.match(info, '^[^\n]*'), name .. '\n' .. h)
+  local rated, pushed_tasks = nil, {}
+  for i, h in ipairs(admissible()) do
+    local info = redis.call('HGET', winfo, h)
+    if info then
+      local client, pushed = string.match(info, '^([^\n ]*) ?(%d*)')
+      if rated == nil then rated = redis.call('HEXISTS', config, 'ri') == 1 end
+      local task = task_of(h)
+      -- (two queued deliveries of one task: the second waits for its twin)
+      if pushed ~= '' and (i == 1 or not rated) and not (task and pushed_tasks[task]) then
+        if task then pushed_tasks[task] = true end
+        push_grant(h, info, tonumber(pushed), client)
+      elseif not before[h] then
+        redis.call('PUBLISH', channel_prefix .. client, name .. '\n' .. h)
       end
     end
   end
@@ -356,8 +371,12 @@ end
 local function grant(holder, slot, last_epoch, limit, declared_limit, ttl, meta, queued, round,
                      count, touched, tr)
   local epoch = math.max(last_epoch + 1, now)
-  redis.call('HSET', config, 'limit', limit, 'd:' .. declared_limit, int(now),
-    'e:' .. slot, int(epoch))
+  if declared_limit then
+    redis.call('HSET', config, 'limit', limit, 'd:' .. declared_limit, int(now),
+      'e:' .. slot, int(epoch))
+  else  -- a pushed grant: the waiter declared its limit when it queued
+    redis.call('HSET', config, 'e:' .. slot, int(epoch))
+  end
   if tr.cost > 1 then redis.call('HINCRBY', config, 'xh', tr.cost - 1) end
   if tr.ri then  -- a start: the rate's next one is an interval later
     redis.call('HSET', config, 'tat', int(math.max(tr.tat or 0, now) + tr.ri))
@@ -377,6 +396,28 @@ local function grant(holder, slot, last_epoch, limit, declared_limit, ttl, meta,
   end
   if count == 0 then keep(touched, holders, hinfo) else keep(touched) end
   return epoch
+end
+
+-- A pushed grant (wake): waiter `h` (its winfo entry `info`, the lease TTL it asked for, the
+-- client id of its process) is admissible: grant it the lowest free slot as acquire.lua would,
+-- and publish 'name\nholder\nslot\nepoch\nexpires\nnow\nlimit' on its channel.
+push_grant = function(h, info, ttl, client)
+  local used = {}
+  for _, held in ipairs(redis.call('HVALS', hinfo)) do
+    used[tonumber(string.match(held, '^%d+'))] = true
+  end
+  local slot = 0
+  while used[slot] do slot = slot + 1 end
+  local c = redis.call('HMGET', config, 'limit', 'touched', 'e:' .. slot, 'xh', 'xw', 'ri', 'rb',
+    'tat')
+  local tr = {cost = cost_in(info), xh = tonumber(c[4]) or 0, xw = tonumber(c[5]) or 0,
+              ri = tonumber(c[6]), rb = tonumber(c[7]), tat = tonumber(c[8])}
+  local round = fair_entry(redis.call('HGET', wfair, h))
+  local meta = string.match(info, '^[^\n]*\n[^\n]*\n(.*)$') or '{}'
+  local epoch = grant(h, slot, tonumber(c[3]) or 0, tonumber(c[1]), nil, ttl, meta, true, round,
+    redis.call('ZCARD', holders), c[2], tr)
+  redis.call('PUBLISH', channel_prefix .. client, name .. '\n' .. h .. '\n' .. slot .. '\n' ..
+    int(epoch) .. '\n' .. int(now + ttl) .. '\n' .. int(now) .. '\n' .. c[1])
 end
 
 -- Queue `holder` (or refresh its entry) at the place place() found.
