@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 from celery import current_app, current_task
 
 from .backends import get_backend
-from .backends.base import Backend, FencingToken
+from .backends.base import Backend, FencingToken, Grant
 from .exceptions import ConfigurationError, LeaseLost
 from .semaphore import Lease, LeaseGroup
 from .urls import mask_url
@@ -77,6 +77,20 @@ def lease_record_of(lease: Union[Lease, LeaseGroup], backend_url: str, key_prefi
         mask_url(backend_url), key_prefix, waited=waited,
         others=tuple({"name": other.name, "limit": other.limit, "slot": other.token.slot,
                       "epoch": other.token.epoch} for other in leases[1:]))
+
+
+def lease_record_of_grants(grants: "Dict[str, Grant]", limits: "Dict[str, Optional[int]]",
+                           holder: str, masked_url: str, key_prefix: str,
+                           waited: bool = False) -> Dict[str, Any]:
+    """The header form of the :class:`.LeaseRecord` of a holder's grants (name -> grant, the
+    first semaphore first), as the worker writes it; ``masked_url``: the backend's URL, masked
+    (:func:`.urls.mask_url`)."""
+    (name, first), *rest = grants.items()
+    return {"name": name, "limit": limits.get(name), "holder": holder, "slot": first.slot,
+            "epoch": first.epoch, "ttl": first.ttl, "backend": masked_url,
+            "key_prefix": key_prefix, "waited": waited,
+            "others": tuple({"name": other, "limit": limits.get(other), "slot": grant.slot,
+                             "epoch": grant.epoch} for other, grant in rest)}
 
 
 def lease_record(request: Any) -> Optional[LeaseRecord]:

@@ -58,6 +58,43 @@ def test_a_job_the_flush_dropped_is_told_apart_by_whether_a_child_got_it():
     assert dropped_job_child(consumer, request("e"), None) is False
 
 
+
+def test_the_pipe_of_a_dead_pool_child_is_read_by_the_child_given_its_queues():
+    """billiard gives an exited child's queues, with a job still unread in its pipe, to its
+    replacement (the chaos run's duplicate: the gate took the job's dead ``_write_to`` for the
+    child that runs it); a pipe the pool destroyed is read by no one."""
+    queues = (object(), object(), None)
+    dead = SimpleNamespace(pid=1, inq=queues[0])
+    heir = SimpleNamespace(pid=2, inq=queues[0])
+    other = SimpleNamespace(pid=3, inq=object())
+    consumer = prefork_consumer({})
+    inner = consumer.pool._pool
+    inner._pool, inner._queues = [dead, other], {queues: dead}
+    assert celery_internals.pipe_reader(consumer.pool, dead) is dead  # not reaped yet
+    inner._pool, inner._queues = [other], {queues: None}
+    assert celery_internals.pipe_reader(consumer.pool, dead) is celery_internals.PIPE_WAITS
+    inner._pool, inner._queues = [heir, other], {queues: heir}
+    assert celery_internals.pipe_reader(consumer.pool, dead) is heir
+    inner._pool, inner._queues = [other], {}
+    assert celery_internals.pipe_reader(consumer.pool, dead) is None
+
+
+def test_acks_of_jobs_the_pool_dropped_are_seen_and_passed_on():
+    from billiard.pool import ACK
+
+    passed, seen = [], []
+    handlers = {ACK: lambda *args: passed.append(args)}
+    consumer = prefork_consumer({7: object()})
+    consumer.pool._pool._result_handler = SimpleNamespace(state_handlers=handlers)
+    acked = lambda job, pid: seen.append((job, pid))  # noqa: E731
+    assert celery_internals.watch_job_acks(consumer.pool, acked)
+    assert celery_internals.watch_job_acks(consumer.pool, acked)  # once
+    handlers[ACK](7, 0, 1.0, 41, None)  # in the cache: billiard's own business
+    handlers[ACK](8, 0, 1.0, 42, None)  # dropped by a flush
+    assert seen == [(8, 42)]
+    assert passed == [(7, 0, 1.0, 41, None), (8, 0, 1.0, 42, None)]
+    assert not celery_internals.watch_job_acks(SimpleNamespace(), acked)  # not prefork
+
 def test_handed_counts_accepted_written_and_thread_pool_jobs_but_not_unwritten_ones():
     requests = [request(tag) for tag in "abcde"]
     jobs = {
@@ -84,22 +121,24 @@ def test_a_request_applied_after_it_was_handed_is_judged_by_its_live_job():
     it), and a job already written to a child counts as handed (the chaos run's duplicate)."""
     import weakref
 
-    from celery_semaphore.worker.release import Releases
+    from celery_semaphore.worker.gate import Gate
 
     deferred = request("a")
-    releases = Releases.__new__(Releases)
-    releases.in_pool = {id(deferred): (deferred, None)}
+    gate = Gate.__new__(Gate)
+    gate.core = SimpleNamespace(in_pool={id(deferred): SimpleNamespace(request=deferred)})
+    gate.jobs = {id(deferred): None}  # no job yet when it was handed
     job = Job()  # written to a child, not accepted
     deferred._apply_result = weakref.ref(job)
     saved = set(worker_state.reserved_requests)
     worker_state.reserved_requests.clear()
     worker_state.reserved_requests.add(deferred)
     try:
-        releases.refresh_jobs()
-        assert releases.in_pool[id(deferred)] == (deferred, job)
-        assert handed_to_pool(releases.in_pool) == {"a"}
+        gate._refresh_jobs()
+        assert gate.jobs[id(deferred)] is job
+        held = {id(deferred): (deferred, gate.jobs[id(deferred)])}
+        assert handed_to_pool(held) == {"a"}
         del job  # the flush dropped the pool's reference: the gate's own keeps it
-        assert handed_to_pool(releases.in_pool) == {"a"}
+        assert handed_to_pool(held) == {"a"}
     finally:
         worker_state.reserved_requests.clear()
         worker_state.reserved_requests.update(saved)

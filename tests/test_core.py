@@ -1,34 +1,47 @@
 """The worker core (:mod:`celery_semaphore.worker.core`), driven event by event: no threads, no
 Celery, no backend. Each test feeds events and checks the commands that come out, in order;
-the clock and what the core reads of the pool and the waiting room are the test's."""
+the clock and what the core reads of the pool are the test's. Assertions read the commands and
+the core's public readings (``len``, ``count``, ``blocked``, ``free_processes``, ``room``), not
+its private bookkeeping."""
 
 from types import SimpleNamespace
 
 import pytest
 
-from celery_semaphore.backends.base import Attempt, Grant, MultiAttempt
+from celery_semaphore.backends.base import Attempt, Grant, MultiAttempt, PushedGrant
 from celery_semaphore.exceptions import ConfigurationError, SemaphoreTimeout
 from celery_semaphore.guards import Guard
 from celery_semaphore.settings import Settings
+from celery_semaphore.worker.claim import TRANSITIONS, State
 from celery_semaphore.worker.core import (
+    CHILD_EXIT_WAIT,
     WAKE_DEFER_MAX,
-    AdmissionCore,
     Answer,
     Answered,
     Arrived,
     CapacityChanged,
+    ChildExited,
+    ChildFacts,
+    Command,
+    Ended,
     Exit,
     GrantReturned,
     How,
-    Leave,
+    LetGo,
+    PoolFlushed,
+    Pushed,
+    Release,
+    Renew,
+    Renewed,
     ReportWaiting,
     Revoked,
     SendAttempt,
+    Start,
+    Stop,
     Tick,
-    Watch,
     Woken,
+    WorkerCore,
 )
-from celery_semaphore.worker.waiter import WaitState
 
 GRANT = Grant(slot=0, epoch=1, expires_at=0.0, ttl=60.0)
 
@@ -36,28 +49,36 @@ GRANT = Grant(slot=0, epoch=1, expires_at=0.0, ttl=60.0)
 class World:
     """The core's surroundings and clocks, set by the test."""
 
-    def __init__(self, processes=4, room=100, lookahead=0):
-        self.processes = processes  # pool processes
-        self.ahead = lookahead  # granted requests the pool may queue beyond its processes
-        self.reserved = 0  # requests Celery holds: the core's waiters and those running
-        self.rooms = {}
-        self.default_room = room
+    def __init__(self, processes=4, lookahead=0, max_waiting=100):
+        self.processes = processes
+        self.ahead = lookahead
+        self.waiting_max = max_waiting
+        self.pulls = {}  # name -> requests being pulled
+        self.children = {}  # pid -> ChildFacts
+        self.forgotten = set()  # ids of requests Celery no longer holds
         self.now = 1000.0
         self.wall = 1_700_000_000.0
 
-    def free_processes(self, waiting):
-        return self.processes - (self.reserved - waiting)
-
-    def ended(self, core):
-        """A task that ran ends: its process is free."""
-        self.reserved -= 1
-        return core.handle(CapacityChanged())
-
-    def room(self, name, waiting_of_name, waiting):
-        return self.rooms.get(name, self.default_room) - waiting_of_name
+    def pool_size(self):
+        return self.processes
 
     def lookahead(self):
         return self.ahead
+
+    def pulling(self, name):
+        return self.pulls.get(name, 0), sum(self.pulls.values())
+
+    def max_waiting(self):
+        return self.waiting_max
+
+    def child(self, pid):
+        return self.children.get(pid, ChildFacts(pid, alive=False, busy=False, up=False))
+
+    def orphan_child(self, claim):
+        return self.child(claim.child)
+
+    def held_by_celery(self, request):
+        return id(request) not in self.forgotten
 
     def advance(self, seconds):
         self.now += seconds
@@ -66,7 +87,7 @@ class World:
 
 def make(**world):
     w = World(**world)
-    core = AdmissionCore(w, clock=lambda: w.now, wall_clock=lambda: w.wall)
+    core = WorkerCore(w, clock=lambda: w.now, wall_clock=lambda: w.wall)
     return core, w
 
 
@@ -77,13 +98,22 @@ def guard(name="s", limit=1, priority=0, **settings):
 _ids = iter(range(10**6))
 
 
-def arrive(core, g=None, pulled=False):
+def arrive(core, g="default", pulled=False):
+    """A request reaches the core; returns its claim (from what the core emits: the claim
+    its first command names, or a lookup by request), the commands and the request."""
     n = next(_ids)
-    core.surroundings.reserved += 1
     request = SimpleNamespace(id=f"t{n}", name="tasks.t", request_dict={})
-    commands = core.handle(Arrived(request, g or guard(), f"t{n}:h", pulled))
-    waiter = next((w for w in core.waiters.values() if w.request is request), None)
-    return waiter, commands, request
+    g = guard() if g == "default" else g
+    commands = core.handle(Arrived(request, g, f"t{n}:h" if g is not None else "", pulled))
+    return claim_of(core, request, commands), commands, request
+
+
+def claim_of(core, request, commands=()):
+    for command in commands:
+        claim = getattr(command, "claim", None)
+        if claim is not None and claim.request is request:
+            return claim
+    return next((c for c in core.waiters.values() if c.request is request), None)
 
 
 def kinds(commands):
@@ -94,9 +124,9 @@ def last_sent(commands):
     return [c for c in commands if isinstance(c, SendAttempt)][-1]
 
 
-def answer(waiter, attempt=None, error=None, sent=None, pause=5.0, requested_at=1000.0):
-    return Answered(waiter, Answer(waiter.holder, attempt, error, requested_at,
-                                   waiter.attempts_sent if sent is None else sent, pause))
+def answer(claim, attempt=None, error=None, sent=None, pause=5.0, requested_at=1000.0):
+    return Answered(claim, Answer(claim.holder, attempt, error, requested_at,
+                                  claim.attempts_sent if sent is None else sent, pause))
 
 
 def wait_answer(position=0, limit=1, **kw):
@@ -108,18 +138,50 @@ def exit_of(commands):
     return done
 
 
+def started(commands):
+    return [c.claim for c in commands if isinstance(c, Start)]
+
+
+def releases(commands):
+    return [(c.names, c.holder) for c in commands if isinstance(c, Release)]
+
+
+def run(core, claim, attempt=None):
+    """``claim``'s attempt comes back granted: it goes to the pool."""
+    commands = core.handle(answer(claim, attempt or Attempt(GRANT, limit=1)))
+    assert started(commands) == [claim], kinds(commands)
+    return commands
+
+
 # -- a semaphore with room ----------------------------------------------------------------
 
 
-def test_a_semaphore_with_room_costs_one_attempt_and_nothing_else():
+def test_a_semaphore_with_room_costs_one_attempt_then_one_release():
     core, _ = make()
-    waiter, commands, request = arrive(core)
-    assert kinds(commands) == ["Watch", "SendAttempt"]
-    assert commands[1].delay == 0 and commands[1].sent == 1
-    commands = core.handle(answer(waiter, Attempt(GRANT, limit=1)))
-    assert kinds(commands) == ["StopAttempts", "Unwatch", "Refill", "Exit"]
-    assert exit_of(commands).how is How.START and exit_of(commands).answer.attempt.grant is GRANT
-    assert len(core) == 0 and core.count("s") == 0 and waiter.state is WaitState.DONE
+    claim, commands, request = arrive(core)
+    assert kinds(commands) == ["SendAttempt"]
+    assert commands[0].delay == 0 and commands[0].sent == 1 and not commands[0].ahead
+    commands = core.handle(answer(claim, Attempt(GRANT, limit=1), requested_at=999.0))
+    assert kinds(commands) == ["StopAttempts", "Refill", "Start"]
+    assert claim.grants == {"s": GRANT} and claim.deadline == 999.0 + GRANT.ttl
+    assert len(core) == 0 and core.count("s") == 0 and core.free_processes() == 3
+    commands = core.handle(Ended(claim))
+    assert kinds(commands) == ["Release"]
+    assert commands[0].names == ("s",) and commands[0].holder == claim.holder
+    assert commands[0].until == claim.deadline
+    assert core.free_processes() == 4
+    assert core.handle(Ended(claim)) == []  # released exactly once
+
+
+def test_an_unguarded_request_goes_straight_to_the_pool_and_takes_a_process():
+    core, _ = make(processes=1)
+    claim, commands, _ = arrive(core, None)
+    assert kinds(commands) == ["Start"] and claim.grants is None
+    waiting, commands, _ = arrive(core)  # no process free: it waits in the line
+    assert commands == [] and waiting.state is State.LINED
+    commands = core.handle(Ended(claim))
+    assert kinds(commands) == ["SendAttempt"] and commands[0].claim is waiting
+    assert "Release" not in kinds(commands)  # an unguarded request holds no slot
 
 
 # -- waiting ------------------------------------------------------------------------------
@@ -127,91 +189,136 @@ def test_a_semaphore_with_room_costs_one_attempt_and_nothing_else():
 
 def test_told_to_wait_raises_prefetch_reports_and_tries_again_after_the_pause():
     core, _ = make()
-    waiter, _, _ = arrive(core)
-    commands = core.handle(answer(waiter, wait_answer(position=2, limit=1), pause=0.7))
+    claim, _, _ = arrive(core)
+    commands = core.handle(answer(claim, wait_answer(position=2, limit=1), pause=0.7))
     assert kinds(commands) == ["RaisePrefetch", "ReportWaiting", "SendAttempt"]
     assert commands[1].position == 2 and last_sent(commands).delay == 0.7
     assert core.blocked("s") == 1
     # the same place again: no new report
-    commands = core.handle(answer(waiter, wait_answer(position=2, limit=1), pause=0.7))
+    commands = core.handle(answer(claim, wait_answer(position=2, limit=1), pause=0.7))
     assert kinds(commands) == ["SendAttempt"]
     # woken: try at once; granted: the prefetch goes back down
-    assert kinds(core.handle(Woken(waiter, waiter.holder))) == ["SendAttempt"]
-    commands = core.handle(answer(waiter, Attempt(GRANT)))
-    assert kinds(commands) == ["StopAttempts", "Unwatch", "LowerPrefetch", "Refill", "Exit"]
+    assert kinds(core.handle(Woken(claim, claim.holder))) == ["SendAttempt"]
+    commands = core.handle(answer(claim, Attempt(GRANT)))
+    assert kinds(commands) == ["StopAttempts", "LowerPrefetch", "Refill", "Start"]
     assert core.blocked("s") == 0
 
 
 def test_a_stale_wait_answer_does_not_cancel_the_attempt_a_wake_up_sent():
     core, _ = make()
-    waiter, _, _ = arrive(core)  # attempt 1 goes out
-    woken = core.handle(Woken(waiter, waiter.holder))  # the wake-up reaches the loop first
+    claim, _, _ = arrive(core)  # attempt 1 goes out
+    woken = core.handle(Woken(claim, claim.holder))  # the wake-up reaches the loop first
     assert last_sent(woken).sent == 2 and last_sent(woken).delay == 0
-    assert core.handle(answer(waiter, wait_answer(), sent=1)) == []  # attempt 1's "wait"
-    commands = core.handle(answer(waiter, Attempt(GRANT), sent=2))
-    assert exit_of(commands).how is How.START
+    assert core.handle(answer(claim, wait_answer(), sent=1)) == []  # attempt 1's "wait"
+    assert started(core.handle(answer(claim, Attempt(GRANT), sent=2))) == [claim]
 
 
 def test_a_stale_answer_that_is_a_grant_still_decides():
     core, _ = make()
-    waiter, _, _ = arrive(core)
-    core.handle(Woken(waiter, waiter.holder))
-    assert exit_of(core.handle(answer(waiter, Attempt(GRANT), sent=1))).how is How.START
+    claim, _, _ = arrive(core)
+    core.handle(Woken(claim, claim.holder))
+    assert started(core.handle(answer(claim, Attempt(GRANT), sent=1))) == [claim]
 
 
-def test_a_wake_up_for_an_old_holder_or_a_waiter_not_queued_does_nothing():
+def test_a_wake_up_for_an_old_holder_or_a_claim_not_queued_does_nothing():
     core, _ = make()
-    waiter, _, _ = arrive(core)
-    assert core.handle(Woken(waiter, "someone-else")) == []
-    core.handle(answer(waiter, Attempt(GRANT)))
-    assert core.handle(Woken(waiter, waiter.holder)) == []
+    claim, _, _ = arrive(core)
+    assert core.handle(Woken(claim, "someone-else")) == []
+    run(core, claim)
+    assert core.handle(Woken(claim, claim.holder)) == []
 
 
 def test_a_rate_due_pause_counts_from_the_send():
     core, world = make()
-    waiter, _, _ = arrive(core)
+    claim, _, _ = arrive(core)
     world.advance(0.3)  # the answer took 0.3 s to come back
-    commands = core.handle(answer(waiter, wait_answer(rate_due=1.0, waits_for="rate"),
+    commands = core.handle(answer(claim, wait_answer(rate_due=1.0, waits_for="rate"),
                                   pause=1.0, requested_at=1000.0))
     assert last_sent(commands).delay == pytest.approx(0.7)
 
 
-def test_backend_down_retries_within_a_second_and_warns_once(caplog):
+def test_backend_down_keeps_the_request_waiting_and_tries_after_the_poll_interval():
     core, _ = make()
-    waiter, _, _ = arrive(core)
+    claim, _, _ = arrive(core)
     for _ in range(3):
-        commands = core.handle(answer(waiter, error=ConnectionError("refused")))
-        assert kinds(commands) == ["SendAttempt"] and commands[0].delay == 1.0
-    assert sum("backend unavailable" in r.getMessage() for r in caplog.records) == 1
-    core.handle(answer(waiter, wait_answer()))
-    assert not waiter.backend_down
+        commands = core.handle(answer(claim, error=ConnectionError("refused")))
+        assert kinds(commands) == ["SendAttempt"] and commands[0].delay == 5.0
+    assert len(core) == 1  # never runs unguarded, never fails for it
 
 
 def test_a_request_the_backend_refuses_fails_alone_and_leaves_its_queue():
     core, _ = make()
-    waiter, _, _ = arrive(core)
+    claim, _, _ = arrive(core)
     error = ConfigurationError("cost 9 above the limit 4")
-    commands = core.handle(answer(waiter, error=error))
-    assert kinds(commands) == ["StopAttempts", "Unwatch", "Cancel", "Refill", "Exit"]
+    commands = core.handle(answer(claim, error=error))
+    assert kinds(commands) == ["StopAttempts", "Cancel", "Refill", "Exit"]
     assert exit_of(commands).how is How.FAIL and exit_of(commands).error is error
 
 
 def test_on_full_skip_or_fail_makes_one_try_and_never_queues():
     core, _ = make()
-    waiter, _, _ = arrive(core, guard(on_full="skip"))
-    commands = core.handle(answer(waiter, wait_answer(position=None, limit=3)))
+    claim, _, _ = arrive(core, guard(on_full="skip"))
+    commands = core.handle(answer(claim, wait_answer(position=None, limit=3)))
     done = exit_of(commands)
     assert done.how is How.FULL and done.limit == 3 and done.blocking == "s"
     assert "Cancel" not in kinds(commands) and "RaisePrefetch" not in kinds(commands)
 
 
-def test_several_semaphores_report_the_one_that_blocks():
+def test_several_semaphores_report_the_one_that_blocks_and_hold_every_grant():
     core, _ = make()
     g = Guard("a", 1, Settings(poll_interval=5.0), also=(("b", 2),))
-    waiter, _, _ = arrive(core, g)
-    commands = core.handle(answer(waiter, MultiAttempt(None, blocking="b", position=0, limit=2)))
+    claim, _, _ = arrive(core, g)
+    commands = core.handle(answer(claim, MultiAttempt(None, blocking="b", position=0, limit=2)))
     (report,) = [c for c in commands if isinstance(c, ReportWaiting)]
-    assert waiter.blocking == "b" and report.limit == 2
+    assert report.claim.blocking == "b" and report.limit == 2
+    other = Grant(slot=1, epoch=7, expires_at=0.0, ttl=30.0)
+    commands = core.handle(answer(claim, MultiAttempt({"a": GRANT, "b": other},
+                                                      limits={"a": 1, "b": 2})))
+    assert started(commands) == [claim] and claim.limits == {"a": 1, "b": 2}
+    assert claim.ttl == 30.0  # the shortest lease of the group
+    assert releases(core.handle(Ended(claim))) == [(("a", "b"), claim.holder)]
+
+
+# -- pushed grants ------------------------------------------------------------------------
+
+
+def pushed(claim, ttl=60.0, name="s"):
+    return Pushed(claim, PushedGrant(name, claim.holder, Grant(2, 9, 0.0, ttl), 1, 0.0))
+
+
+def test_a_pushed_grant_starts_a_queued_claim_with_a_deadline_from_its_last_wait():
+    core, world = make()
+    claim, _, _ = arrive(core)
+    world.advance(1.0)
+    core.handle(answer(claim, wait_answer(), pause=0.5, requested_at=1000.0))
+    world.advance(0.5)
+    commands = core.handle(pushed(claim))
+    assert kinds(commands) == ["StopAttempts", "LowerPrefetch", "Refill", "Start"]
+    # the grant was made after the attempt answered "wait" reached the backend, or after
+    # the one still on its way (sent at 1001.0): counted from the earlier of them
+    assert claim.deadline == 1000.0 + 60.0
+    # the answer of the attempt on its way carries the very same grant: nothing more
+    assert core.handle(answer(claim, Attempt(GRANT))) == []
+
+
+def test_a_pushed_grant_for_a_claim_that_left_or_runs_does_nothing():
+    core, _ = make()
+    claim, _, _ = arrive(core)
+    run(core, claim)
+    assert core.handle(pushed(claim)) == []
+    gone, _, _ = arrive(core)
+    core.handle(Revoked(gone))
+    assert core.handle(pushed(gone)) == []  # (its cancel releases that grant)
+
+
+def test_a_pushed_grant_with_no_free_process_is_given_back():
+    core, world = make(processes=1)
+    claim, _, _ = arrive(core)
+    core.handle(answer(claim, wait_answer()))
+    arrive(core, None)  # an unguarded request takes the one process
+    commands = core.handle(pushed(claim))
+    assert kinds(commands) == ["StopAttempts", "GiveBackGrant"]
+    assert commands[1].holder == claim.holder and commands[1].names == ("s",)
 
 
 # -- the line and the pool ------------------------------------------------------------------
@@ -220,44 +327,43 @@ def test_several_semaphores_report_the_one_that_blocks():
 def test_requests_enter_the_backends_queue_only_while_processes_are_free():
     core, world = make(processes=1)
     first, commands, _ = arrive(core)
-    assert kinds(commands) == ["Watch", "SendAttempt"]
+    assert kinds(commands) == ["SendAttempt"]
     second, commands, _ = arrive(core)
-    assert commands == [] and second.state is WaitState.LINED  # one process: one per name
+    assert commands == []  # one process: one per name
     other, commands, _ = arrive(core, guard("other"))
     assert commands == []  # the first attempt may take the one process
     commands = core.handle(answer(first, wait_answer()))  # told to wait: it needs none
-    assert [c.waiter for c in commands if isinstance(c, Watch)] == [other]
+    assert [c.claim for c in commands if isinstance(c, SendAttempt)][-1] is other
     world.processes = 0
     assert core.handle(CapacityChanged()) == []
     world.processes = 3
     commands = core.handle(CapacityChanged())
-    assert kinds(commands) == ["Watch", "SendAttempt"] and commands[0].waiter is second
+    assert kinds(commands) == ["SendAttempt"] and commands[0].claim is second
 
 
 def test_first_attempts_of_many_keys_never_outnumber_the_free_processes():
     """A thousand keys with room (W6): each first attempt is a grant, so no more go out than
     processes are free; none is granted only to be given back."""
     core, world = make(processes=4)
-    waiters = [arrive(core, guard(f"t:{k}"))[0] for k in range(40)]
-    assert sum(w.state is WaitState.QUEUED for w in waiters) == 4 and core.trying == 4
-    running = 0
-    for _ in range(40):
-        queued = [w for w in waiters if w.state is WaitState.QUEUED]
-        assert len(queued) + running <= 4
-        if not queued or running == 4:
-            world.ended(core)  # a task ends
-            running -= 1
-            continue
-        commands = core.handle(answer(queued[0], Attempt(GRANT)))
-        assert exit_of(commands).how is How.START and "GiveBackGrant" not in kinds(commands)
-        running += 1
-    while running:
-        world.ended(core)
-        running -= 1
-        for w in [w for w in waiters if w.state is WaitState.QUEUED]:
-            core.handle(answer(w, Attempt(GRANT)))
-            running += 1
-    assert len(core) == 0 and core.trying == 0
+    sent = []
+    for k in range(40):
+        _, commands, _ = arrive(core, guard(f"t:{k}"))
+        sent += [c.claim for c in commands if isinstance(c, SendAttempt)]
+    assert len(sent) == 4
+    running = []
+    done = 0
+    while done < 40:
+        if sent:
+            commands = core.handle(answer(sent.pop(0), Attempt(GRANT)))
+            assert "GiveBackGrant" not in kinds(commands)
+            running += started(commands)
+            sent += [c.claim for c in commands if isinstance(c, SendAttempt)]
+        else:
+            commands = core.handle(Ended(running.pop(0)))
+            done += 1
+            sent += [c.claim for c in commands if isinstance(c, SendAttempt)]
+        assert len(sent) + len(running) <= 4
+    assert len(core) == 0 and core.free_processes() == 4
 
 
 def test_a_priority_request_enters_the_queue_at_once_and_lines_up_ahead():
@@ -265,285 +371,435 @@ def test_a_priority_request_enters_the_queue_at_once_and_lines_up_ahead():
     arrive(core)
     low, _, _ = arrive(core)
     high, commands, _ = arrive(core, guard(priority=5))
-    assert kinds(commands) == ["Watch", "SendAttempt"] and high.state is WaitState.QUEUED
+    assert kinds(commands) == ["SendAttempt"] and commands[0].claim is high
     world.processes = 0
     mid, _, _ = arrive(core, guard(priority=1))
-    assert list(core.line) == [mid, low]  # by priority, then arrival
+    world.processes = 3
+    commands = core.handle(CapacityChanged())
+    assert [c.claim for c in commands if isinstance(c, SendAttempt)][:1] == [mid]
 
 
-def test_a_grant_with_no_free_process_is_given_back_and_the_waiter_lines_up_first():
+def test_a_grant_with_no_free_process_is_given_back_and_the_claim_lines_up_first():
     core, world = make(processes=1)
-    waiter, _, _ = arrive(core)
+    claim, _, _ = arrive(core)
     behind, _, _ = arrive(core)
     world.processes = 0  # the pool filled up meanwhile
-    commands = core.handle(answer(waiter, Attempt(GRANT)))
-    assert kinds(commands) == ["StopAttempts", "Unwatch", "GiveBackGrant"]
-    assert waiter.state is WaitState.GRANTED
+    commands = core.handle(answer(claim, Attempt(GRANT)))
+    assert kinds(commands) == ["StopAttempts", "GiveBackGrant"]
     # an answer of an earlier attempt carries this very grant: nothing to do
-    assert core.handle(answer(waiter, Attempt(GRANT), sent=0)) == []
-    old_holder = waiter.holder
-    assert core.handle(GrantReturned(waiter, released=False, new_holder="t:new")) == []
-    assert waiter.holder == "t:new" and old_holder not in core.waiters
-    assert list(core.line) == [waiter, behind] and waiter.first_sent is None
+    assert core.handle(answer(claim, Attempt(GRANT), sent=0)) == []
+    old_holder = claim.holder
+    assert core.handle(GrantReturned(claim, released=False, new_holder="t:new")) == []
+    assert claim.holder == "t:new" and old_holder not in core.waiters
     world.processes = 1
     commands = core.handle(CapacityChanged())
-    assert commands[0] == Watch(waiter) and last_sent(commands).holder == "t:new"
+    assert [(c.claim, c.holder) for c in commands if isinstance(c, SendAttempt)] == [
+        (claim, "t:new")]  # first in line, under its new holder id
 
 
 def test_late_answers_release_a_grant_or_cancel_after_an_error():
     core, _ = make()
-    waiter, _, _ = arrive(core)
-    core.handle(Woken(waiter, waiter.holder))
-    core.handle(answer(waiter, Attempt(GRANT), sent=2))  # started
-    commands = core.handle(answer(waiter, Attempt(GRANT), sent=1))
-    assert kinds(commands) == ["ReleaseLate"]  # the shell skips it if that holder runs
+    claim, _, _ = arrive(core)
+    core.handle(Woken(claim, claim.holder))
+    run(core, claim)  # attempt 2's grant started it
+    assert core.handle(answer(claim, Attempt(GRANT), sent=1)) == []  # it holds that grant
     gone, _, _ = arrive(core)
-    core.handle(Leave(gone, How.GIVE_BACK))
-    commands = core.handle(answer(gone, error=TimeoutError("lost reply"), sent=1))
-    assert kinds(commands) == ["Cancel"] and commands[0].holder == gone.holder
+    core.handle(Revoked(gone))
+    commands = core.handle(answer(gone, Attempt(GRANT), sent=1))
+    assert releases(commands) == [(("s",), gone.holder)]  # a grant nobody runs with
+    lost, _, _ = arrive(core)
+    core.handle(Revoked(lost))
+    commands = core.handle(answer(lost, error=TimeoutError("lost reply"), sent=1))
+    assert kinds(commands) == ["Cancel"] and commands[0].holder == lost.holder
+
+
+# -- holding: release, renewal, killed children, reconnects --------------------------------
+
+
+def test_a_held_lease_is_renewed_every_third_of_its_ttl_and_lost_when_gone():
+    core, world = make()
+    claim, _, _ = arrive(core)
+    run(core, claim, Attempt(Grant(0, 1, 0.0, 30.0)))
+    assert core.tick_every(5.0) == 5.0  # a sixth of the TTL
+    world.advance(9.0)
+    assert "Renew" not in kinds(core.handle(Tick()))
+    world.advance(1.5)
+    (renew,) = [c for c in core.handle(Tick()) if isinstance(c, Renew)]
+    assert renew.names == ("s",) and renew.ttl == 30.0
+    assert "Renew" not in kinds(core.handle(Tick()))  # one at a time
+    core.handle(Renewed(claim, world.now, held=True))
+    assert claim.deadline == world.now + 30.0
+    world.advance(10.5)
+    (renew,) = [c for c in core.handle(Tick()) if isinstance(c, Renew)]
+    assert kinds(core.handle(Renewed(claim, world.now, held=False))) == ["LeaseLost"]
+    assert "LeaseLost" not in kinds(core.handle(Tick()))  # reported once
+    assert releases(core.handle(Ended(claim))) == [(("s",), claim.holder)]
+
+
+def test_a_lease_not_renewed_by_its_deadline_is_lost():
+    core, world = make()
+    claim, _, _ = arrive(core)
+    run(core, claim, Attempt(Grant(0, 1, 0.0, 30.0)), )
+    world.advance(11)
+    core.handle(Tick())
+    core.handle(Renewed(claim, world.now, held=False, error=ConnectionError("down")))
+    world.advance(20)
+    assert "LeaseLost" in kinds(core.handle(Tick()))
+
+
+def test_a_killed_childs_slot_is_kept_until_the_child_exits():
+    core, world = make(processes=1)
+    claim, _, _ = arrive(core)
+    run(core, claim)
+    nxt, _, _ = arrive(core)
+    commands = core.handle(Ended(claim, killed=4242))
+    assert kinds(commands) == ["WatchChild", "SendAttempt"]  # the process is free: next
+    assert commands[0].pid == 4242 and releases(commands) == []
+    world.children[4242] = ChildFacts(4242, alive=True, busy=False, up=False)
+    assert releases(core.handle(Tick())) == []
+    assert releases(core.handle(ChildExited(4242))) == [(("s",), claim.holder)]
+    assert core.handle(ChildExited(4242)) == []
+
+
+def test_a_killed_childs_slot_goes_at_the_latest_after_the_wait_or_when_seen_gone():
+    core, world = make()
+    claim, _, _ = arrive(core)
+    run(core, claim)
+    core.handle(Ended(claim, killed=7))
+    world.children[7] = ChildFacts(7, alive=True, busy=False, up=False)
+    world.advance(CHILD_EXIT_WAIT + 1)
+    assert releases(core.handle(Tick())) == [(("s",), claim.holder)]
+    other, _, _ = arrive(core)
+    run(core, other)
+    core.handle(Ended(other, killed=8))  # 8 is gone already (no pidfd: the tick sees it)
+    assert releases(core.handle(Tick())) == [(("s",), other.holder)]
+
+
+def test_a_reconnects_flush_releases_dropped_jobs_and_orphans_wait_for_their_child():
+    core, world = make(processes=4)
+    dropped, _, _ = arrive(core)
+    run(core, dropped)
+    orphan, _, _ = arrive(core)
+    run(core, orphan)
+    plain, _, _ = arrive(core, None)
+    commands = core.handle(PoolFlushed(((dropped, None), (orphan, 11), (plain, 12))))
+    assert kinds(commands) == ["Dropped", "Release"] and commands[0].claim is dropped
+    assert core.free_processes() == 2  # the orphans' children are busy with them
+    # 11 runs it still (nothing Celery knows of runs there); 12 exited
+    world.children[11] = ChildFacts(11, alive=True, busy=False, up=False)
+    world.children[12] = ChildFacts(12, alive=False, busy=False, up=False)
+    commands = core.handle(Tick())
+    assert [(c.claim, c.requeue) for c in commands if type(c).__name__ == "Settle"] == [
+        (plain, True)]  # it may have died before running it: delivered again
+    world.children[11] = ChildFacts(11, alive=True, busy=True, up=True)  # moved on: it ran
+    commands = core.handle(Tick())
+    assert [(c.claim, c.requeue) for c in commands if type(c).__name__ == "Settle"] == [
+        (orphan, False)]
+    assert releases(commands) == [(("s",), orphan.holder)]
+    assert core.free_processes() == 4
+    assert core.handle(Ended(orphan)) == []  # no callback comes; if one did: nothing twice
+
+
+def test_an_idle_orphans_child_counts_as_moved_on_after_a_lease_ttl():
+    core, world = make()
+    orphan, _, _ = arrive(core)
+    run(core, orphan)
+    core.handle(PoolFlushed(((orphan, 5),)))
+    world.children[5] = ChildFacts(5, alive=True, busy=False, up=True)
+    assert "Settle" not in kinds(core.handle(Tick()))  # first seen up now
+    world.advance(GRANT.ttl + 1)
+    assert "Settle" in kinds(core.handle(Tick()))
+
+
+def test_a_request_celery_forgot_leaves_the_pool():
+    core, world = make(processes=1)
+    claim, _, request = arrive(core)
+    run(core, claim)
+    world.forgotten.add(id(request))  # revoked unseen, say: no callback will come
+    assert releases(core.handle(Tick())) == [(("s",), claim.holder)]
+    assert core.free_processes() == 1
+
+
+def test_shutdown_releases_every_slot_still_held():
+    core, world = make()
+    a, _, _ = arrive(core)
+    run(core, a)
+    b, _, _ = arrive(core)
+    run(core, b)
+    core.handle(Ended(b, killed=3))  # its child never exits: the pool has stopped
+    world.children[3] = ChildFacts(3, alive=True, busy=False, up=False)
+    assert sorted(releases(core.shutdown())) == sorted([(("s",), a.holder),
+                                                        (("s",), b.holder)])
+    assert core.shutdown() == []
 
 
 # -- trying ahead ---------------------------------------------------------------------------
 
 
-def busy(core, world, n=1, name="busy"):
+def busy(core, n=1, name="busy"):
     """``n`` requests of their own semaphores that start and keep their processes busy."""
+    claims = []
     for k in range(n):
-        waiter, _, _ = arrive(core, guard(f"{name}{k}"))
-        assert exit_of(core.handle(answer(waiter, Attempt(GRANT)))).how is How.START
+        claim, _, _ = arrive(core, guard(f"{name}{k}"))
+        run(core, claim)
+        claims.append(claim)
+    return claims
 
 
 def test_with_every_process_busy_a_key_with_room_is_tried_ahead_and_waits_in_the_pool():
     """W6's handoff: the next request of an idle key is granted before a process frees, so
     it starts the moment one does (no acquire between a task's end and the next start)."""
     core, world = make(processes=1, lookahead=1)
-    busy(core, world)
-    waiter, commands, _ = arrive(core, guard("t:1"))
-    assert kinds(commands) == ["SendAttempt"] and waiter.state is WaitState.AHEAD
+    (running,) = busy(core)
+    claim, commands, _ = arrive(core, guard("t:1"))
+    assert kinds(commands) == ["SendAttempt"]
     assert commands[0].ahead and commands[0].delay == 0  # wait=False: it never queues
-    assert core.trying == 0 and core.trying_ahead == 1
     later, commands, _ = arrive(core, guard("t:2"))
-    assert commands == [] and later.state is WaitState.LINED  # the lookahead is taken
-    commands = core.handle(answer(waiter, Attempt(GRANT)))
-    assert kinds(commands) == ["StopAttempts", "Refill", "Exit"]  # no watch to stop
-    assert exit_of(commands).how is How.START  # to the pool's queue, with its slot
-    # the pool queues one granted request already: no more tries ahead
-    assert later.state is WaitState.LINED and core.trying_ahead == 0
-    world.ended(core)  # the busy task ends: the queued one takes its process
-    assert later.state is WaitState.AHEAD  # the pool's queue is empty again
+    assert commands == []  # the lookahead is taken
+    commands = core.handle(answer(claim, Attempt(GRANT)))
+    assert kinds(commands) == ["StopAttempts", "Refill", "Start"]  # to the pool's queue
+    assert core.free_processes() == -1  # it waits there for the next process
+    commands = core.handle(Ended(running))  # the queued one takes that process
+    assert kinds(commands) == ["Release", "SendAttempt"]
+    assert commands[1].claim is later and commands[1].ahead  # the pool's queue is empty again
 
 
 def test_a_refused_try_ahead_lines_up_again_in_front_and_waits_for_a_process():
     core, world = make(processes=1, lookahead=2)
-    busy(core, world)
+    (running,) = busy(core)
     first, _, _ = arrive(core, guard("t:1"))
     second, _, _ = arrive(core, guard("t:2"))
-    assert first.state is second.state is WaitState.AHEAD
     commands = core.handle(answer(first, wait_answer()))  # t:1 is held elsewhere
-    assert first.state is WaitState.LINED and first.tried_ahead and list(core.line) == [first]
     assert commands == [] and core.blocked("t:1") == 0  # nothing reported, nothing raised
     commands = core.handle(answer(second, error=ConnectionError("refused")))
-    assert list(core.line) == [first, second] and second.tried_ahead
     assert "SendAttempt" not in kinds(commands)  # each tries ahead once
-    commands = world.ended(core)  # a process frees: the first in line queues for it
-    assert kinds(commands) == ["Watch", "SendAttempt"] and commands[0].waiter is first
-    assert not commands[1].ahead
+    commands = core.handle(Ended(running))  # a process frees: the first in line queues for it
+    assert [(c.claim, c.ahead) for c in commands if isinstance(c, SendAttempt)] == [
+        (first, False)]
 
 
 def test_no_try_ahead_for_a_semaphore_this_worker_queues_or_waits_for():
     core, world = make(processes=2, lookahead=4)
     hot, _, _ = arrive(core, guard("hot"))
     core.handle(answer(hot, wait_answer()))  # told to wait: hot is full
-    busy(core, world, n=1)
+    busy(core, n=1)
     queued, commands, _ = arrive(core, guard("q"))  # the last free process: it queues
-    assert queued.state is WaitState.QUEUED and core.free_processes() == 1
-    behind_hot, _, _ = arrive(core, guard("hot"))
-    behind_queued, _, _ = arrive(core, guard("q"))
+    assert not last_sent(commands).ahead and core.free_processes() == 1
+    _, behind_hot, _ = arrive(core, guard("hot"))
+    _, behind_queued, _ = arrive(core, guard("q"))
     idle, commands, _ = arrive(core, guard("idle"))
-    twin, commands2, _ = arrive(core, guard("idle"))
-    assert behind_hot.state is behind_queued.state is WaitState.LINED
-    assert idle.state is WaitState.AHEAD and twin.state is WaitState.LINED  # one per name
-    assert [c.waiter for c in commands if isinstance(c, SendAttempt)] == [idle]
-    assert commands2 == []
+    _, twin, _ = arrive(core, guard("idle"))
+    assert "SendAttempt" not in kinds(behind_hot) + kinds(behind_queued)
+    assert [(c.claim, c.ahead) for c in commands if isinstance(c, SendAttempt)] == [
+        (idle, True)]
+    assert twin == []  # one per name
 
 
 def test_a_priority_request_never_tries_ahead_and_lookahead_zero_turns_it_off():
     core, world = make(processes=1, lookahead=0)
-    busy(core, world)
-    waiter, commands, _ = arrive(core, guard("t:1"))
-    assert commands == [] and waiter.state is WaitState.LINED
+    busy(core)
+    _, commands, _ = arrive(core, guard("t:1"))
+    assert commands == []
     core, world = make(processes=1, lookahead=1)
-    busy(core, world)
+    (running,) = busy(core)
     urgent, commands, _ = arrive(core, guard("t:1", priority=3))
-    assert urgent.state is WaitState.LINED and commands == []  # it queues once one frees
-    commands = world.ended(core)
-    assert urgent.state is WaitState.QUEUED and not last_sent(commands).ahead
+    assert commands == []  # it queues once one frees
+    commands = core.handle(Ended(running))
+    assert last_sent(commands).claim is urgent and not last_sent(commands).ahead
 
 
 def test_a_try_ahead_counts_against_the_process_it_would_take():
     """A process frees while a try ahead is in flight: its grant takes that process, so the
     next in line does not queue for it as well."""
     core, world = make(processes=1, lookahead=1)
-    busy(core, world)
-    waiter, _, _ = arrive(core, guard("t:1"))
+    (running,) = busy(core)
+    claim, _, _ = arrive(core, guard("t:1"))
     nxt, _, _ = arrive(core, guard("t:2"))
-    assert nxt.state is WaitState.LINED
-    commands = world.ended(core)  # the free process is the try ahead's: nxt may only try
-    assert nxt.state is WaitState.AHEAD and kinds(commands) == ["SendAttempt"]  # ahead too
-    assert core.trying == 0 and core.trying_ahead == 2
-    commands = core.handle(answer(waiter, Attempt(GRANT)))
-    assert exit_of(commands).how is How.START
+    commands = core.handle(Ended(running))  # the free process is the try ahead's
+    assert [(c.claim, c.ahead) for c in commands if isinstance(c, SendAttempt)] == [
+        (nxt, True)]  # nxt may only try ahead too
+    assert started(core.handle(answer(claim, Attempt(GRANT)))) == [claim]
 
 
-def test_a_one_try_policy_never_tries_ahead_and_a_waiter_leaving_ahead_cancels():
+def test_a_one_try_policy_never_tries_ahead_and_a_claim_leaving_ahead_cancels():
     """A skip or fail policy makes its one try once a process is free for it (as
     documented: a duplicate sent meanwhile is judged then), never ahead."""
     core, world = make(processes=1, lookahead=1)
-    busy(core, world)
-    skip, commands, _ = arrive(core, guard("t:1", on_full="skip"))
-    assert skip.state is WaitState.LINED and commands == []
+    busy(core)
+    _, commands, _ = arrive(core, guard("t:1", on_full="skip"))
+    assert commands == []
     gone, _, _ = arrive(core, guard("t:2"))
-    assert gone.state is WaitState.AHEAD
-    commands = core.handle(Leave(gone, How.GIVE_BACK))
+    commands = core.handle(Revoked(gone))
     assert kinds(commands) == ["StopAttempts", "Cancel", "Refill", "Exit"]
-    assert core.trying_ahead == 0 and core.counts.ahead == {}
     # its try's grant arrives after it left: released, never kept
-    assert kinds(core.handle(answer(gone, Attempt(GRANT)))) == ["ReleaseLate"]
+    assert releases(core.handle(answer(gone, Attempt(GRANT)))) == [(("t:2",), gone.holder)]
 
 
 # -- the waiting room -----------------------------------------------------------------------
 
 
-def test_beyond_its_share_a_waiter_told_to_wait_is_parked_and_leaves_the_queue():
-    core, world = make(room=1)  # this worker's share of "s": one waiter
+def test_beyond_its_share_a_claim_told_to_wait_is_parked_and_leaves_the_queue():
+    core, world = make(processes=1, max_waiting=1)  # this worker's room for "s": one
     first, _, _ = arrive(core)
+    world.processes = 2
     second, _, _ = arrive(core)  # both asked before either was told to wait
+    assert core.room("s") == -1
     commands = core.handle(answer(first, wait_answer(position=0)))
-    assert kinds(commands) == ["StopAttempts", "Unwatch", "Cancel", "Refill", "Exit"]
+    assert kinds(commands) == ["StopAttempts", "Cancel", "Refill", "Exit"]
     assert exit_of(commands).how is How.PARK and "RaisePrefetch" not in kinds(commands)
-    commands = core.handle(answer(second, wait_answer(position=0)))  # within the share now
+    commands = core.handle(answer(second, wait_answer(position=0)))  # within the room now
     assert kinds(commands) == ["RaisePrefetch", "ReportWaiting", "SendAttempt"]
 
 
 def test_an_arrival_while_full_and_beyond_the_share_parks_without_asking_the_backend():
-    core, world = make(room=2)
+    core, world = make(max_waiting=2)
     first, _, _ = arrive(core)
     core.handle(answer(first, wait_answer()))
     second, commands, _ = arrive(core)
-    assert kinds(commands) == ["RaisePrefetch", "ReportWaiting", "Watch", "SendAttempt"]
+    assert kinds(commands) == ["RaisePrefetch", "ReportWaiting", "SendAttempt"]
     assert commands[1].position is None  # in the line, waiting for the same slot: WAITING
     third, commands, _ = arrive(core)
     assert kinds(commands) == ["Refill", "Exit"] and exit_of(commands).how is How.PARK
     # pulled from the waiting room, or above the default priority: never parked again
-    pulled, commands, _ = arrive(core, pulled=True)
+    _, commands, _ = arrive(core, pulled=True)
     assert "Exit" not in kinds(commands) and "RaisePrefetch" not in kinds(commands)
-    high, commands, _ = arrive(core, guard(priority=3))
+    _, commands, _ = arrive(core, guard(priority=3))
     assert "Exit" not in kinds(commands)
+
+
+def test_the_room_counts_the_requests_being_pulled_and_the_worker_bound():
+    core, world = make(processes=4, max_waiting=6)
+    assert core.room("s") == 6  # min(2 per process = 8, the bound 6)
+    world.pulls["s"] = 3
+    assert core.room("s") == 3
+    world.pulls = {"other": 2}
+    assert core.room("s") == 4
 
 
 # -- bounds and leaving ---------------------------------------------------------------------
 
 
-def test_max_wait_fails_a_waiter_and_worker_max_hold_parks_or_requeues_it():
+def test_max_wait_fails_a_claim_and_worker_max_hold_parks_or_requeues_it():
     core, world = make()
     late, _, _ = arrive(core, guard(max_wait=10.0))
-    held, _, _ = arrive(core, guard("h", worker_max_hold=30.0))
-    urgent, _, _ = arrive(core, guard("u", priority=2, worker_max_hold=30.0))
+    arrive(core, guard("h", worker_max_hold=30.0))
+    arrive(core, guard("u", priority=2, worker_max_hold=30.0))
     assert [c for c in core.handle(Tick()) if isinstance(c, Exit)] == []
     world.advance(11)
     (failed,) = [c for c in core.handle(Tick()) if isinstance(c, Exit)]
-    assert failed.waiter is late and isinstance(failed.error, SemaphoreTimeout)
+    assert failed.claim is late and isinstance(failed.error, SemaphoreTimeout)
     world.advance(20)
-    exits = {c.waiter.guard.name: c.how for c in core.handle(Tick()) if isinstance(c, Exit)}
+    exits = {c.claim.guard.name: c.how for c in core.handle(Tick()) if isinstance(c, Exit)}
     assert exits == {"h": How.PARK, "u": How.REQUEUE}
     assert len(core) == 0
 
 
-def test_a_waiter_leaves_exactly_once_with_the_same_cleanup_every_way():
-    for how in (How.GIVE_BACK, How.LET_GO, How.PARK, How.REQUEUE):
+def test_a_claim_leaves_exactly_once_with_the_same_cleanup_every_way():
+    for leave, how in ((Stop(), How.GIVE_BACK), ("let go", How.LET_GO),
+                       ("revoked", How.REVOKED)):
         core, _ = make()
-        waiter, _, _ = arrive(core)
-        core.handle(answer(waiter, wait_answer()))  # raised the prefetch, in the queue
-        commands = core.handle(Leave(waiter, how))
-        assert kinds(commands)[:5] == ["StopAttempts", "Unwatch", "LowerPrefetch", "Cancel",
-                                       "Refill"], how
+        claim, _, _ = arrive(core)
+        core.handle(answer(claim, wait_answer()))  # raised the prefetch, in the queue
+        event = (LetGo((claim,)) if leave == "let go" else Revoked(claim)
+                 if leave == "revoked" else leave)
+        commands = core.handle(event)
+        assert kinds(commands) == ["StopAttempts", "LowerPrefetch", "Cancel", "Refill",
+                                   "Exit"], how
         assert exit_of(commands).how is how
-        assert core.handle(Leave(waiter, how)) == [] and core.handle(Revoked(waiter)) == []
-        assert core.counts.waiting == core.counts.blocked == core.counts.queued == {}
+        assert core.handle(event) == [] and core.handle(Revoked(claim)) == []
+        assert len(core) == 0 and core.count("s") == 0 and core.blocked("s") == 0
 
 
-def test_a_revoked_waiter_in_the_line_leaves_without_touching_the_backend():
+def test_stop_gives_back_every_waiting_claim_and_keeps_those_in_the_pool():
+    core, _ = make(processes=1)
+    running, _, _ = arrive(core)
+    run(core, running)
+    lined, _, _ = arrive(core)
+    commands = core.handle(Stop())
+    assert [(c.claim, c.how) for c in commands if isinstance(c, Exit)] == [
+        (lined, How.GIVE_BACK)]
+    assert "Cancel" not in kinds(commands)  # it never asked the backend
+    assert releases(commands) == []  # the running one keeps its slot
+
+
+def test_a_revoked_claim_in_the_line_leaves_without_touching_the_backend():
     core, _ = make(processes=0)
-    waiter, commands, _ = arrive(core)
+    claim, commands, _ = arrive(core)
     assert commands == []
-    commands = core.handle(Revoked(waiter))
+    commands = core.handle(Revoked(claim))
     assert kinds(commands) == ["Refill", "Exit"] and exit_of(commands).how is How.REVOKED
-    assert not core.line
-
-
-def test_the_shell_carries_out_every_command_the_core_can_emit():
-    from celery_semaphore.worker.admission import Admission
-    from celery_semaphore.worker.core import Command
-
-    shell = Admission(SimpleNamespace(backend=None), None, None, None, None, None,
-                      hand_off=print, give_back=print)
-    assert set(shell._carry_out) == set(Command.__args__)
 
 
 def test_wake_ups_beyond_the_free_processes_wait_for_one():
     """Many keys' waiters woken at once (500 keys x 2): as many try as processes are free, the
     others once one is, instead of being granted a slot only to give it back."""
     core, world = make(processes=2)
-    waiters = [arrive(core, guard(f"t:{k}"))[0] for k in range(2)]
-    for waiter in waiters:
-        core.handle(answer(waiter, wait_answer()))  # both told to wait: no attempt in flight
-    waiters += [arrive(core, guard(f"t:{k}"))[0] for k in range(2, 4)]
-    for waiter in waiters[2:]:
-        core.handle(answer(waiter, wait_answer()))
-    assert core.trying == 0 and all(w.state is WaitState.QUEUED for w in waiters)
+    claims = [arrive(core, guard(f"t:{k}"))[0] for k in range(2)]
+    for claim in claims:
+        core.handle(answer(claim, wait_answer()))  # both told to wait: no attempt in flight
+    claims += [arrive(core, guard(f"t:{k}"))[0] for k in range(2, 4)]
+    for claim in claims[2:]:
+        core.handle(answer(claim, wait_answer()))
     world.processes = 1
-    sent = [core.handle(Woken(w, w.holder)) for w in waiters]
-    assert [kinds(c) for c in sent] == [["SendAttempt"]] * 4 and core.trying == 1
+    sent = [core.handle(Woken(c, c.holder)) for c in claims]
+    assert [kinds(c) for c in sent] == [["SendAttempt"]] * 4
     # the first tries at once; the others at the latest after WAKE_DEFER_MAX
     assert [c[0].delay for c in sent] == [0, WAKE_DEFER_MAX, WAKE_DEFER_MAX, WAKE_DEFER_MAX]
-    assert list(core.woken) == waiters[1:]
-    assert exit_of(core.handle(answer(waiters[0], Attempt(GRANT)))).how is How.START
-    assert core.trying == 0 and len(core.woken) == 3  # it runs in the one process
-    world.processes = 2  # another process is free
-    commands = world.ended(core)  # ...and the task ended
-    assert [c.waiter for c in commands if isinstance(c, SendAttempt)] == waiters[1:3]
-    assert core.trying == 2 and list(core.woken) == waiters[3:]
-    core.handle(Leave(waiters[3], How.GIVE_BACK))  # a pending one leaves: skipped later
-    core.handle(answer(waiters[1], wait_answer()))  # taken by someone else: waits again
-    assert core.trying == 1 and not waiters[3].wake_pending  # its entry is dropped when reached
+    runner = started(core.handle(answer(claims[0], Attempt(GRANT))))[0]
+    world.processes = 3  # two more processes are free, and the task ends
+    commands = core.handle(Ended(runner))
+    assert [c.claim for c in commands if isinstance(c, SendAttempt)] == claims[1:4]
 
 
 def test_a_wake_up_with_every_process_busy_tries_so_that_the_slot_moves_on():
-    """No process free and none promised: the woken waiter tries anyway; a grant is given back
+    """No process free and none promised: the woken claim tries anyway; a grant is given back
     at once, and the backend wakes whoever waits behind it (in a worker with room)."""
     core, world = make(processes=1)
-    waiter, _, _ = arrive(core)
-    core.handle(answer(waiter, wait_answer()))
+    claim, _, _ = arrive(core)
+    core.handle(answer(claim, wait_answer()))
     world.processes = 0  # busy with other work
-    assert kinds(core.handle(Woken(waiter, waiter.holder))) == ["SendAttempt"]
-    commands = core.handle(answer(waiter, Attempt(GRANT)))
-    assert "GiveBackGrant" in kinds(commands)
+    assert kinds(core.handle(Woken(claim, claim.holder))) == ["SendAttempt"]
+    assert "GiveBackGrant" in kinds(core.handle(answer(claim, Attempt(GRANT))))
 
 
 def test_peers_lined_behind_a_first_attempt_report_waiting_once_it_is_told_to_wait():
     """Flower's case: three of one key reach the worker in a burst while the slot is held; the
     first asks, the others wait in the line; once the first is told to wait, the others show
     WAITING too (they wait for the same slot), once each."""
-    core, world = make(processes=1)
+    core, world = make(processes=2)
+    arrive(core, None)  # busy with other work: one process free
     first, _, _ = arrive(core)
-    lined = [arrive(core)[0] for _ in range(2)]
-    assert all(w.state is WaitState.LINED for w in lined)
+    lined = [arrive(core)[1] for _ in range(2)]
+    assert lined == [[], []]
     commands = core.handle(answer(first, wait_answer(position=0)))
-    reports = [c for c in commands if isinstance(c, ReportWaiting)]
-    assert [(r.waiter, r.position) for r in reports] == [(lined[0], None), (lined[1], None),
-                                                         (first, 0)]
+    reports = [(c.claim is first, c.position) for c in commands if isinstance(c, ReportWaiting)]
+    assert reports == [(False, None), (False, None), (True, 0)]
     assert kinds(commands).count("RaisePrefetch") == 3
-    other, _, _ = arrive(core)  # arriving now: reported at once, and only then
-    assert other.announced
+    _, commands, _ = arrive(core)  # arriving now: reported at once, and only then
+    assert kinds(commands) == ["RaisePrefetch", "ReportWaiting"]
     commands = core.handle(answer(first, wait_answer(position=0)))
     assert not [c for c in commands if isinstance(c, ReportWaiting)]
+
+
+# -- the table ------------------------------------------------------------------------------
+
+
+def test_every_command_the_core_can_emit_has_a_shell_handler():
+    from celery_semaphore.worker.gate import Gate
+
+    gate = Gate.__new__(Gate)
+    consumer = SimpleNamespace(app=SimpleNamespace(), on_task_request=None, hub=None,
+                               on_connection_error_after_connected=None,
+                               qos=None, pool=None, hostname="w")
+    from celery_semaphore.backends.memory import MemoryBackend
+
+    Gate.__init__(gate, consumer, Settings(), MemoryBackend("memory://core-table"))
+    assert set(gate._carry_out) == set(Command.__args__)
+
+
+def test_a_claim_moves_only_along_the_table():
+    core, _ = make()
+    claim, _, _ = arrive(core)
+    with pytest.raises(RuntimeError):
+        claim.move(State.ENDING)  # a waiting claim never ends in a child
+    assert State.POOL in TRANSITIONS[State.QUEUED] and State.DONE not in TRANSITIONS[State.DONE]

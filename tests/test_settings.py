@@ -396,7 +396,7 @@ def test_a_retry_does_not_carry_the_gates_headers():
     """self.retry() copies the request's custom headers into the new message: the lease (with
     the backend URL and its password) and the requeue bookkeeping must stay out of it."""
     from celery_semaphore.task_lease import LEASE_KEY
-    from celery_semaphore.worker.waiter import FIRST_WAIT_HEADER, REQUEUES_HEADER
+    from celery_semaphore.worker.claim import FIRST_WAIT_HEADER, REQUEUES_HEADER
 
     app = make_app(task_default_queue="retry-headers")
     install(app)

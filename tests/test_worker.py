@@ -522,9 +522,120 @@ def test_a_job_written_to_a_pool_child_before_a_broker_reconnect_runs_once(redis
         cluster.stop()
 
 
+@pytest.mark.serial  # cuts every connection to the shared broker database
+def test_a_job_left_in_a_dead_pool_childs_pipe_runs_once_in_its_replacement(redis_url, tmp_path):
+    """``b``'s job is written to the worker's one pool child, stopped (SIGSTOP) so that it never
+    reads it; the test cuts the worker's broker connections (the pool's flush drops the job:
+    no child accepted it), then kills that child. billiard gives the dead child's pipe, with
+    ``b``'s job unread in it, to the child that replaces it, which runs ``b``: its message is
+    acknowledged once that child has moved on, and ``b`` runs once. Before, the gate followed
+    the job's ``_write_to`` (the dead child), put the message back when it found that child
+    gone, and ``b`` ran twice (the chaos soak's duplicate with seed 777123, where the child was
+    already dead, not yet reaped, when the job was written to its pipe). The lease TTL leaves
+    room for a slow machine: a child up for a TTL counts as moved on, and the gate settles
+    then."""
+    ttl = 6.0
+    broker = servers.redis_broker(redis_url)
+    cluster = Cluster(str(tmp_path), redis_url, broker, redis_url, workers=0,
+                      CS_LEASE_TTL=str(ttl))
+    client = redis.Redis.from_url(broker)
+    child = None
+    try:
+        worker = Worker(cluster.env, "flushed", 1)
+        worker.wait_ready()
+        cluster.workers.append(worker)
+        warm = cluster.task("guarded").delay("warm")
+        assert warm.get(timeout=30) == "warm"
+        assert wait_until(lambda: f"{warm.id}] succeeded" in worker.output(), timeout=10)
+        assert wait_until(lambda: _pool_writes(cluster, worker) == 1, timeout=10)
+        (child,) = worker.pool_pids()
+        os.kill(child, signal.SIGSTOP)
+        queued = cluster.task("unguarded").delay("b", 0.1)
+        assert wait_until(lambda: _pool_writes(cluster, worker) == 2, timeout=10), \
+            worker.output()[-3000:]
+        cut = _kill_clients(client)
+        assert cut and wait_until(lambda: "Trying to re-establish" in worker.output(), 5)
+        assert wait_until(lambda: f"{queued.id} runs in pool child {child}" in worker.output(),
+                          5), worker.output()[-3000:]
+        before = worker.output()
+        os.kill(child, signal.SIGKILL)  # dies stopped: b's job is still in its pipe
+        child = None
+        assert f"settled {queued.id}" not in before  # (not on a lease TTL: the kill decides)
+        assert queued.get(timeout=30) == "b"  # run by the replacement, from that pipe
+        assert wait_until(lambda: f"settled {queued.id}" in worker.output(), timeout=ttl + 15), \
+            worker.output()[-3000:]
+        # acknowledged in the broker, or delivered again and run to its end: either way gone
+        # from the broker once every delivery of b the worker received has ended
+        assert wait_until(lambda: not _in_broker(client, cluster), timeout=15)
+        assert wait_until(lambda: worker.output().count(f"{queued.id}] received")
+                          == cluster.probe.completed("free:b").get("free:b", 0), timeout=15)
+        assert cluster.probe.completed("free:b") == {"free:b": 1}, worker.output()[-3000:]
+        assert "acknowledged" in worker.output().split(f"settled {queued.id}")[1].split("\n")[0]
+    finally:
+        if child is not None:
+            os.kill(child, signal.SIGCONT)
+        client.close()
+        cluster.stop()
+
+
+@pytest.mark.serial  # cuts every connection to the shared broker database
+def test_a_job_run_unseen_by_a_pool_child_that_dies_running_it_is_delivered_again(
+        redis_url, tmp_path):
+    """As above, but the stopped child continues after the reconnect, reads ``b``'s job (its
+    acknowledgement of the job tells the gate so, though the pool dropped the job) and is
+    killed running it: its replacement, which gets the same pipe, has nothing of ``b`` to
+    read, and ``b``'s message is put back (at-least-once): ``b`` runs to its end once, on its
+    second delivery."""
+    ttl = 6.0
+    broker = servers.redis_broker(redis_url)
+    cluster = Cluster(str(tmp_path), redis_url, broker, redis_url, workers=0,
+                      CS_LEASE_TTL=str(ttl))
+    client = redis.Redis.from_url(broker)
+    child = None
+    try:
+        worker = Worker(cluster.env, "flushed", 1)
+        worker.wait_ready()
+        cluster.workers.append(worker)
+        warm = cluster.task("guarded").delay("warm")
+        assert warm.get(timeout=30) == "warm"
+        assert wait_until(lambda: f"{warm.id}] succeeded" in worker.output(), timeout=10)
+        assert wait_until(lambda: _pool_writes(cluster, worker) == 1, timeout=10)
+        (child,) = worker.pool_pids()
+        os.kill(child, signal.SIGSTOP)
+        queued = cluster.task("unguarded").delay("b", 3.0)
+        assert wait_until(lambda: _pool_writes(cluster, worker) == 2, timeout=10), \
+            worker.output()[-3000:]
+        cut = _kill_clients(client)
+        assert cut and wait_until(lambda: "Trying to re-establish" in worker.output(), 5)
+        assert wait_until(lambda: f"{queued.id} runs in pool child {child}" in worker.output(),
+                          5), worker.output()[-3000:]
+        os.kill(child, signal.SIGCONT)
+        assert wait_until(lambda: "free:b" in cluster.probe.intervals(), timeout=10)
+        before = worker.output()
+        os.kill(child, signal.SIGKILL)  # in b's body
+        child = None
+        assert f"settled {queued.id}" not in before  # (not on a lease TTL: the kill decides)
+        assert queued.get(timeout=30) == "b"
+        assert wait_until(lambda: f"settled {queued.id}" in worker.output(), timeout=10)
+        assert "put back" in worker.output().split(f"settled {queued.id}")[1].split("\n")[0]
+        assert wait_until(lambda: not _in_broker(client, cluster), timeout=15)
+        runs = cluster.probe.intervals()["free:b"]
+        assert len(runs) == 2 and runs[0][1] is None and runs[1][1] is not None
+    finally:
+        if child is not None:
+            os.kill(child, signal.SIGCONT)
+        client.close()
+        cluster.stop()
+
+
 def _pool_writes(cluster, worker):
-    """Jobs ``worker``'s prefork pool has written to its children (``inspect stats``)."""
-    replies = cluster.app.control.inspect(timeout=1.0).stats() or {}
+    """Jobs ``worker``'s prefork pool has written to its children (``inspect stats``); None
+    when the broker does not answer, or on a pooled connection an earlier test's cut closed
+    (kombu's connection pools are shared by every app on the same broker URL)."""
+    try:
+        replies = cluster.app.control.inspect(timeout=1.0).stats() or {}
+    except redis.exceptions.ConnectionError:
+        return None
     for name, stats in replies.items():
         if name.startswith(f"{worker.name}{NAME_SUFFIX}@"):
             return stats["pool"]["writes"]["total"]

@@ -91,12 +91,68 @@ def dropped_job_child(consumer: Any, request: Any, job: Any) -> Optional[Any]:
     """After a broker reconnect flushed the prefork pool (celery 5.x ``AsynPool.flush``): was
     ``request``'s job dropped? Returns False when the job is still in the pool (or ran, or the
     pool does not fork), None when it was dropped before any child got it, else the child
-    process it was being written to (which runs it with no callbacks)."""
+    process it was being written to (``_write_to``). That child may have exited, even before
+    the write (a pool reaps a dead child only when it notices, up to 5 s later): who runs the
+    job with no callbacks is the child that acknowledges it (:func:`watch_job_acks`), or else
+    the one that reads its pipe (:func:`pipe_reader`)."""
     pool = getattr(consumer.pool, "_pool", None)  # None once the pool has stopped
     if (job is None or request.time_start is not None or not pool_forks(consumer.pool)
             or pool is None or getattr(job, "_job", None) is None or job._job in pool._cache):
         return False
     return getattr(job, "_write_to", None)
+
+
+def watch_job_acks(pool: Any, acked: Callable[[int, int], None]) -> bool:
+    """Call ``acked(job_id, pid)`` for each job a prefork pool child acknowledges (it read the
+    job and runs it) that is no longer in the pool's cache: billiard's result handler drops
+    those acks, and a broker reconnect's flush takes every job no child had acknowledged out
+    of the cache, a job written to a child's pipe included (billiard 4.x
+    ``ResultHandler.state_handlers[ACK]``, called by its ``on_state_change`` for every
+    message a child sends, also those of a dead child drained as it is reaped). True once
+    wrapped (once per result handler)."""
+    from billiard.pool import ACK
+
+    inner = getattr(pool, "_pool", None) if pool_forks(pool) else None
+    handlers = getattr(getattr(inner, "_result_handler", None), "state_handlers", None)
+    cache = getattr(inner, "_cache", None)
+    if not isinstance(handlers, dict) or ACK not in handlers or cache is None:
+        return False
+    on_ack = handlers[ACK]
+    if getattr(on_ack, "watched_by_gate", False):
+        return True
+
+    def watched_ack(job: int, i: int, time_accepted: float, pid: int, *args: Any) -> Any:
+        if job not in cache:
+            acked(job, pid)
+        return on_ack(job, i, time_accepted, pid, *args)
+
+    watched_ack.watched_by_gate = True  # type: ignore[attr-defined]
+    handlers[ACK] = watched_ack
+    return True
+
+
+#: :func:`pipe_reader`: the pipe's child exited and its replacement has not started yet.
+PIPE_WAITS: Any = object()
+
+
+def pipe_reader(pool: Any, child: Any) -> Any:
+    """The prefork pool process that reads, now, the pipe a job was written to when it went
+    to pool process ``child`` (a job's ``_write_to``): ``child`` until the pool reaps it; then
+    the child the pool gave its queues to, which reads what is left unread in that pipe first
+    (celery 5.x ``AsynPool``: ``_process_cleanup_queues`` frees an exited child's queues and
+    ``get_process_queues`` gives them to its replacement); :data:`PIPE_WAITS` while they wait
+    for that replacement; None once the pool has destroyed them (``on_partial_read``, when a
+    job in its cache was written to the exited child), and what they held with them."""
+    inner = getattr(pool, "_pool", None)
+    inq = getattr(child, "inq", None)
+    if inner is None or inq is None:
+        return child
+    for process in list(getattr(inner, "_pool", ())):
+        if getattr(process, "inq", None) is inq:
+            return process
+    if any(queues[0] is inq for queues in list(getattr(inner, "_queues", None) or ())):
+        return PIPE_WAITS
+    return None
 
 
 def keep_running_jobs_on_flush(pool: Any) -> bool:

@@ -4,21 +4,21 @@ The parts (admission, the waiting room, releases, requeues, outcomes, reporting,
 the tally) each receive one :class:`GateContext` and, by name, the few other parts they call;
 none of them reaches the gate. The context holds Celery's app and consumer, the settings and
 the backend, the two threads (the loop thread owns every state: :meth:`LoopCaller.post` to it;
-the I/O thread makes every call out: ``io.call``), the gate's lifecycle, and the delivery tags
-of requests in transit between the core and the broker.
+the I/O thread makes the calls that must not block the loop: ``io.call``), the gate's
+lifecycle, and the delivery tags of requests in transit between the core and the broker.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
-import threading
 from typing import Any, Callable, Set
 
 from ..backends.base import Backend
 from ..scheduler import Scheduler
 from ..settings import Settings
-from .threads import RETRY_FIRST, RETRY_MAX, LoopCaller
+from .core import RETRY_FIRST, RETRY_MAX
+from .threads import LoopCaller
 
 logger = logging.getLogger(__name__)
 
@@ -35,16 +35,15 @@ class GateContext:
     lifecycle methods); the parts read it from either thread."""
 
     def __init__(self, consumer: Any, settings: Settings, backend: Backend,
-                 after_each_call: Callable[[], None]) -> None:
+                 after_each_call: Callable[[], None] = lambda: None) -> None:
         self.consumer = consumer
         self.app = consumer.app
         self.settings = settings
         self.backend = backend
-        #: Taken by pool callbacks and by the loop thread's calls; never held across I/O.
-        self.lock = threading.RLock()
-        #: Runs a callable on the loop thread; ``after_each_call`` runs after it, unlocked.
-        self.loop = LoopCaller(consumer.hub, self.lock, after_each_call)
-        #: The one I/O thread: every backend and broker call.
+        #: Runs a callable on the loop thread (the owner of every state); without a hub, under
+        #: its lock, then ``after_each_call`` outside it.
+        self.loop = LoopCaller(after_each_call)
+        #: The one I/O thread: the calls that must not block the loop.
         self.io = Scheduler("celery-semaphore-gate")
         self.state = GateState.NEW
         #: Delivery tags of requests that left the core to be parked or requeued and whose

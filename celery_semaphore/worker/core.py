@@ -1,27 +1,29 @@
-"""The worker core: every decision about a guarded request from its arrival in the worker to
-the moment it leaves for the pool (or for the waiting room, the broker, a failure), with no
-threads, no Celery and no I/O.
+"""The worker core: every decision the worker makes about a request, from Celery's hand-off to
+the release of its slot, with no threads, no Celery and no I/O.
 
-It follows h11's sans-I/O shape: the shell (:mod:`.admission`, :mod:`.gate`) feeds it events
-(:meth:`AdmissionCore.handle`) and carries out the commands it returns, in order. The core
-owns its state (the waiters, the worker's line, the per-semaphore counts) and nothing else
-touches it; it reads the time from the clock it was given and what it needs to know about
-the pool and the waiting room from :class:`Surroundings` (reads of the main process's memory,
-never I/O). So it can be driven event by event in a test, deterministically.
+It follows h11's sans-I/O shape: the shell (:mod:`.gate`) feeds it events
+(:meth:`WorkerCore.handle`) and carries out the commands it returns, in order. The core owns
+its state (every request's :class:`.Claim`, the worker's line, the counts per semaphore, the
+pool's occupancy) and nothing else touches it; it reads the time from the clock it was given
+and what it needs to know of the pool from :class:`Surroundings` (reads of the main process's
+memory, never I/O). So it is driven event by event in a test, deterministically, through what
+it emits (``tests/test_core.py``).
 
-A waiter's life (:class:`.WaitState`)::
+What it decides, in order of a request's life (:mod:`.claim` has the state machine):
 
-    Arrived ─> LINED ──> QUEUED ──> GRANTED ──> Exit(START): to the pool
-                 │  ^       │          │
-                 │  └───────┼──────────┘  (the pool filled up: GiveBackGrant, GrantReturned)
-                 └──────────┴────────────> Exit(FAIL | FULL | PARK | REQUEUE | REVOKED |
-                                                GIVE_BACK | LET_GO)
-
-Every way out goes through one place (:meth:`AdmissionCore._exit`): the waiter stops its
-attempts, stops watching for wake-ups, lowers the prefetch it raised, leaves the backend's
-queue when it had entered it (``Cancel``; not when it leaves with its grant), lets the
-waiting room refill that semaphore, and the shell gets one :class:`Exit` to settle its
-message by.
+* **admission**: who waits in the worker's line, who enters the backend's queue (only while a
+  pool process is free for it), who tries ahead while every process is busy, what an answer, a
+  wake-up or a pushed grant means, when a waiter leaves and how (failed, skipped, parked,
+  requeued, revoked, given back): every way out goes through one exit that cleans up the same
+  way;
+* **capacity**: which pool processes are free, from the requests it handed to the pool and
+  their endings (unguarded requests included: every request passes through the gate);
+* **holding**: the slots its requests hold in the pool, their renewal, a lease found lost, the
+  release when a task ends (after its child has exited, when the child was killed);
+* **orphans**: a request whose pool job a broker reconnect dropped while a child may run it,
+  settled once that child moved on or exited;
+* **the waiting room's bounds**: how many requests of a semaphore the worker holds waiting
+  (:meth:`WorkerCore.room`; beyond it they are parked in the broker).
 """
 
 from __future__ import annotations
@@ -31,35 +33,75 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Protocol, Tuple, Union
+from typing import (
+    Any,
+    Callable,
+    Deque,
+    Dict,
+    List,
+    NamedTuple,
+    Optional,
+    Protocol,
+    Tuple,
+    Union,
+)
 
-from ..backends.base import Attempt, MultiAttempt
+from ..backends.base import Attempt, Grant, MultiAttempt, PushedGrant
 from ..exceptions import ConfigurationError, SemaphoreTimeout
 from ..guards import Guard
-from .waiter import Waiter, WaitState
+from .claim import IN_POOL, Claim, State
 
 logger = logging.getLogger(__name__)
 
 #: Seconds a woken waiter waits at most for a free pool process before it tries anyway.
 WAKE_DEFER_MAX = 0.1
+#: Requests of one semaphore a worker holds waiting, per pool process.
+SHARE_PER_PROCESS = 2
+#: Seconds to wait for a timed-out or terminated pool child to exit before releasing anyway.
+CHILD_EXIT_WAIT = 30.0
+#: First and longest pause between tries of a release the backend did not answer.
+RETRY_FIRST = 0.1
+RETRY_MAX = 2.0
+
+
+class ChildFacts(NamedTuple):
+    """What the shell reads of one pool child process."""
+
+    pid: int
+    alive: bool  # it runs (a zombie counts as gone)
+    busy: bool  # an active request (one Celery knows it gave it) runs in it
+    up: bool  # it has started and takes jobs
 
 
 class Surroundings(Protocol):
     """What the core reads of the rest of the worker (main-process memory, never I/O)."""
 
-    def free_processes(self, waiting: int) -> int:
-        """Pool processes free for a waiter, given that ``waiting`` of the requests Celery
-        holds reserved are this core's waiters (they do not occupy a process)."""
-
-    def room(self, name: str, waiting_of_name: int, waiting: int) -> int:
-        """How many more requests of semaphore ``name`` this worker should hold waiting
-        (:meth:`.ParkingLot.room`): beyond it, a request that must wait goes to the waiting
-        room."""
+    def pool_size(self) -> int:
+        """Pool processes (threads, greenlets) in all."""
 
     def lookahead(self) -> int:
         """Granted requests the pool may hold beyond its free processes, each waiting in its
         queue for the next one (``semaphore_worker_lookahead``; 0 for a pool that runs a
         request as it is handed one)."""
+
+    def pulling(self, name: str) -> Tuple[int, int]:
+        """Requests being pulled from the waiting room: of semaphore ``name``, and in all."""
+
+    def max_waiting(self) -> int:
+        """``semaphore_worker_max_waiting``."""
+
+    def child(self, pid: int) -> ChildFacts:
+        """What pool child ``pid`` does now."""
+
+    def orphan_child(self, claim: Claim) -> Optional[ChildFacts]:
+        """The pool child that has orphaned ``claim``'s job now: the one that acknowledged
+        it, else the one that reads the pipe it was written to (the child it was written to
+        until the pool reaps it, then the one the pool gives its pipe to); None while that
+        pipe waits for a child; one that is not alive once the pool destroyed the pipe, the
+        job unread with it."""
+
+    def held_by_celery(self, request: Any) -> bool:
+        """Celery's worker state still counts ``request`` reserved or active."""
 
 
 class Answer(NamedTuple):
@@ -69,7 +111,7 @@ class Answer(NamedTuple):
     attempt: Optional[Union[Attempt, MultiAttempt]]
     error: Optional[BaseException]
     requested_at: float
-    #: The waiter's attempt number it answers (:attr:`.Waiter.attempts_sent`).
+    #: The claim's attempt number it answers (:attr:`.Claim.attempts_sent`).
     sent: int = 0
     #: Seconds to wait for a wake-up before trying again (:meth:`.Backend.pause_after`).
     pause: float = 1.0
@@ -80,19 +122,20 @@ class Answer(NamedTuple):
 
 @dataclass(frozen=True)
 class Arrived:
-    """A guarded request reached the gate (``pulled``: from the waiting room)."""
+    """A request reached the gate (``guard`` None: unguarded; ``pulled``: from the waiting
+    room)."""
 
     request: Any
-    guard: Guard
-    holder: str
+    guard: Optional[Guard]
+    holder: str = ""
     pulled: bool = False
 
 
 @dataclass(frozen=True)
 class Answered:
-    """An acquire attempt of ``waiter`` came back."""
+    """An acquire attempt of ``claim`` came back."""
 
-    waiter: Waiter
+    claim: Claim
     answer: Answer
 
 
@@ -100,58 +143,105 @@ class Answered:
 class Woken:
     """The backend woke ``holder`` (a slot of a semaphore it waits for may be free)."""
 
-    waiter: Waiter
+    claim: Claim
     holder: str
+
+
+@dataclass(frozen=True)
+class Pushed:
+    """The backend granted ``claim`` a slot while it waited (:class:`.PushedGrant`)."""
+
+    claim: Claim
+    pushed: PushedGrant
 
 
 @dataclass(frozen=True)
 class GrantReturned:
     """The grant the pool had no process for was given back (``released``: the backend
-    confirmed it; if not, the waiter waits on as ``new_holder``)."""
+    confirmed it; if not, the claim waits on as ``new_holder``)."""
 
-    waiter: Waiter
+    claim: Claim
     released: bool
     new_holder: str
 
 
 @dataclass(frozen=True)
 class Revoked:
-    """Celery found ``waiter``'s request revoked (and announced and acked it)."""
+    """Celery found waiting ``claim``'s request revoked (and announced and acked it)."""
 
-    waiter: Waiter
+    claim: Claim
 
 
 @dataclass(frozen=True)
-class Leave:
-    """The shell takes ``waiter`` out: ``how`` is :attr:`How.GIVE_BACK` (the consumer
-    stops), :attr:`How.LET_GO` (its pulled message went back with the parking connection),
-    :attr:`How.PARK` or :attr:`How.REQUEUE`."""
+class Stop:
+    """The consumer stops (a shutdown, or a broker reconnect): every waiting request goes back
+    to the broker."""
 
-    waiter: Waiter
-    how: "How"
-    why: str = ""
+
+@dataclass(frozen=True)
+class LetGo:
+    """The messages of these waiting (pulled) claims are back in the broker already."""
+
+    claims: Tuple[Claim, ...]
+
+
+@dataclass(frozen=True)
+class Ended:
+    """``claim``'s task ended (a pool callback; or Celery revoked it before it ran).
+    ``killed``: the pool child that ran it was killed or is being terminated (its pid), and the
+    body may run until it exits."""
+
+    claim: Claim
+    killed: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class ChildExited:
+    """Pool child ``pid`` has exited."""
+
+    pid: int
+
+
+@dataclass(frozen=True)
+class Renewed:
+    """A renewal of ``claim``'s lease sent at monotonic ``sent`` came back: ``held`` False
+    when the backend no longer holds it; ``error``: it raised (not known)."""
+
+    claim: Claim
+    sent: float
+    held: bool
+    error: Optional[BaseException] = None
+
+
+@dataclass(frozen=True)
+class PoolFlushed:
+    """A broker reconnect flushed the pool: each of ``dropped`` lost its job, with the child
+    it was being written to (it runs there, with no callback), or None (no child got it)."""
+
+    dropped: Tuple[Tuple[Claim, Optional[int]], ...]
 
 
 @dataclass(frozen=True)
 class CapacityChanged:
-    """A pool process may be free (a task ended, a parked copy was published)."""
+    """Something outside the core may have changed the room it has (a parked copy published,
+    the pool resized)."""
 
 
 @dataclass(frozen=True)
 class Tick:
-    """Every poll interval: bounds (``semaphore_max_wait``, ``semaphore_worker_max_hold``)."""
+    """Every :meth:`WorkerCore.tick_every` seconds: bounds, renewals, orphans, child exits."""
 
 
-Event = Union[Arrived, Answered, Woken, GrantReturned, Revoked, Leave, CapacityChanged, Tick]
+Event = Union[Arrived, Answered, Woken, Pushed, GrantReturned, Revoked, Stop, LetGo, Ended,
+              ChildExited, Renewed, PoolFlushed, CapacityChanged, Tick]
 
 
 # -- commands ---------------------------------------------------------------------------------
 
 
 class How(enum.Enum):
-    """How a waiter left the core (:class:`Exit`)."""
+    """How a waiting claim left the core without running (:class:`Exit`)."""
 
-    START = "start"  # granted, a process free: lease it and hand it to the pool
     FAIL = "fail"  # store the failure, ack
     FULL = "full"  # its one try found the semaphore full: skip or fail by its policy
     PARK = "park"  # to the waiting room
@@ -162,14 +252,21 @@ class How(enum.Enum):
 
 
 @dataclass(frozen=True)
-class Exit:
-    """``waiter`` left; settle its message as ``how`` says. ``answer``: its grant (START);
-    ``error``: why it fails (FAIL); ``limit``/``blocking``: what refused it (FULL);
-    ``why``: a reason for the log (PARK, REQUEUE)."""
+class Start:
+    """Hand ``claim``'s request to the pool (guarded: with the slots it holds,
+    ``claim.grants``)."""
 
-    waiter: Waiter
+    claim: Claim
+
+
+@dataclass(frozen=True)
+class Exit:
+    """Waiting ``claim`` left without running; settle its message as ``how`` says.
+    ``error``: why it fails (FAIL); ``limit``/``blocking``: what refused it (FULL); ``why``: a
+    reason for the log (PARK, REQUEUE)."""
+
+    claim: Claim
     how: How
-    answer: Optional[Answer] = None
     error: Optional[BaseException] = None
     limit: Any = None
     blocking: Optional[str] = None
@@ -177,69 +274,102 @@ class Exit:
 
 
 @dataclass(frozen=True)
-class Watch:
-    """Ask the backend to wake ``waiter`` (every semaphore of its guard)."""
-
-    waiter: Waiter
-
-
-@dataclass(frozen=True)
-class Unwatch:
-    waiter: Waiter
-    holder: str
-
-
-@dataclass(frozen=True)
 class SendAttempt:
-    """Make acquire attempt number ``sent`` for ``waiter`` in ``delay`` seconds, replacing the
-    one scheduled before it."""
+    """Make acquire attempt number ``sent`` for ``claim`` in ``delay`` seconds, replacing the
+    one scheduled before it. ``ahead``: a try (``wait=False``) whatever its policy."""
 
-    waiter: Waiter
+    claim: Claim
     holder: str
     sent: int
     delay: float
-    #: A try ahead (:attr:`.WaitState.AHEAD`): ``wait=False``, whatever the waiter's policy.
     ahead: bool = False
 
 
 @dataclass(frozen=True)
 class StopAttempts:
-    """Drop ``waiter``'s scheduled attempt, if any."""
+    """Drop ``claim``'s scheduled attempt, if any."""
 
-    waiter: Waiter
+    claim: Claim
 
 
 @dataclass(frozen=True)
 class Cancel:
     """Leave the backend's queues of ``names`` as ``holder`` and release a grant an attempt
-    still on its way may get, retrying until ``expires`` (monotonic)."""
+    still on its way may get, retrying until ``until`` (monotonic)."""
 
     names: Tuple[str, ...]
     holder: str
-    expires: float
+    until: float
 
 
 @dataclass(frozen=True)
-class ReleaseLate:
-    """An answer reached ``waiter`` after it stopped waiting under that holder: release the
-    grant it carries (``answer.attempt.grant``), unless that holder runs with it."""
+class Release:
+    """Release the slots ``holder`` holds of ``names``, in ``delay`` seconds; while the
+    backend does not answer, again (:data:`RETRY_FIRST` doubling to :data:`RETRY_MAX`) until
+    ``until``, monotonic: the backend's expiry frees them then."""
 
-    waiter: Waiter
-    answer: Answer
+    names: Tuple[str, ...]
+    holder: str
+    until: float
+    delay: float = 0.0
 
 
 @dataclass(frozen=True)
 class GiveBackGrant:
-    """Release ``answer``'s grant (no pool process for it); answer with
+    """Release ``claim``'s grant as ``holder`` (no pool process for it); answer with
     :class:`GrantReturned`."""
 
-    waiter: Waiter
-    answer: Answer
+    claim: Claim
+    holder: str
+    names: Tuple[str, ...]
+    until: float
+
+
+@dataclass(frozen=True)
+class Renew:
+    """Renew every slot ``claim`` holds; answer with :class:`Renewed`."""
+
+    claim: Claim
+    holder: str
+    names: Tuple[str, ...]
+    ttl: float
+
+
+@dataclass(frozen=True)
+class LeaseLost:
+    """``claim``'s lease is gone (the backend no longer holds it, or it could not be renewed
+    before its deadline): apply ``semaphore_on_lost_lease``."""
+
+    claim: Claim
+
+
+@dataclass(frozen=True)
+class WatchChild:
+    """Report :class:`ChildExited` once pool child ``pid`` has exited."""
+
+    pid: int
+
+
+@dataclass(frozen=True)
+class Dropped:
+    """A broker reconnect dropped ``claim``'s pool job before any child got it: it never runs
+    (its message goes back)."""
+
+    claim: Claim
+
+
+@dataclass(frozen=True)
+class Settle:
+    """Orphaned ``claim``'s child moved on (``requeue`` False: it ran; ack its message) or
+    exited (``requeue``: put its message back, at-least-once)."""
+
+    claim: Claim
+    requeue: bool
 
 
 @dataclass(frozen=True)
 class RaisePrefetch:
-    """The consumer may fetch one more message (a waiter waits for a slot, not a process)."""
+    """The consumer may fetch one more message (a request waits for a slot, not a process)."""
 
 
 @dataclass(frozen=True)
@@ -249,10 +379,10 @@ class LowerPrefetch:
 
 @dataclass(frozen=True)
 class ReportWaiting:
-    """Announce that ``waiter`` waits (event, WAITING state): at ``position`` of the backend's
+    """Announce that ``claim`` waits (event, WAITING state): at ``position`` of the backend's
     queue, or None (in this worker's line, behind those that wait for the same slot)."""
 
-    waiter: Waiter
+    claim: Claim
     position: Optional[int]
     limit: Any
 
@@ -264,8 +394,9 @@ class Refill:
     name: str
 
 
-Command = Union[Exit, Watch, Unwatch, SendAttempt, StopAttempts, Cancel, ReleaseLate,
-                GiveBackGrant, RaisePrefetch, LowerPrefetch, ReportWaiting, Refill]
+Command = Union[Start, Exit, SendAttempt, StopAttempts, Cancel, Release, GiveBackGrant, Renew,
+                LeaseLost, WatchChild, Dropped, Settle, RaisePrefetch, LowerPrefetch,
+                ReportWaiting, Refill]
 
 
 # -- the core ---------------------------------------------------------------------------------
@@ -273,8 +404,8 @@ Command = Union[Exit, Watch, Unwatch, SendAttempt, StopAttempts, Cancel, Release
 
 @dataclass
 class _Counts:
-    """Per semaphore name: its waiters, those QUEUED, those the backend told to wait, those
-    trying AHEAD."""
+    """Per semaphore name: its waiting claims, those QUEUED, those the backend told to wait,
+    those trying AHEAD."""
 
     waiting: Dict[str, int] = field(default_factory=dict)
     queued: Dict[str, int] = field(default_factory=dict)
@@ -290,237 +421,378 @@ class _Counts:
             counts.pop(name, None)
 
 
-class AdmissionCore:
-    """The guarded requests one worker holds until they get a slot. See the module docstring.
+class WorkerCore:
+    """Every request of one worker, from its arrival to its release. See the module docstring.
 
     Guarantees: a request enters the backend's queue only while a pool process is free for
-    it (as many per semaphore as processes are free; one with a priority above the default
-    at once); attempts sent at once and not answered yet (:attr:`trying`) never outnumber the
-    free processes, except a priority request's, or a woken one's when no process is free and
-    none is promised (its grant moves on), or one deferred past :data:`WAKE_DEFER_MAX`; a
-    grant that finds no free process is given back before the request lines up again; an
-    answer to an attempt older than the last one sent decides only if it is a grant; a
-    request leaves exactly once, and every way out emits the same cleanup.
+    it (as many per semaphore as processes are free; one with a priority above the default at
+    once); attempts sent at once and not answered yet (:attr:`trying`) never outnumber the free
+    processes, except a priority request's, or a woken one's when no process is free and none
+    is promised, or one deferred past :data:`WAKE_DEFER_MAX`; a grant that finds no free
+    process is given back before the request lines up again; an answer to an attempt older
+    than the last one sent decides only if it is a grant; a waiting request leaves exactly
+    once, and every way out emits the same cleanup; a slot is released exactly once, when its
+    task ended (and the child of a killed task exited), was dropped unrun, or its orphan's
+    child moved on; a held lease is renewed every third of its TTL until then.
 
     Trying ahead: while every process is busy or promised, up to
     :meth:`Surroundings.lookahead` lined requests (counting the granted ones already waiting
     in the pool's queue) make one try with ``wait=False``, each one that would wait for a
-    full semaphore (``semaphore_on_full="wait"``: a skip or fail policy makes its one try
-    once a process is free, as documented), each of a semaphore this worker
-    neither queues for nor was told to wait for: the backend grants it only a free slot
-    nobody queues for, and the request goes to the pool's queue with it, to start the moment
-    a process frees (no acquire round trip between one task's end and the next one's start).
-    Refused, it lines up again and waits for a process like any other. Such a slot is held
-    by a request that does not run yet, for at most the time a process takes to free.
+    full semaphore, each of a semaphore this worker neither queues for nor was told to wait
+    for: the backend grants it only a free slot nobody queues for, and the request goes to the
+    pool's queue with it, to start the moment a process frees. Refused, it lines up again.
     """
 
-    def __init__(self, surroundings: Surroundings, *,
+    def __init__(self, surroundings: Surroundings, *, lease_ttl: float = 60.0,
                  clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time) -> None:
+        """``lease_ttl``: the worker's ``semaphore_lease_ttl`` (an unguarded orphan's child
+        is given that long to move on)."""
         self.surroundings = surroundings
+        self.lease_ttl = lease_ttl
         self.clock = clock
         self.wall_clock = wall_clock
-        self.waiters: Dict[str, Waiter] = {}  # holder -> waiter
-        self.line: Deque[Waiter] = deque()  # LINED, by priority then arrival
+        #: waiting claims by holder id
+        self.waiters: Dict[str, Claim] = {}
+        #: claims in the pool (POOL, ENDING, ORPHANED), by id of their request
+        self.in_pool: Dict[int, Claim] = {}
+        #: of those, the ones that occupy a pool process (POOL, ORPHANED)
+        self.busy = 0
+        #: guarded claims in the pool that hold a slot, by holder id
+        self.held: Dict[str, Claim] = {}
+        self.line: Deque[Claim] = deque()  # LINED, by priority then arrival
         self.counts = _Counts()
-        #: QUEUED waiters with an attempt in flight (:attr:`.Waiter.in_flight`): each may take
-        #: a pool process (a grant) when its answer comes.
+        #: QUEUED claims with an attempt in flight: each may take a pool process.
         self.trying = 0
-        #: Tries ahead in flight (:attr:`.WaitState.AHEAD`).
+        #: Tries ahead in flight (:attr:`.State.AHEAD`).
         self.trying_ahead = 0
-        #: QUEUED waiters woken while no process was free for their attempt, in wake order.
-        self.woken: Deque[Waiter] = deque()
+        #: QUEUED claims woken while no process was free for their attempt, in wake order.
+        self.woken: Deque[Claim] = deque()
+        #: ENDING claims by the pid of the child they wait for
+        self.ending: Dict[int, List[Claim]] = {}
+        self.running = True  # False once the worker shuts down: releases go at once
         self._out: List[Command] = []
 
     # -- reading -----------------------------------------------------------------------------
 
     def __len__(self) -> int:
+        """Waiting requests."""
         return len(self.waiters)
 
     def count(self, name: str) -> int:
-        """This worker's waiters of semaphore ``name``."""
+        """This worker's waiting requests of semaphore ``name``."""
         return self.counts.waiting.get(name, 0)
 
     def blocked(self, name: str) -> int:
-        """Waiters of semaphore ``name`` the backend told to wait."""
+        """Waiting requests of semaphore ``name`` the backend told to wait."""
         return self.counts.blocked.get(name, 0)
 
     def free_processes(self) -> int:
-        return self.surroundings.free_processes(len(self.waiters))
+        """Pool processes no request occupies (a request handed to the pool occupies one
+        until it ends, whether it runs or waits in the pool's queue for the next free one)."""
+        return self.surroundings.pool_size() - self.busy
+
+    def room(self, name: str, waiting_of_name: Optional[int] = None,
+             waiting: Optional[int] = None) -> int:
+        """How many more requests of ``name`` this worker should hold waiting, counting those
+        it is pulling: what it can start soon (:data:`SHARE_PER_PROCESS` per pool process),
+        within ``semaphore_worker_max_waiting`` in all. The rest wait in the parking queue,
+        where any worker with room takes them, and a hot semaphore does not crowd out the
+        others."""
+        if waiting_of_name is None:
+            waiting_of_name = self.count(name)
+        if waiting is None:
+            waiting = len(self.waiters)
+        pulling_name, pulling_all = self.surroundings.pulling(name)
+        share = (SHARE_PER_PROCESS * self.surroundings.pool_size() - waiting_of_name
+                 - pulling_name)
+        total = self.surroundings.max_waiting() - waiting - pulling_all
+        return min(share, total)
+
+    def tick_every(self, poll_interval: float) -> float:
+        """Seconds between two :class:`Tick` events: the poll interval, at most a sixth of the
+        shortest lease held (renewed every third of its TTL)."""
+        every = poll_interval
+        for claim in self.held.values():
+            every = min(every, claim.ttl / 6)
+        return max(every, 0.01)
 
     # -- events in, commands out -------------------------------------------------------------
 
     def handle(self, event: Event) -> List[Command]:
         """Apply ``event``; return the commands it leads to, in the order to carry them out."""
-        handler = self._handlers[type(event)]
-        handler(self, event)
+        self._handlers[type(event)](self, event)
         out, self._out = self._out, []
         return out
 
     def _arrived(self, event: Arrived) -> None:
-        guard, name = event.guard, event.guard.name
+        guard = event.guard
+        claim = Claim(event.request, guard, event.holder, pulled=event.pulled,
+                      entered=self.clock(), entered_wall=self.wall_clock())
+        if guard is None:  # unguarded: straight to the pool
+            self._to_pool(claim)
+            self._out.append(Start(claim))
+            return
+        name = guard.name
         # This worker's waiters of the semaphore were told to wait: it is full. One more waits
         # for it too (raising the prefetch), or, beyond this worker's share, goes to the
         # waiting room without asking the backend again.
         full = self.blocked(name) > 0
-        room = self.surroundings.room(name, self.count(name), len(self.waiters))
-        waiter = Waiter(event.request, guard, event.holder, pulled=event.pulled,
-                        entered=self.clock(), entered_wall=self.wall_clock())
-        self.waiters[waiter.holder] = waiter
+        room = self.room(name, self.count(name), len(self.waiters))
+        self.waiters[claim.holder] = claim
         _Counts.add(self.counts.waiting, name, 1)
-        if full and waiter.waits:
-            if room <= 0 and not event.pulled and waiter.parks:
-                return self._exit(waiter, How.PARK, why="this worker holds its share already")
-            self._announce_lined(waiter)
-        self._line_up(waiter)
+        if full and claim.waits:
+            if room <= 0 and not event.pulled and claim.parks:
+                return self._exit(claim, How.PARK, why="this worker holds its share already")
+            self._announce_lined(claim)
+        self._line_up(claim)
         self._pump()
 
     def _answered(self, event: Answered) -> None:
-        waiter, answer = event.waiter, event.answer
-        if (waiter.in_flight and waiter.holder == answer.holder
-                and answer.sent == waiter.attempts_sent):
-            self._land(waiter)
-        self._answer(waiter, answer)
+        claim, answer = event.claim, event.answer
+        claim.sent_at.pop(answer.sent, None)
+        if (claim.in_flight and claim.holder == answer.holder
+                and answer.sent == claim.attempts_sent):
+            self._land(claim)
+        self._answer(claim, answer)
         self._pump()  # a process it was counted on may be free for the line now
 
-    def _answer(self, waiter: Waiter, answer: Answer) -> None:
-        current = waiter.holder == answer.holder
-        if waiter.state is WaitState.AHEAD and current:
-            return self._answered_ahead(waiter, answer)
-        if waiter.state is not WaitState.QUEUED or not current:
-            return self._late_answer(waiter, answer, current)
-        if answer.sent != waiter.attempts_sent and (answer.attempt is None
-                                                    or answer.attempt.grant is None):
+    def _answer(self, claim: Claim, answer: Answer) -> None:
+        current = claim.holder == answer.holder
+        if claim.state is State.AHEAD and current:
+            return self._answered_ahead(claim, answer)
+        if claim.state is not State.QUEUED or not current:
+            return self._late_answer(claim, answer, current)
+        if answer.sent != claim.attempts_sent and (answer.attempt is None
+                                                   or answer.attempt.grant is None):
             # A newer attempt is on its way (a wake-up sent it after this one was made): its
             # answer decides. Rescheduling from this one would cancel it, and the waiter
             # would sleep a poll interval through the slot it was woken for.
             return
         if isinstance(answer.error, ConfigurationError):
             # The backend refused the request itself (a cost above the stored limit, an
-            # option this backend cannot apply): it fails alone; trying again cannot help.
-            return self._exit(waiter, How.FAIL, error=answer.error)
+            # acquire_all the backend cannot do): it fails alone.
+            return self._exit(claim, How.FAIL, error=answer.error)
         if answer.error is not None:
-            if not waiter.backend_down:
-                logger.warning("celery-semaphore: %s waits: backend unavailable: %s",
-                               getattr(waiter.request, "id", waiter.holder), answer.error)
-            waiter.backend_down = True
-            return self._send(waiter, delay=min(waiter.guard.settings.poll_interval, 1.0))
-        waiter.backend_down = False
+            # The backend did not answer: the request keeps waiting (it never runs
+            # unguarded) and tries again after the poll interval.
+            return self._send(claim, delay=claim.guard.settings.poll_interval)
         attempt = answer.attempt
         assert attempt is not None
         if attempt.grant is not None:
-            return self._granted(waiter, answer)
-        blocking = getattr(attempt, "blocking", None) or waiter.guard.name
-        if not waiter.waits:  # semaphore_on_full skip or fail: it never queued
-            return self._exit(waiter, How.FULL, limit=attempt.limit, blocking=blocking)
-        waiter.attempts += 1
-        if waiter.attempts == 1 and self._told_to_wait(waiter):
+            return self._granted(claim, answer.holder, _grants_of(claim, attempt),
+                                 _limits_of(claim, attempt), answer.requested_at)
+        claim.waited_sent = answer.requested_at  # a pushed grant comes after this reached it
+        blocking = getattr(attempt, "blocking", None) or claim.guard.name
+        if not claim.waits:  # semaphore_on_full skip or fail: it never queued
+            return self._exit(claim, How.FULL, limit=attempt.limit, blocking=blocking)
+        claim.attempts += 1
+        if claim.attempts == 1 and self._told_to_wait(claim):
             return
         waits_for = getattr(attempt, "waits_for", None)
-        if (attempt.position != waiter.position or blocking != waiter.blocking
-                or waits_for != waiter.waits_for):
-            waiter.position, waiter.blocking, waiter.waits_for = (attempt.position, blocking,
-                                                                  waits_for)
-            self._out.append(ReportWaiting(waiter, attempt.position, attempt.limit))
+        if (attempt.position != claim.position or blocking != claim.blocking
+                or waits_for != claim.waits_for):
+            claim.position, claim.blocking, claim.waits_for = (attempt.position, blocking,
+                                                               waits_for)
+            self._out.append(ReportWaiting(claim, attempt.position, attempt.limit))
         pause = answer.pause
         if getattr(attempt, "rate_due", None) is not None:
             # Due counts from when the backend decided, which was after the attempt was sent:
             # count from the send, so the next try reaches it as its start falls due rather
             # than a round trip later (each late start delays every later one).
             pause = max(0.0, pause - (self.clock() - answer.requested_at))
-        self._send(waiter, delay=pause)
+        self._send(claim, delay=pause)
 
-    def _answered_ahead(self, waiter: Waiter, answer: Answer) -> None:
-        """The answer to ``waiter``'s try ahead: a grant sends it to the pool's queue; a
+    def _answered_ahead(self, claim: Claim, answer: Answer) -> None:
+        """The answer to ``claim``'s try ahead: a grant sends it to the pool's queue; a
         refusal or an error lines it up again."""
         attempt = answer.attempt
         if attempt is not None and attempt.grant is not None:
-            return self._exit(waiter, How.START, answer=answer)
+            return self._start(claim, answer.holder, _grants_of(claim, attempt),
+                               _limits_of(claim, attempt), answer.requested_at)
         if isinstance(answer.error, ConfigurationError):
-            return self._exit(waiter, How.FAIL, error=answer.error)
-        waiter.tried_ahead = True
-        self._move(waiter, WaitState.LINED)
+            return self._exit(claim, How.FAIL, error=answer.error)
+        claim.tried_ahead = True
+        self._move(claim, State.LINED)
         # back where it was: behind those that tried ahead before it, ahead of the rest
-        priority = waiter.guard.priority
-        index = next((i for i, w in enumerate(self.line) if w.guard.priority < priority
-                      or (w.guard.priority == priority and not w.tried_ahead)),
+        priority = claim.guard.priority
+        index = next((i for i, c in enumerate(self.line) if c.guard.priority < priority
+                      or (c.guard.priority == priority and not c.tried_ahead)),
                      len(self.line))
-        self.line.insert(index, waiter)
+        self.line.insert(index, claim)
 
     def _woken(self, event: Woken) -> None:
-        waiter = event.waiter
-        if waiter.state is not WaitState.QUEUED or waiter.holder != event.holder:
+        claim = event.claim
+        if claim.state is not State.QUEUED or claim.holder != event.holder:
             return
         free = self.free_processes()
-        if (waiter.in_flight or waiter.guard.priority > 0 or free - self.trying > 0
+        if (claim.in_flight or claim.guard.priority > 0 or free - self.trying > 0
                 or (free <= 0 and self.trying == 0)):
             # (no process free and none promised: a grant is given back at once, and the
             # slot goes on to whoever waits behind it in another worker)
-            self._send(waiter)
-        elif not waiter.wake_pending:
+            self._send(claim)
+        elif not claim.wake_pending:
             # the free processes are promised to attempts in flight: try once they land,
             # rather than be granted a slot only to give it back; at the latest after
             # WAKE_DEFER_MAX (a token-queue backend's wake-up hands this waiter the token)
-            waiter.wake_pending = True
-            self.woken.append(waiter)
-            self._send(waiter, delay=WAKE_DEFER_MAX)
+            claim.wake_pending = True
+            self.woken.append(claim)
+            self._send(claim, delay=WAKE_DEFER_MAX)
+
+    def _pushed(self, event: Pushed) -> None:
+        """The backend granted ``claim`` a slot while it waited. Its lease runs a TTL from
+        when the grant was made, which was after its last attempt answered "wait" reached
+        the backend (or its first one): counted from that attempt's send, the deadline is
+        never later than the backend's expiry."""
+        claim, pushed = event.claim, event.pushed
+        if claim.state is not State.QUEUED or claim.holder != pushed.holder:
+            # (it holds this very grant already, from an attempt's answer; or it left the
+            # queue meanwhile, and its cancel releases this grant)
+            return
+        sent = [claim.waited_sent] if claim.waited_sent is not None else []
+        sent += claim.sent_at.values()
+        since = min(sent) if sent else (claim.first_sent or self.clock())
+        grants = {pushed.name: pushed.grant}
+        self._granted(claim, pushed.holder, grants, {pushed.name: pushed.limit}, since)
+        self._pump()
 
     def _grant_returned(self, event: GrantReturned) -> None:
-        waiter = event.waiter
-        if waiter.state is not WaitState.GRANTED:
+        claim = event.claim
+        if claim.state is not State.RETURNING:
             return
         if not event.released:  # the release is being retried: wait under another holder id
-            del self.waiters[waiter.holder]
-            waiter.holder = event.new_holder
-            self.waiters[waiter.holder] = waiter
-            waiter.first_sent = None
-        self._move(waiter, WaitState.LINED)
-        waiter.position = waiter.blocking = None
-        self.line.appendleft(waiter)
+            del self.waiters[claim.holder]
+            claim.holder = event.new_holder
+            self.waiters[claim.holder] = claim
+            claim.first_sent = None
+            claim.waited_sent = None
+            claim.sent_at.clear()
+        self._move(claim, State.LINED)
+        claim.position = claim.blocking = None
+        self.line.appendleft(claim)
         self._pump()
 
     def _revoked(self, event: Revoked) -> None:
-        self._exit(event.waiter, How.REVOKED)
+        if event.claim.waiting:
+            self._exit(event.claim, How.REVOKED)
 
-    def _leave(self, event: Leave) -> None:
-        self._exit(event.waiter, event.how, why=event.why)
-        if event.how in (How.PARK, How.REQUEUE):
-            self._pump()
+    def _stop(self, event: Stop) -> None:
+        for claim in list(self.waiters.values()):
+            self._exit(claim, How.GIVE_BACK)
+
+    def _let_go(self, event: LetGo) -> None:
+        for claim in event.claims:
+            if claim.waiting:
+                self._exit(claim, How.LET_GO)
+        self._pump()
+
+    def _ended(self, event: Ended) -> None:
+        claim = event.claim
+        if claim.state is not State.POOL:
+            return
+        self._from_pool(claim)
+        if event.killed is not None and claim.grants is not None and self.running:
+            # Celery reports these before the pool child has died; the body may still run
+            # (a finally block, a handler): keep the slot until it exits.
+            claim.move(State.ENDING)
+            claim.child, claim.ended = event.killed, self.clock()
+            self.in_pool[id(claim.request)] = claim
+            self.ending.setdefault(event.killed, []).append(claim)
+            self._out.append(WatchChild(event.killed))
+        else:
+            self._done(claim)
+        self._pump()
+
+    def _child_exited(self, event: ChildExited) -> None:
+        for claim in self.ending.pop(event.pid, []):
+            if claim.state is State.ENDING:
+                self._done(claim)
+
+    def _renewed(self, event: Renewed) -> None:
+        claim = event.claim
+        claim.renewing = None
+        if claim.state not in IN_POOL or claim.grants is None or claim.lost:
+            return
+        if event.error is not None:  # not known: tried again at the next tick
+            return
+        if event.held:
+            claim.deadline = max(claim.deadline, event.sent + claim.ttl)
+        else:
+            self._lose(claim)
+
+    def _pool_flushed(self, event: PoolFlushed) -> None:
+        for claim, child in event.dropped:
+            if claim.state is not State.POOL:
+                continue
+            if child is None:  # no child got it: it never runs, and its message goes back
+                self._out.append(Dropped(claim))
+                self._from_pool(claim)
+                self._done(claim)
+                continue
+            claim.move(State.ORPHANED)  # (its child is busy with it: it occupies a process)
+            claim.child = child
+        self._pump()
 
     def _capacity_changed(self, event: CapacityChanged) -> None:
         self._pump()
 
     def _tick(self, event: Tick) -> None:
         now, wall = self.clock(), self.wall_clock()
-        for waiter in list(self.waiters.values()):
-            settings = waiter.guard.settings
-            if settings.max_wait is not None and wall - waiter.first_wait > settings.max_wait:
-                self._exit(waiter, How.FAIL, error=SemaphoreTimeout(
-                    f"no slot of semaphore {waiter.blocking or waiter.guard.name!r} in "
+        for claim in list(self.waiters.values()):
+            settings = claim.guard.settings
+            if settings.max_wait is not None and wall - claim.first_wait > settings.max_wait:
+                self._exit(claim, How.FAIL, error=SemaphoreTimeout(
+                    f"no slot of semaphore {claim.blocking or claim.guard.name!r} in "
                     f"{settings.max_wait}s (semaphore_max_wait)"))
-            elif now - waiter.entered > settings.worker_max_hold and waiter.waits:
+            elif now - claim.entered > settings.worker_max_hold and claim.waits:
                 # a priority above the default goes back to its queue, never behind a backlog
-                self._exit(waiter, How.PARK if waiter.parks else How.REQUEUE,
+                self._exit(claim, How.PARK if claim.parks else How.REQUEUE,
                            why="semaphore_worker_max_hold passed")
+        for claim in list(self.in_pool.values()):
+            if claim.state is State.POOL and not self.surroundings.held_by_celery(
+                    claim.request):  # Celery forgot it (it never ran): nothing else says so
+                self._from_pool(claim)
+                self._done(claim)
+            elif claim.state is State.ORPHANED:
+                self._orphan(claim, now)
+            elif claim.state is State.ENDING and (
+                    now - (claim.ended or now) > CHILD_EXIT_WAIT
+                    or not self.surroundings.child(claim.child or 0).alive):
+                self._done(claim)  # its child exited (or never will: the lease frees it)
+        self._renew_due(now)
         self._pump()
 
-    _handlers: Dict[type, Callable[["AdmissionCore", Any], None]] = {
-        Arrived: _arrived, Answered: _answered, Woken: _woken, GrantReturned: _grant_returned,
-        Revoked: _revoked, Leave: _leave, CapacityChanged: _capacity_changed, Tick: _tick,
+    _handlers: Dict[type, Callable[["WorkerCore", Any], None]] = {
+        Arrived: _arrived, Answered: _answered, Woken: _woken, Pushed: _pushed,
+        GrantReturned: _grant_returned, Revoked: _revoked, Stop: _stop, LetGo: _let_go,
+        Ended: _ended, ChildExited: _child_exited, Renewed: _renewed,
+        PoolFlushed: _pool_flushed, CapacityChanged: _capacity_changed, Tick: _tick,
     }
 
-    # -- steps -------------------------------------------------------------------------------
+    def shutdown(self) -> List[Command]:
+        """The worker exits: every slot still held is released now (the pool has stopped:
+        no callback comes any more)."""
+        self.running = False
+        for claim in list(self.in_pool.values()):
+            if claim.state in IN_POOL:
+                if claim.state is not State.ENDING:
+                    self._from_pool(claim)
+                self._done(claim)
+        out, self._out = self._out, []
+        return out
 
-    def _line_up(self, waiter: Waiter) -> None:
-        """``waiter`` joins the line: after those of its priority or higher
+    # -- waiting: the line, the backend's queue ---------------------------------------------
+
+    def _line_up(self, claim: Claim) -> None:
+        """``claim`` joins the line: after those of its priority or higher
         (``semaphore_priority``), ahead of lower ones, so that it enters the backend's queue
         (ordered by priority there too) first."""
-        priority = waiter.guard.priority
+        priority = claim.guard.priority
         if not self.line or self.line[-1].guard.priority >= priority:
-            self.line.append(waiter)
+            self.line.append(claim)
         else:
-            index = next(i for i, w in enumerate(self.line) if w.guard.priority < priority)
-            self.line.insert(index, waiter)
+            index = next(i for i, c in enumerate(self.line) if c.guard.priority < priority)
+            self.line.insert(index, claim)
 
     def _pump(self) -> None:
         """Move waiters from the line into the backend's queue while processes are free: no
@@ -537,19 +809,18 @@ class AdmissionCore:
             return self._try_ahead(free)
         budget = free - self.trying - self.trying_ahead
         while self.woken and budget > 0:
-            waiter = self.woken.popleft()
-            if waiter.wake_pending and waiter.state is WaitState.QUEUED:
-                waiter.wake_pending = False
-                budget -= 0 if waiter.in_flight else 1
-                self._send(waiter)
-        for waiter in list(self.line):
-            urgent = waiter.guard.priority > 0
-            if urgent or (budget > 0 and self.counts.queued.get(waiter.guard.name, 0) < free):
-                self.line.remove(waiter)
-                self._move(waiter, WaitState.QUEUED)
+            claim = self.woken.popleft()
+            if claim.wake_pending and claim.state is State.QUEUED:
+                claim.wake_pending = False
+                budget -= 0 if claim.in_flight else 1
+                self._send(claim)
+        for claim in list(self.line):
+            urgent = claim.guard.priority > 0
+            if urgent or (budget > 0 and self.counts.queued.get(claim.guard.name, 0) < free):
+                self.line.remove(claim)
+                self._move(claim, State.QUEUED)
                 budget -= 1
-                self._out.append(Watch(waiter))
-                self._send(waiter)
+                self._send(claim)
         self._try_ahead(free)
 
     def _try_ahead(self, free: int) -> None:
@@ -559,138 +830,245 @@ class AdmissionCore:
         if room <= 0 or not self.line:
             return
         counts = self.counts
-        for waiter in list(self.line):
-            name = waiter.guard.name
-            if (waiter.tried_ahead or not waiter.waits or waiter.guard.priority > 0
+        for claim in list(self.line):
+            name = claim.guard.name
+            if (claim.tried_ahead or not claim.waits or claim.guard.priority > 0
                     or name in counts.blocked or name in counts.queued or name in counts.ahead):
                 continue
-            self.line.remove(waiter)
-            self._move(waiter, WaitState.AHEAD)
-            self._send(waiter, ahead=True)
+            self.line.remove(claim)
+            self._move(claim, State.AHEAD)
+            self._send(claim, ahead=True)
             room -= 1
             if room <= 0:
                 return
 
-    def _send(self, waiter: Waiter, delay: float = 0.0, ahead: bool = False) -> None:
+    def _send(self, claim: Claim, delay: float = 0.0, ahead: bool = False) -> None:
         now = self.clock()
-        if waiter.first_sent is None:
-            waiter.first_sent = now
-        waiter.last_sent = now + delay
-        waiter.attempts_sent += 1
-        if delay == 0 and not waiter.in_flight and not ahead:
-            waiter.in_flight = True
+        if claim.first_sent is None:
+            claim.first_sent = now
+        claim.last_sent = now + delay
+        claim.attempts_sent += 1
+        claim.sent_at[claim.attempts_sent] = now + delay
+        if delay == 0 and not claim.in_flight and not ahead:
+            claim.in_flight = True
             self.trying += 1
-        self._out.append(SendAttempt(waiter, waiter.holder, waiter.attempts_sent, delay,
-                                     ahead))
+        self._out.append(SendAttempt(claim, claim.holder, claim.attempts_sent, delay, ahead))
 
-    def _told_to_wait(self, waiter: Waiter) -> bool:
-        """The backend told ``waiter`` to wait for the first time: its semaphore is full. It
+    def _told_to_wait(self, claim: Claim) -> bool:
+        """The backend told ``claim`` to wait for the first time: its semaphore is full. It
         stops counting against the consumer's prefetch (the consumer fetches other work
         meanwhile); beyond this worker's share of that semaphore's waiters it goes to the
         waiting room instead (True: it left)."""
-        name = waiter.guard.name
+        name = claim.guard.name
         _Counts.add(self.counts.blocked, name, 1)  # _exit undoes it
-        if not waiter.pulled and waiter.parks and self.surroundings.room(
+        if not claim.pulled and claim.parks and self.room(
                 name, self.count(name), len(self.waiters)) < 0:
-            self._exit(waiter, How.PARK, why="this worker holds its share of waiters already")
+            self._exit(claim, How.PARK, why="this worker holds its share of waiters already")
             return True
-        self._raise_prefetch(waiter)
+        self._raise_prefetch(claim)
         # those of its semaphore still in the line (they arrived while its first attempt was
         # on its way) wait for the same slot: say so now
-        for lined in [w for w in self.line if w.guard.name == name and not w.announced]:
+        for lined in [c for c in self.line if c.guard.name == name and not c.announced]:
             self._announce_lined(lined)
         return False
 
-    def _announce_lined(self, waiter: Waiter) -> None:
-        """``waiter`` is in the line while its semaphore is full: it waits for the slot its
+    def _announce_lined(self, claim: Claim) -> None:
+        """``claim`` is in the line while its semaphore is full: it waits for the slot its
         peers wait for, not for a pool process. Raise the prefetch for it and report it
         waiting (no position: it has not asked the backend yet), once."""
-        waiter.announced = True
-        if waiter.waits:
-            self._raise_prefetch(waiter)
-            self._out.append(ReportWaiting(waiter, None, waiter.guard.limit))
+        claim.announced = True
+        if claim.waits:
+            self._raise_prefetch(claim)
+            self._out.append(ReportWaiting(claim, None, claim.guard.limit))
 
-    def _raise_prefetch(self, waiter: Waiter) -> None:
-        """``waiter`` waits for its semaphore (not for a pool process): raise the consumer's
+    def _raise_prefetch(self, claim: Claim) -> None:
+        """``claim`` waits for its semaphore (not for a pool process): raise the consumer's
         prefetch while it does (never for a pulled one, which is not on the consumer's
         channel), so that the consumer fetches other work meanwhile."""
-        if not waiter.pulled and not waiter.raised_prefetch:
-            waiter.raised_prefetch = True
+        if not claim.pulled and not claim.raised_prefetch:
+            claim.raised_prefetch = True
             self._out.append(RaisePrefetch())
 
-    def _late_answer(self, waiter: Waiter, answer: Answer, current: bool) -> None:
-        """An answer to an attempt sent before the waiter left the backend's queue. Repeating
-        an acquire returns the holder's own grant: while the waiter gives that grant back
-        (GRANTED) or its task holds it, the answer is that very slot and changes nothing
-        (the shell knows which holders run). Otherwise a grant, or an error that may hide
-        one, must not keep a slot."""
-        if current and waiter.state is WaitState.GRANTED:
+    def _late_answer(self, claim: Claim, answer: Answer, current: bool) -> None:
+        """An answer to an attempt sent before the claim left the backend's queue. Repeating
+        an acquire returns the holder's own grant: while the claim gives that grant back
+        (RETURNING) or its task holds it, the answer is that very slot and changes nothing.
+        Otherwise a grant, or an error that may hide one, must not keep a slot."""
+        if current and claim.state is State.RETURNING:
             return
+        if answer.holder in self.held:
+            return  # that holder runs with this very grant
+        names = claim.guard.names
         if answer.attempt is not None and answer.attempt.grant is not None:
-            self._out.append(ReleaseLate(waiter, answer))
+            ttl = min(g.ttl for g in _grants_of(claim, answer.attempt).values())
+            self._out.append(Release(names, answer.holder, answer.requested_at + ttl))
         elif answer.error is not None:
-            self._out.append(Cancel(waiter.guard.names, answer.holder,
-                                    answer.requested_at + waiter.guard.settings.lease_ttl))
+            self._out.append(Cancel(names, answer.holder,
+                                    answer.requested_at + claim.guard.settings.lease_ttl))
 
-    def _granted(self, waiter: Waiter, answer: Answer) -> None:
-        self._move(waiter, WaitState.GRANTED)
-        self._out.append(Unwatch(waiter, waiter.holder))
+    def _granted(self, claim: Claim, holder: str, grants: Dict[str, Grant],
+                 limits: Dict[str, Optional[int]], since: float) -> None:
         if self.free_processes() <= 0:
             # The pool filled up meanwhile: never sit on a slot waiting for a process. The
-            # waiter stays GRANTED until the release is done: an answer to an attempt made
+            # claim stays RETURNING until the release is done: an answer to an attempt made
             # before it would carry this very grant, about to be freed.
-            self._out.append(GiveBackGrant(waiter, answer))
+            self._move(claim, State.RETURNING)
+            ttl = min(g.ttl for g in grants.values())
+            self._out.append(GiveBackGrant(claim, holder, tuple(grants), since + ttl))
             return
-        self._exit(waiter, How.START, answer=answer)
+        self._start(claim, holder, grants, limits, since)
 
-    def _move(self, waiter: Waiter, to: WaitState) -> None:
-        name = waiter.guard.name
-        if waiter.state is WaitState.QUEUED:
+    def _move(self, claim: Claim, to: State) -> None:
+        name = claim.guard.name if claim.guarded else ""
+        if claim.state is State.QUEUED:
             _Counts.add(self.counts.queued, name, -1)
-            self._land(waiter)
-            waiter.wake_pending = False  # left in self.woken, skipped there
-        if waiter.state is WaitState.QUEUED and to is not WaitState.QUEUED:
-            self._out.append(StopAttempts(waiter))
-        if waiter.state is WaitState.AHEAD:
+            self._land(claim)
+            claim.wake_pending = False  # left in self.woken, skipped there
+            if to is not State.QUEUED:
+                self._out.append(StopAttempts(claim))
+        elif claim.state is State.AHEAD:
             _Counts.add(self.counts.ahead, name, -1)
             self.trying_ahead -= 1
-            if to is WaitState.DONE:
-                self._out.append(StopAttempts(waiter))
-        waiter.move(to)
-        if to is WaitState.QUEUED:
+            if to is not State.LINED:
+                self._out.append(StopAttempts(claim))
+        claim.move(to)
+        if to is State.QUEUED:
             _Counts.add(self.counts.queued, name, 1)
-        elif to is WaitState.AHEAD:
+        elif to is State.AHEAD:
             _Counts.add(self.counts.ahead, name, 1)
             self.trying_ahead += 1
 
-    def _land(self, waiter: Waiter) -> None:
-        """``waiter``'s attempt in flight is answered (or it left the queue)."""
-        if waiter.in_flight:
-            waiter.in_flight = False
+    def _land(self, claim: Claim) -> None:
+        """``claim``'s attempt in flight is answered (or it left the queue)."""
+        if claim.in_flight:
+            claim.in_flight = False
             self.trying -= 1
 
-    def _exit(self, waiter: Waiter, how: How, **details: Any) -> None:
-        """The one way out of the core (module docstring)."""
-        if waiter.state is WaitState.DONE:
-            return
-        if waiter.state is WaitState.LINED and waiter in self.line:
-            self.line.remove(waiter)
-        watching = waiter.state is WaitState.QUEUED  # a grant stopped the watch already
-        self._move(waiter, WaitState.DONE)
-        del self.waiters[waiter.holder]
-        name = waiter.guard.name
+    def _leave_waiting(self, claim: Claim, was: State) -> None:
+        """``claim`` stopped waiting (it was ``was``; to the pool, or out): the line's and the
+        counts' cleanup."""
+        if was is State.LINED and claim in self.line:  # (not yet lined: parked on arrival)
+            self.line.remove(claim)
+        del self.waiters[claim.holder]
+        name = claim.guard.name
         _Counts.add(self.counts.waiting, name, -1)
-        if waiter.attempts:
+        if claim.attempts:
             _Counts.add(self.counts.blocked, name, -1)
-        if watching:
-            self._out.append(Unwatch(waiter, waiter.holder))
-        if waiter.raised_prefetch:
+        if claim.raised_prefetch:
             self._out.append(LowerPrefetch())
-        # START leaves with its grant; FULL made one try that did not queue
-        if waiter.first_sent is not None and how not in (How.START, How.FULL):
+
+    def _exit(self, claim: Claim, how: How, **details: Any) -> None:
+        """The one way out of the core for a waiting claim that does not run."""
+        if not claim.waiting:
+            return
+        was = claim.state
+        self._move(claim, State.DONE)
+        self._leave_waiting(claim, was)
+        if claim.first_sent is not None and how is not How.FULL:  # FULL made one try only
             # leave the backend's queue, and release the grant an attempt still on its way
             # may get (its answer may never be read: the loop stops at shutdown)
-            self._out.append(Cancel(waiter.guard.names, waiter.holder,
-                                    waiter.last_sent + waiter.guard.settings.lease_ttl))
-        self._out.append(Refill(name))
-        self._out.append(Exit(waiter, how, **details))
+            self._out.append(Cancel(claim.guard.names, claim.holder,
+                                    claim.last_sent + claim.guard.settings.lease_ttl))
+        self._out.append(Refill(claim.guard.name))
+        self._out.append(Exit(claim, how, **details))
+
+    # -- holding: the pool, leases, releases ------------------------------------------------
+
+    def _start(self, claim: Claim, holder: str, grants: Dict[str, Grant],
+               limits: Dict[str, Optional[int]], since: float) -> None:
+        """``claim`` got its slot(s) (QUEUED, or AHEAD) and goes to the pool; its lease is
+        valid a TTL from ``since`` (monotonic: before the grant was made)."""
+        was = claim.state
+        self._to_pool(claim)
+        self._leave_waiting(claim, was)
+        claim.holder = holder
+        claim.grants, claim.limits = grants, limits
+        claim.ttl = min(g.ttl for g in grants.values())
+        claim.deadline = since + claim.ttl
+        self.held[holder] = claim
+        self._out.append(Refill(claim.guard.name))
+        self._out.append(Start(claim))
+
+    def _to_pool(self, claim: Claim) -> None:
+        self._move(claim, State.POOL)
+        self.in_pool[id(claim.request)] = claim
+        self.busy += 1
+
+    def _from_pool(self, claim: Claim) -> None:
+        """``claim`` no longer occupies a pool process (it ended, or was dropped)."""
+        if claim.state in (State.POOL, State.ORPHANED):
+            self.busy -= 1
+        self.in_pool.pop(id(claim.request), None)
+
+    def _done(self, claim: Claim) -> None:
+        """``claim`` leaves the core for good: its slot is released."""
+        self.in_pool.pop(id(claim.request), None)
+        claim.move(State.DONE)
+        if claim.grants is not None and self.held.pop(claim.holder, None) is not None:
+            self._out.append(Release(tuple(claim.grants), claim.holder, claim.deadline))
+
+    def _orphan(self, claim: Claim, now: float) -> None:
+        """Settle an orphan once its child has moved on or exited. A child that is up runs the
+        job it was written first, and one that takes no other job and does not exit shows
+        nothing: a write to a child can also be lost with the pipe of one that exited before
+        reading it, and the slot would be held until the worker stops. So a child up for a
+        whole lease TTL counts as moved on too: if it runs the job after all, that run has
+        lost its lease (fencing tokens reject its writes), as a partitioned holder's would.
+        Its message is acknowledged once the child moved on (it ran the job) and put back if
+        the child exited (it may have died before running it: at-least-once)."""
+        facts = self.surroundings.orphan_child(claim)
+        if facts is None:  # its pipe waits for the pool to reap a child, or for its replacement
+            return
+        if facts.pid != claim.child:  # an exited child's pipe went to its replacement
+            logger.info("celery-semaphore: %s's job is in pool child %s, not %s",
+                        claim.request.id, facts.pid, claim.child)
+            claim.child, claim.child_up = facts.pid, None
+        if facts.alive and not facts.busy:  # it runs the orphan still, or sits idle
+            if not facts.up:
+                return
+            if claim.child_up is None:
+                claim.child_up = now
+                return
+            ttl = claim.ttl if claim.grants is not None else self.lease_ttl
+            if now - claim.child_up <= ttl:
+                return
+            logger.warning("celery-semaphore: pool child %s has not moved on in a lease TTL "
+                           "after a broker reconnect; settling %s", claim.child,
+                           claim.request.id)
+        # (busy: it runs a request Celery knows of, after the orphan: it moved on)
+        self._out.append(Settle(claim, requeue=not facts.alive))
+        self._from_pool(claim)
+        self._done(claim)
+
+    def _renew_due(self, now: float) -> None:
+        """Renew every lease a third of whose TTL has passed since it was last known valid;
+        a lease past its deadline unrenewed is lost."""
+        for claim in list(self.held.values()):
+            if claim.lost or claim.state not in IN_POOL:
+                continue
+            if now >= claim.deadline:
+                self._lose(claim)
+            elif claim.renewing is None and now >= claim.deadline - claim.ttl * 2 / 3:
+                claim.renewing = now
+                self._out.append(Renew(claim, claim.holder, tuple(claim.grants or ()),
+                                       claim.ttl))
+
+    def _lose(self, claim: Claim) -> None:
+        if not claim.lost:
+            claim.lost = True
+            self._out.append(LeaseLost(claim))
+
+
+
+def _grants_of(claim: Claim, attempt: Union[Attempt, MultiAttempt]) -> Dict[str, Grant]:
+    if isinstance(attempt, MultiAttempt):
+        return dict(attempt.grants or {})
+    assert attempt.grant is not None
+    return {claim.guard.name: attempt.grant}
+
+
+def _limits_of(claim: Claim, attempt: Union[Attempt, MultiAttempt]) -> Dict[str, Optional[int]]:
+    if isinstance(attempt, MultiAttempt):
+        return {name: attempt.limits.get(name) for name in (attempt.grants or {})}
+    return {claim.guard.name: attempt.limit}
+

@@ -1,94 +1,159 @@
-"""The worker gate: guarded requests wait for a slot in the worker's main process.
+"""The gate: the shell around the worker core (:mod:`.core`), on the consumer's loop thread.
 
-Where it sits: Celery hands every request that is due (after ETA and rate limits) to
-``consumer.on_task_request``; the gate wraps that callable. An unguarded request passes straight
-through. A guarded one is held in the main process (never in a pool process) until the backend
-grants a slot, then handed to the pool with its lease.
+One request's way, read top to bottom in this file:
 
-Its parts, which the gate assembles and none of which imports it: :mod:`.core` (every
-decision about a waiting request: events in, commands out, no threads, no Celery),
-:mod:`.admission` (the shell that feeds the core and carries out its commands),
-:mod:`.context` (what the parts share), :mod:`.threads` (the loop thread owns every state,
-one I/O thread calls out),
-:mod:`.waiter` (a waiting request's state machine), :mod:`.parking` (the waiting room, whose
-pulling decisions are a core of their own: :mod:`.lanes`),
-:mod:`.release` (release on every ending), :mod:`.requeue` (when the waiting room cannot take
-a request), :mod:`.outcomes` (every result-backend write, in order), :mod:`.reporting`
-(events, WAITING, remote control), :mod:`.settlements` (what a lost connection could not
-settle), :mod:`.tally` (worker-side counts) and :mod:`.celery_internals` (every touch of
-Celery's internals).
+1. Celery hands the request over (:meth:`Gate.on_task_request`: the consumer's one entry to
+   the pool, after ETA and rate limits). Its semaphores are resolved (:mod:`..guards`), the
+   headers the gate writes itself are checked, its pool callbacks are wrapped, and the core
+   hears that it arrived (:class:`.Arrived`).
+2. The core answers with commands, carried out in order (:meth:`Gate.run`): an acquire
+   attempt goes to the backend (:class:`.SendAttempt`, through :class:`.BackendLink`: on the
+   loop itself for Redis, in one pipeline per turn of the loop); its answer, a wake-up or a
+   grant the backend pushed comes back to the core as an event.
+3. Granted (:class:`.Start`): the lease record goes into the request's headers (the task
+   reads it with ``current_lease()``) and the request goes to the pool, unchanged otherwise.
+4. The task ends (a pool callback: :meth:`Gate.ended`), the core says :class:`.Release`, and
+   the release goes to the backend, which may grant the slot to the next waiter in the same
+   step (pushed grants).
+
+Meanwhile the core renews the leases its requests hold (:class:`.Renew`, every third of a
+TTL), lets requests of a full semaphore wait in the worker or in the waiting room
+(:mod:`.parking`), and settles every other way a request ends: failed, skipped, parked,
+requeued, revoked, given back at a reconnect or a shutdown, dropped or orphaned by the pool's
+flush on a reconnect (:class:`.PoolFlushed`).
+
+Threads: every state lives on the loop thread (:mod:`.threads`); the I/O thread makes the
+calls that must not block the loop (the waiting room's broker calls, result-backend writes,
+the backend calls of a backend with no event-loop link) and posts their results back.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
+import time
 from collections import deque
-from typing import Any, Callable, Deque, Dict, List, Optional
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+
+from celery import signals
+from celery.exceptions import TimeLimitExceeded
 
 from ..backends import close_all
-from ..backends.base import Backend
+from ..backends.base import (
+    FAIR_KEY,
+    Abandon,
+    Acquire,
+    AcquireAll,
+    Attempt,
+    Backend,
+    MultiAttempt,
+    PushedGrant,
+    Release,
+    Renew,
+    new_holder_id,
+)
 from ..exceptions import ConfigurationError, SemaphoreError
 from ..guards import Guards
 from ..settings import Settings
+from ..stats import FIRST_WAIT_META
+from ..task_lease import LEASE_KEY, lease_record_of_grants
+from ..urls import mask_url
 from ..waiting_room import PARKED_HEADER
-from . import celery_internals
-from .admission import Admission
+from . import celery_internals, core
+from .claim import Claim, State
 from .context import GateContext, GateState
-from .core import How
+from .core import (
+    Answer,
+    Answered,
+    Arrived,
+    ChildFacts,
+    Command,
+    Event,
+    How,
+    Pushed,
+    Tick,
+    WorkerCore,
+)
 from .headers import check_gate_headers
+from .limits import LimitWatch
+from .link import BackendLink
 from .outcomes import Outcomes
 from .parking import ParkingLot
-from .release import Releases
 from .reporting import Reporting, snapshot
 from .requeue import Requeue
-from .settlements import Settlements
+from .settlements import Settle, Settlements
 from .tally import Tally
-from .threads import RETRY_FIRST, RETRY_MAX
 
 logger = logging.getLogger(__name__)
 
+#: The attribute of a request that holds its claim.
+CLAIM = "semaphore_claim"
+
 
 class Gate:
-    """Holds guarded requests until the semaphore admits them. See the module docstring.
-
-    The gate is the assembly: it builds the parts around one :class:`.GateContext`, hands
-    each the parts it calls, wraps the consumer's entry points, and runs the lifecycle
-    (start, stop on a reconnect, shutdown). No part reaches back to it."""
+    """Holds guarded requests until the semaphore admits them, and releases their slots. See
+    the module docstring."""
 
     def __init__(self, consumer: Any, settings: Settings, backend: Backend) -> None:
         self.consumer = consumer
         self.guards = Guards(settings)
-        # Requests to hand to the pool once the lock is released: with prefork's putlocks the
+        # without a hub, requests go to the pool outside the lock: with prefork's putlocks the
         # pool can block in apply_async until its result thread, which needs the lock to run
-        # our completion callbacks, frees a process.
-        self.handoffs: Deque[Any] = deque()
+        # the completion callbacks, frees a process
         ctx = self.ctx = GateContext(consumer, settings, backend, self.flush_handoffs)
-
-        def capacity_changed() -> None:  # a slot or a process freed: the line may move
-            self.admission.pump()
-
+        self.core = WorkerCore(_Surroundings(self), lease_ttl=settings.lease_ttl)
+        self.link = BackendLink(ctx, self._wake, self._listening)
+        self.masked_url = mask_url(backend.url)
         self.tally = Tally(ctx)
         self.settlements = Settlements(ctx)
-        self.outcomes = Outcomes(ctx, capacity_changed)
+        self.outcomes = Outcomes(ctx)
         self.reporting = Reporting(ctx, self.outcomes)
-        self.requeue = Requeue(ctx, self.tally, capacity_changed)
+        self.requeue = Requeue(ctx, self.tally)
         self.parking = ParkingLot(ctx, self.settlements, self.tally, self.requeue,
                                   self.reporting)
-        self.releases = Releases(ctx, self.settlements, self.parking.dropped_by_pool,
-                                 capacity_changed)
-        self.admission = Admission(ctx, self.parking, self.releases, self.requeue,
-                                   self.reporting, self.outcomes,
-                                   hand_off=self.handoffs.append, give_back=self.give_back)
-        self.parking.serve(self.admission)
+        self.parking.serve(_Line(self))
+        # logs a limit in force we do not declare
+        self.limits = LimitWatch(backend, ctx.io.call, ctx.loop.post)
         consumer.semaphore_parking = self.parking  # its doorbell strategy finds it there
         self.original: Callable[[Any], Any] = consumer.on_task_request
         consumer.on_task_request = self.on_task_request
         self._on_connection_lost = consumer.on_connection_error_after_connected
         consumer.on_connection_error_after_connected = self.on_connection_lost
+        #: Requests to hand to the pool once the commands of an event are carried out: with
+        #: prefork's putlocks the pool can block in apply_async, and a pool that runs a
+        #: request as it is handed one (solo) calls its callbacks from inside.
+        self.handoffs: Deque[Any] = deque()
+        #: The scheduled acquire attempt of each waiting claim (a timer of the loop's or the
+        #: I/O thread's), and the claims watched for wake-ups through the backend's listener
+        #: (a backend without an event-loop link).
+        self.attempts: Dict[int, Any] = {}
+        self.watched: Dict[int, str] = {}
+        #: The pool job of each request handed to the pool (a strong reference: the request's
+        #: own is weak, the thread pool keeps none, and a reconnect's flush drops the pool's).
+        self.jobs: Dict[int, Any] = {}
+        #: Orphans' jobs (claim id -> billiard's job id, the pool process it was written to),
+        #: and billiard job id -> pid of the child that acknowledged it, for jobs no longer in
+        #: the pool's cache (:func:`.celery_internals.watch_job_acks`; None: not watched).
+        self.orphans: Dict[int, Tuple[Any, Any]] = {}
+        self.acked: Optional[Dict[int, int]] = None
         self._connected_at_stop = False
-        #: Rejects to make once :meth:`stop` has let go of the lock (loop thread).
+        self._flushing = False
         self._rejects: List[Callable[[], Any]] = []
+        self._tick_timer: Any = None
+        self._children: Dict[int, Any] = {}  # pid -> what watches its exit
+        self._carry_out: Dict[type, Callable[[Any], None]] = {
+            core.Start: self._start, core.Exit: self._exit,
+            core.SendAttempt: self._send_attempt, core.StopAttempts: self._stop_attempts,
+            core.Cancel: self._cancel, core.Release: self._release,
+            core.GiveBackGrant: self._give_back_grant, core.Renew: self._renew,
+            core.LeaseLost: self._lease_lost, core.WatchChild: self._watch_child,
+            core.Dropped: self._dropped, core.Settle: self._settle,
+            core.RaisePrefetch: lambda _: consumer.qos.increment_eventually(),
+            core.LowerPrefetch: lambda _: consumer.qos.decrement_eventually(),
+            core.ReportWaiting: lambda c: self.reporting.waiting(c.claim, c.position, c.limit),
+            core.Refill: lambda c: self.parking.refill(c.name),
+        }
 
     @property
     def backend(self) -> Backend:
@@ -100,21 +165,408 @@ class Gate:
         return self.ctx.running
 
     def snapshot(self) -> Dict[str, Any]:
-        """What ``celery semaphore workers`` shows of this worker (any thread)."""
-        with self.ctx.lock:
-            return snapshot(self.admission.waiters.values(), self.releases.held.values(),
+        """What ``celery semaphore workers`` shows of this worker (the loop thread: Celery runs
+        remote-control commands there)."""
+        with self.ctx.loop.entered():
+            return snapshot(list(self.core.waiters.values()), list(self.core.held.values()),
                             self.parking.parked_total, self.parking.pulled_total)
+
+    # -- 1. Celery hands a request over ------------------------------------------------------
+
+    def on_task_request(self, request: Any) -> None:
+        self.settlements.watch(getattr(request.message, "channel", None))
+        with self.ctx.loop.entered():
+            self._admit(request)
+
+    def _admit(self, request: Any) -> None:
+        try:
+            guard = self.guards.resolve(request)
+            check_gate_headers(request, guard is not None, self.consumer)
+        except SemaphoreError as exc:
+            return self.outcomes.fail(request, exc)
+        except Exception as exc:  # a poison message fails its own task, never the worker
+            return self.outcomes.fail(request, ConfigurationError(
+                f"task {request.name}: cannot resolve its semaphore: "
+                f"{type(exc).__name__}: {exc}"))
+        self._track(request)
+        if guard is None:
+            self.handle(Arrived(request, None))
+            return
+        pulled = PARKED_HEADER in (request.message.headers or {})
+        self.handle(Arrived(request, guard, new_holder_id(request.id), pulled))
+
+    def _track(self, request: Any) -> None:
+        """Wrap the request's pool callbacks: each ending goes to the core (on the loop
+        thread: prefork calls them there; the thread pool from its threads, posted)."""
+        on_success, on_failure, on_timeout = (request.on_success, request.on_failure,
+                                               request.on_timeout)
+
+        def success(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return on_success(*args, **kwargs)
+            finally:
+                self.ended(request)
+
+        def failure(exc_info: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return on_failure(exc_info, *args, **kwargs)
+            finally:
+                self.ended(request, getattr(exc_info, "exception", None))
+
+        def time_limit(soft: bool, timeout: float) -> Any:  # billiard passes timeout=...
+            try:
+                return on_timeout(soft, timeout)
+            finally:
+                if not soft:  # the gevent pool never calls on_failure for a hard limit
+                    self.ended(request, TimeLimitExceeded(timeout))
+
+        request.on_success, request.on_failure, request.on_timeout = success, failure, time_limit
+
+    # -- 2. events in, commands out ----------------------------------------------------------
+
+    def handle(self, event: Event) -> None:
+        """Give ``event`` to the core and carry out what it says (loop thread); then hand
+        what it granted to the pool."""
+        self.run(self.core.handle(event))
+        if self.ctx.loop.owned:  # (else once the lock is released: GateContext)
+            self.flush_handoffs()
+
+    def run(self, commands: List[Command]) -> None:
+        for command in commands:
+            try:
+                self._carry_out[type(command)](command)
+            except Exception:  # one failed command must not keep the others from running
+                logger.exception("celery-semaphore: carrying out %r failed", command)
+
+    def _send_attempt(self, command: core.SendAttempt) -> None:
+        claim = command.claim
+        self._stop_attempts(command)
+        if not self.link.pushes and id(claim) not in self.watched:
+            self._watch(claim)
+        if command.delay > 0:
+            self.attempts[id(claim)] = self._later(command.delay, self._acquire, claim,
+                                                   command.holder, command.sent, command.ahead)
+        else:
+            self._acquire(claim, command.holder, command.sent, command.ahead)
+
+    def _acquire(self, claim: Claim, holder: str, sent: int, ahead: bool) -> None:
+        """Make acquire attempt ``sent`` of ``claim`` as ``holder``."""
+        self.attempts.pop(id(claim), None)
+        if claim.state not in (State.QUEUED, State.AHEAD):
+            return
+        guard = claim.guard
+        wait = claim.waits and not ahead
+        requested_at = time.monotonic()
+        meta = {**self.meta(claim), FIRST_WAIT_META: claim.first_wait}
+        ttl = guard.settings.lease_ttl
+        op = (AcquireAll(guard.pairs, holder, ttl, meta, wait) if guard.multi else
+              Acquire(guard.name, holder, guard.limit, ttl, meta, wait, self.link.pushes))
+
+        def answered(attempt: Any, error: Optional[BaseException]) -> None:
+            pause = 0.0
+            if attempt is not None and attempt.grant is None:
+                pause = self.backend.pause_after(attempt, guard.settings.poll_interval)
+            self.handle(Answered(claim, Answer(holder, attempt, error, requested_at, sent,
+                                               pause)))
+            if attempt is not None:
+                self.limits.saw(guard, attempt)
+
+        self.link.submit(op, answered)
+
+    def _stop_attempts(self, command: Any) -> None:
+        timer = self.attempts.pop(id(command.claim), None)
+        if timer is not None:
+            timer.cancel()
+        if not isinstance(command, core.SendAttempt) and command.claim.state is not State.QUEUED:
+            self._unwatch(command.claim)
+
+    def _watch(self, claim: Claim) -> None:
+        """A backend without an event-loop link wakes ``claim`` through its listener."""
+        holder = claim.holder
+        self.watched[id(claim)] = holder
+        for name in claim.names:  # a multi-semaphore request waits in any one's queue
+            self.backend.watch(name, holder, functools.partial(
+                self.ctx.loop.post, self._wake, name, holder, None))
+
+    def _unwatch(self, claim: Claim) -> None:
+        holder = self.watched.pop(id(claim), None)
+        if holder is not None:
+            for name in claim.names:
+                self.backend.unwatch(name, holder)
+
+    def _wake(self, name: str, holder: str, pushed: Optional[PushedGrant]) -> None:
+        """A wake-up (with a grant, or not) for a waiter of this worker (loop thread)."""
+        claim = self.core.waiters.get(holder)
+        if claim is None:
+            return  # it left (its cancel releases a pushed grant)
+        self.handle(Pushed(claim, pushed) if pushed is not None else core.Woken(claim, holder))
+
+    def _listening(self) -> None:
+        """The wake-up channel is back after it was lost: what it carried meanwhile is lost,
+        so every waiter tries once more now."""
+        for claim in list(self.core.waiters.values()):
+            if claim.state is State.QUEUED:
+                self.handle(core.Woken(claim, claim.holder))
+
+    def _cancel(self, command: core.Cancel) -> None:
+        self._perform_until(Abandon(command.names, command.holder), command.until,
+                            f"leaving the queue of {command.names[0]!r}")
+
+    def _release(self, command: core.Release) -> None:
+        if command.delay > 0:
+            self._later(command.delay, self._release, core.Release(
+                command.names, command.holder, command.until))
+            return
+        for name in command.names:
+            self._perform_until(Release(name, command.holder), command.until,
+                                f"releasing {name!r} ({command.holder})")
+
+    def _perform_until(self, op: Any, until: float, what: str,
+                       retry: float = 0.0) -> None:
+        """Make ``op``; while the backend does not answer, again (0.1 s doubling to 2 s)
+        until ``until`` (monotonic): the backend's expiry frees what it holds then."""
+
+        def done(result: Any, error: Optional[BaseException]) -> None:
+            if error is None:
+                return
+            delay = min(max(retry * 2, core.RETRY_FIRST), core.RETRY_MAX)
+            if self.ctx.running and time.monotonic() + delay < until:
+                if not retry:
+                    logger.warning("celery-semaphore: %s failed, retrying until the backend "
+                                   "answers: %s", what, error)
+                self._later(delay, self._perform_until, op, until, what, delay)
+            else:
+                logger.warning("celery-semaphore: %s failed (the backend's expiry frees it): "
+                               "%s", what, error)
+
+        self.link.submit(op, done)
+
+    def _give_back_grant(self, command: core.GiveBackGrant) -> None:
+        """Release a grant the pool had no process for, then tell the core (a release the
+        backend did not answer goes on being tried, and the claim waits as another holder)."""
+        claim, holder = command.claim, command.holder
+        answers: List[bool] = []
+
+        def done(name: str, result: Any, error: Optional[BaseException]) -> None:
+            answers.append(error is None)
+            if error is not None:
+                self._perform_until(Release(name, holder), command.until,
+                                    f"giving back a grant of {holder}")
+            if len(answers) == len(command.names):
+                self.handle(core.GrantReturned(claim, all(answers),
+                                               new_holder_id(claim.request.id)))
+
+        for name in command.names:
+            self.link.submit(Release(name, holder), functools.partial(done, name))
+
+    def _renew(self, command: core.Renew) -> None:
+        claim, sent = command.claim, time.monotonic()
+        replies: List[Tuple[Any, Optional[BaseException]]] = []
+
+        def done(expires: Any, error: Optional[BaseException]) -> None:
+            replies.append((expires, error))
+            if len(replies) < len(command.names):
+                return
+            error = next((e for _, e in replies if e is not None), None)
+            held = error is None and all(r is not None for r, _ in replies)
+            if error is not None and time.monotonic() < claim.deadline:
+                logger.warning("celery-semaphore: renewing the lease of %s failed, retrying: %s",
+                               claim.request.id, error)
+            self.handle(core.Renewed(claim, sent, held, error))
+
+        for name in command.names:
+            self.link.submit(Renew(name, command.holder, command.ttl), done)
+
+    def _lease_lost(self, command: core.LeaseLost) -> None:
+        claim = command.claim
+        policy = claim.guard.settings.on_lost_lease
+        grant = next(iter((claim.grants or {}).values()), None)
+        logger.error("celery-semaphore: task %s lost its slot of %r (token %s); policy: %s",
+                     claim.request.id, claim.names[0] if claim.names else "?",
+                     grant.token if grant is not None else "?", policy)
+        if policy == "terminate":
+            claim.request.terminate(self.consumer.pool, signal="SIGTERM")
+
+    def meta(self, claim: Claim) -> Dict[str, Any]:
+        """What the backend stores with a holder or a waiter (``celery semaphore status``)."""
+        request, guard = claim.request, claim.guard
+        meta = {"task_id": request.id, "task": request.name,
+                "worker": self.consumer.hostname, "pid": os.getpid()}
+        if guard.fair is not None:
+            meta[FAIR_KEY] = guard.fair
+        meta.update(guard.traffic_meta())
+        return meta
+
+    def _later(self, delay: float, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(*args)`` on the loop thread in ``delay`` seconds; the timer (cancel())."""
+        hub = self.ctx.loop.hub
+        if self.ctx.loop.owned and hub is not None and self.ctx.open:
+            return hub.call_later(delay, fn, *args)
+        return self.ctx.io.call(self.ctx.loop.post, fn, *args, delay=delay)
+
+    # -- 3. granted: to the pool -------------------------------------------------------------
+
+    def _start(self, command: core.Start) -> None:
+        claim = command.claim
+        request = claim.request
+        setattr(request, CLAIM, claim)
+        if claim.grants is not None:
+            if request.revoked():  # by id, by stamped header or expired: announced and acked
+                self.handle(core.Ended(claim))
+                return
+            request.request_dict[LEASE_KEY] = lease_record_of_grants(
+                claim.grants, claim.limits or {}, claim.holder, self.masked_url,
+                self.backend.key_prefix,
+                waited=claim.attempts > 0)  # WAITING was stored: the task stores STARTED
+            self._unwatch(claim)
+        self.handoffs.append(request)
+
+    def flush_handoffs(self) -> None:
+        """Hand granted and unguarded requests to the pool (after the core's commands: the
+        pool may call back at once)."""
+        if self._flushing or not self.handoffs:
+            return  # (a pool that runs a request as it is handed one calls back from inside)
+        if self.acked is None and celery_internals.watch_job_acks(self.consumer.pool,
+                                                                  self._job_acked):
+            self.acked = {}
+        self._flushing = True
+        try:
+            self._hand_over()
+        finally:
+            self._flushing = False
+
+    def _hand_over(self) -> None:
+        while self.handoffs:
+            request = self.handoffs.popleft()
+            self.original(request)
+            claim = getattr(request, CLAIM, None)
+            if claim is not None and claim.state is State.POOL:
+                job = celery_internals.pool_job(request)
+                if job is None and not celery_internals.pool_forks(self.consumer.pool):
+                    # the thread pool keeps no reference to its job: it runs, whatever
+                    # happens to the broker connection (no flush drops it)
+                    job = celery_internals.RUNS_ONCE_HANDED
+                self.jobs[id(request)] = job
+
+    # -- 4. ended: the release ---------------------------------------------------------------
+
+    def ended(self, request: Any, exc: Optional[BaseException] = None) -> None:
+        """``request`` ended (a pool callback, any thread)."""
+        if self.ctx.loop.owned and not self.ctx.loop.on_loop():
+            self.ctx.loop.post(self.ended, request, exc)
+            return
+        with self.ctx.loop.entered():
+            claim = getattr(request, CLAIM, None)
+            self.jobs.pop(id(request), None)
+            if claim is None:
+                return
+            pid = request.worker_pid
+            exc = getattr(exc, "exc", exc)  # billiard's ExceptionWithTraceback
+            killed = (pid if isinstance(exc, celery_internals.CHILD_KILLED) and pid
+                      and celery_internals.pool_forks(self.consumer.pool) else None)
+            self.handle(core.Ended(claim, killed))
+
+    def _watch_child(self, command: core.WatchChild) -> None:
+        """Tell the core when pool child ``pid`` has exited: a pidfd the hub watches (Linux),
+        else a look every 5 ms on the I/O thread."""
+        pid = command.pid
+        if pid in self._children:
+            return
+        hub = self.ctx.loop.hub
+        if hub is not None and self.ctx.loop.owned and hasattr(os, "pidfd_open"):
+            try:
+                fd = os.pidfd_open(pid)
+            except ProcessLookupError:
+                self.handle(core.ChildExited(pid))
+                return
+            except OSError:
+                fd = -1
+            if fd >= 0:
+                self._children[pid] = fd
+                hub.add_reader(fd, self._child_exited, pid)
+                return
+        self._children[pid] = None
+        self.ctx.io.call(self._poll_child, pid)
+
+    def _poll_child(self, pid: int) -> None:  # I/O thread
+        if self.ctx.running and celery_internals.process_alive(pid):
+            self.ctx.io.call(self._poll_child, pid, delay=0.005)
+            return
+        self.ctx.loop.post(self._child_exited, pid)
+
+    def _child_exited(self, pid: int) -> None:
+        fd = self._children.pop(pid, None)
+        if fd is not None:
+            self.ctx.loop.hub.remove(fd)
+            os.close(fd)
+        self.handle(core.ChildExited(pid))
+
+    # -- other ways out ----------------------------------------------------------------------
+
+    def _exit(self, command: core.Exit) -> None:
+        claim, how = command.claim, command.how
+        request = claim.request
+        self._unwatch(claim)
+        if how is How.FAIL:
+            assert command.error is not None
+            self.outcomes.fail(request, command.error)
+        elif how is How.FULL:
+            self.outcomes.full(request, claim.guard, command.limit, command.blocking)
+        elif how is How.PARK:
+            self.parking.park(claim, command.why)
+        elif how is How.REQUEUE:
+            self.requeue.requeue(claim)
+        elif how is How.GIVE_BACK:
+            self._give_back(claim)
+        elif how is How.LET_GO:
+            request.acknowledged = True  # its message is back in the broker
+            celery_internals.task_ready(request)
+        # How.REVOKED: Celery announced, stored and acked it
+
+    def _give_back(self, claim: Claim) -> None:
+        """The consumer stops with ``claim`` still waiting: its message goes back to the
+        broker (:meth:`stop`)."""
+        request = claim.request
+        if claim.pulled:
+            self.parking.give_back(claim)
+        elif self._connected_at_stop and not claim.detached:
+            # rejected once stop() has carried out the core's commands
+            self._rejects.append(functools.partial(request.reject, requeue=True))
+        else:
+            request.acknowledged = True  # nothing to settle on this channel
+        celery_internals.task_ready(request)
+
+    def _dropped(self, command: core.Dropped) -> None:
+        request = command.claim.request
+        self.parking.dropped_by_pool(request)
+        if command.claim.grants is not None:
+            logger.warning("celery-semaphore: %s was dropped by the pool on a broker reconnect "
+                           "before any child got it; releasing its slot", request.id)
+
+    def _settle(self, command: core.Settle) -> None:
+        claim = command.claim
+        job_id, _ = self.orphans.pop(id(claim), (None, None))
+        if self.acked is not None:
+            self.acked.pop(job_id, None)  # type: ignore[arg-type]
+        logger.info("celery-semaphore: settled %s (its job went to pool child %s, which %s): %s",
+                    claim.request.id, claim.child, "exited" if command.requeue else "moved on",
+                    "put back in its queue" if command.requeue else "acknowledged")
+        self.settlements.settle_kept(claim.request.message,
+                                     Settle.REQUEUE if command.requeue else Settle.ACK)
 
     # -- lifecycle (consumer bootstep) -------------------------------------------------------
 
     def start(self) -> None:
         ctx = self.ctx
-        ctx.loop.hub = self.consumer.hub
-        ctx.loop.start()
+        hub = getattr(self.consumer, "hub", None)
+        ctx.loop.start(hub)
         if ctx.state is GateState.NEW:
-            ctx.io.call(self._tick, delay=ctx.settings.poll_interval)
-            self.releases.connect()
+            signals.task_revoked.connect(self._on_task_revoked, weak=False)
         ctx.state = GateState.OPEN
+        self.link.start(hub)
+        if self._tick_timer is not None:  # the I/O thread's, while paused
+            self._tick_timer.cancel()
+        self._schedule_tick()
         ctx.loop.post(self.parking.refill_all)  # what a reconnect gave back
 
     def stop(self) -> None:
@@ -126,21 +578,20 @@ class Gate:
         and :meth:`on_connection_lost` restores those of a Redis broker), and a reject on the
         dead channel would only log a CRITICAL traceback per request. Requests pulled from
         the waiting room are settled on the parking channel instead (:meth:`.ParkingLot.
-        give_back`), and their semaphores are pulled again once the consumer runs. The
-        rejects go out after the gate's lock is released (no lock is held across I/O)."""
+        give_back`), and their semaphores are pulled again once the consumer runs. Jobs the
+        pool's flush dropped go to the core (:class:`.PoolFlushed`)."""
         self._rejects = []
-        with self.ctx.lock:
+        with self.ctx.loop.entered():
             if self.ctx.state is GateState.OPEN:
                 self.ctx.state = GateState.PAUSED  # pulls still on their way go back
             connected = self._connected_at_stop = celery_internals.consumer_connected(
                 self.consumer)
-            waiters = list(self.admission.waiters.values())
-            if not connected and waiters:
+            waiting = list(self.core.waiters.values())
+            if not connected and waiting:
                 logger.info("celery-semaphore: the broker connection is closed with %d tasks "
-                            "waiting for a slot; the broker delivers them again", len(waiters))
-            for waiter in waiters:
-                self.admission.leave(waiter, How.GIVE_BACK)
-            pulled = sum(1 for waiter in waiters if waiter.pulled)
+                            "waiting for a slot; the broker delivers them again", len(waiting))
+            self.handle(core.Stop())
+            pulled = sum(1 for claim in waiting if claim.pulled)
             if not connected and pulled:  # given back on the parking connection, which the
                 # lost connection reset (ParkingLot.reset): they land once the broker answers
                 logger.info("celery-semaphore: %d tasks that were waiting when the broker "
@@ -148,7 +599,11 @@ class Gate:
             bells = self.parking.let_go_of_bells()
             if connected:
                 self._rejects += [functools.partial(m.reject, requeue=True) for m in bells]
-            self.releases.after_flush()
+            self.handle(core.PoolFlushed(self._flushed()))
+            self.link.stop()
+            if self._tick_timer is not None:
+                self._tick_timer.cancel()
+                self._tick_timer = None
         rejects, self._rejects = self._rejects, []
         for reject in rejects:  # the consumer's channel: this (the loop) thread's
             try:
@@ -158,18 +613,64 @@ class Gate:
                              exc)
         self.ctx.loop.stop()
 
-    def give_back(self, waiter: Any) -> None:
-        """The consumer stops with ``waiter`` still waiting (it left the core): its message
-        goes back to the broker (:meth:`stop`)."""
-        request = waiter.request
-        if waiter.pulled:
-            self.parking.give_back(waiter)
-        elif self._connected_at_stop and not waiter.detached:
-            # rejected once stop() has let go of the lock
-            self._rejects.append(functools.partial(request.reject, requeue=True))
-        else:
-            request.acknowledged = True  # nothing to settle on this channel
-        celery_internals.task_ready(request)
+    def _flushed(self) -> Tuple[Tuple[Claim, Optional[int]], ...]:
+        """The claims in the pool whose job the pool's flush on a broker reconnect dropped,
+        each with the child it was being written to (None: no child got it). A prefork pool
+        drops the jobs no child has acknowledged, and their callbacks never run."""
+        out = []
+        for claim in list(self.core.in_pool.values()):
+            if claim.state is not State.POOL:
+                continue
+            request = claim.request
+            job = self.jobs.get(id(request))
+            child = celery_internals.dropped_job_child(self.consumer, request, job)
+            if child is False:
+                continue
+            self.jobs.pop(id(request), None)
+            pid = None
+            if child is not None:
+                self.orphans[id(claim)] = (getattr(job, "_job", None), child)
+                facts = self._orphan_child(claim)
+                pid = facts.pid if facts is not None and facts.pid else child.pid
+                logger.warning("celery-semaphore: %s runs in pool child %s without callbacks "
+                               "after a broker reconnect; %sits message is settled when that "
+                               "child moves on", request.id, pid,
+                               "its slot is released and " if claim.grants else "")
+            out.append((claim, pid))
+        return tuple(out)
+
+    def _job_acked(self, job_id: int, pid: int) -> None:
+        """Pool child ``pid`` acknowledged job ``job_id``, which the pool's cache has no more
+        (the loop thread: billiard's result handler)."""
+        if self.acked is not None and len(self.acked) < 10_000:
+            self.acked[job_id] = pid
+
+    def _orphan_child(self, claim: Claim) -> Optional[ChildFacts]:
+        """:meth:`.Surroundings.orphan_child`: the child that acknowledged the job, else the
+        one that reads the pipe it was written to (a job is written to a child the pool has
+        not yet seen exit, and the flush that drops it reaps that child: its replacement runs
+        the job). Without acks to go by (another pool), the child it was written to."""
+        job_id, written_to = self.orphans.get(id(claim), (None, None))
+        if written_to is None:
+            return self._child(claim.child or 0)
+        pid = (self.acked or {}).get(job_id) if job_id is not None else None
+        if pid is not None:
+            return self._child(pid)
+        if self.acked is None:
+            return self._child(written_to.pid)
+        reader = celery_internals.pipe_reader(self.consumer.pool, written_to)
+        if reader is None:  # the pool destroyed the pipe, the job unread with it
+            return ChildFacts(written_to.pid, False, False, False)
+        if reader is celery_internals.PIPE_WAITS:
+            return None
+        facts = self._child(reader.pid)
+        # a dead child not reaped yet: celery's maintain_pool runs every 5 s at least
+        return facts if facts.alive else None
+
+    def _child(self, pid: int) -> ChildFacts:
+        alive = celery_internals.process_alive(pid)
+        return ChildFacts(pid, alive, alive and celery_internals.runs_in_child(pid),
+                          alive and celery_internals.child_is_up(self.consumer.pool, pid))
 
     def on_connection_lost(self, exc: BaseException) -> Any:
         """Wraps the consumer's ``on_connection_error_after_connected``.
@@ -182,12 +683,12 @@ class Gate:
         Messages pulled from the waiting room and not settled yet (waiting, or dropped by the
         pool's flush with no callback) go back to their parking queues the same way
         (:meth:`.ParkingLot.reset`)."""
-        with self.ctx.lock:
-            waiters = list(self.admission.waiters.values())
-            detached = [w for w in waiters
-                        if not w.pulled and celery_internals.detach_unacked(w.request.message)]
-            for waiter in detached:
-                waiter.detached = True
+        with self.ctx.loop.entered():
+            waiting = list(self.core.waiters.values())
+            detached = [c for c in waiting
+                        if not c.pulled and celery_internals.detach_unacked(c.request.message)]
+            for claim in detached:
+                claim.detached = True
             bells = [m for m in self.parking.held_bells() if celery_internals.detach_unacked(m)]
             # (the pulled ones are given back by the parking lot: ParkingLot.reset)
             # and whatever else is unacked on the task channel: requests Celery holds and
@@ -195,35 +696,45 @@ class Gate:
             # late, or whose ack the broker did not take) are settled as they end
             # (Settlements): closing the lost connection would restore them all through a
             # detached transport, and run them twice
-            self.releases.refresh_jobs()
-            handed = celery_internals.handed_to_pool(self.releases.in_pool) | {
+            self._refresh_jobs()
+            jobs = {key: (self.core.in_pool[key].request, job)
+                    for key, job in self.jobs.items() if key in self.core.in_pool}
+            handed = celery_internals.handed_to_pool(jobs) | {
                 r.message.delivery_tag for r in self.handoffs} | self.ctx.in_transit
             others = self.settlements.detach(celery_internals.task_channel(self.consumer),
                                              handed)
-        tags = ([w.request.message.delivery_tag for w in detached]
+        tags = ([c.request.message.delivery_tag for c in detached]
                 + [m.delivery_tag for m in bells] + others)
         if tags:
-            self.ctx.io.call(self.restore_detached, tags, None, RETRY_FIRST, len(detached),
+            self.ctx.io.call(self.restore_detached, tags, core.RETRY_FIRST, len(detached),
                              len(bells))
         self.ctx.io.call(self.parking.reset)
         return self._on_connection_lost(exc)
 
-    def restore_detached(self, tags: List[str], then: Optional[Callable[[], None]] = None,
-                         retry: float = RETRY_FIRST, waiting: int = 0,
-                         doorbells: int = 0) -> None:  # I/O
+    def _refresh_jobs(self) -> None:
+        """Take a strong reference to the pool job of every request handed to the pool whose
+        job did not exist yet when it was handed: with every process busy, prefork's consumer
+        holds a request in Celery's worker semaphore and applies it once a process frees.
+        Called when the broker connection is lost, before the pool's flush drops the jobs no
+        child accepted."""
+        for key, claim in self.core.in_pool.items():
+            if self.jobs.get(key) is None:
+                live = celery_internals.pool_job(claim.request)
+                if live is not None:
+                    self.jobs[key] = live
+
+    def restore_detached(self, tags: List[str], retry: float = core.RETRY_FIRST,
+                         waiting: int = 0, doorbells: int = 0) -> None:  # I/O
         """Put messages detached by :meth:`on_connection_lost` back in their queue, retrying
         until the broker answers (or the worker stops: then the transport's visibility
-        timeout restores them); then post ``then`` to the loop. ``waiting``: how many of them
-        were requests waiting for a slot, ``doorbells``: how many were doorbells this worker
-        held; the others are requests Celery held and had not handed to the pool (those it
-        had stay: :class:`.Settlements`). The log lines count each kind, so that they agree
-        with :meth:`stop`'s count of waiting requests (the pulled ones are counted by the
-        parking lot, which gives them back)."""
+        timeout restores them). ``waiting``: how many of them were requests waiting for a
+        slot, ``doorbells``: how many were doorbells this worker held; the others are requests
+        Celery held and had not handed to the pool (those it had stay: :class:`.Settlements`)."""
         try:
             celery_internals.restore_unacked(self.ctx.app, tags)
         except Exception as exc:
             if self.ctx.running:
-                self.ctx.io.call(self.restore_detached, tags, then, min(retry * 2, RETRY_MAX),
+                self.ctx.io.call(self.restore_detached, tags, min(retry * 2, core.RETRY_MAX),
                                  waiting, doorbells, delay=retry)
             else:
                 logger.warning("celery-semaphore: %d tasks stay unacknowledged in the broker "
@@ -239,15 +750,15 @@ class Gate:
             logger.info("celery-semaphore: %d tasks not handed to the pool yet, not "
                         "acknowledged when the broker connection was lost, are back in their "
                         "queue (delivered again)", len(tags) - waiting - doorbells)
-        if then is not None:
-            self.ctx.loop.post(then)
 
     def shutdown(self) -> None:
         """The worker exits: release every lease still held, then stop the I/O thread."""
         self.stop()
-        self.releases.disconnect()
-        self.releases.release_all()
-        self.ctx.state = GateState.CLOSED
+        signals.task_revoked.disconnect(self._on_task_revoked)
+        with self.ctx.loop.entered():
+            commands = self.core.shutdown()
+            self.ctx.state = GateState.CLOSED
+            self.run(commands)
         io = self.ctx.io
         io.call(self.parking.close)  # after the acks and rejects already on their way
         io.call(self.settlements.final_flush)
@@ -255,51 +766,90 @@ class Gate:
         io.stop()
         close_all()  # this process's backends: wake-up listeners, connections, socket files
 
-    # -- entry -------------------------------------------------------------------------------
+    # -- the tick: bounds, renewals, revocations ---------------------------------------------
 
-    def on_task_request(self, request: Any) -> None:
-        self.settlements.watch(getattr(request.message, "channel", None))
-        with self.ctx.lock:
-            self._admit(request)
-        self.flush_handoffs()
+    def _schedule_tick(self) -> None:
+        every = self.core.tick_every(self.ctx.settings.poll_interval)
+        self._tick_timer = self._later(every, self._tick)
 
-    def _admit(self, request: Any) -> None:
-        try:
-            guard = self.guards.resolve(request)
-            check_gate_headers(request, guard is not None, self.consumer)
-        except SemaphoreError as exc:
-            return self.outcomes.fail(request, exc)
-        except Exception as exc:  # a poison message fails its own task, never the worker
-            return self.outcomes.fail(request, ConfigurationError(
-                f"task {request.name}: cannot resolve its semaphore: "
-                f"{type(exc).__name__}: {exc}"))
-        if guard is None:
-            self.releases.track(request)
-            self.handoffs.append(request)
-            return
-        pulled = PARKED_HEADER in (request.message.headers or {})
-        self.admission.arrive(request, guard, pulled)
-
-    def flush_handoffs(self) -> None:
-        """Hand granted and unguarded requests to the pool, outside the lock."""
-        while self.handoffs:
-            try:
-                request = self.handoffs.popleft()
-            except IndexError:
-                return
-            self.original(request)
-            self.releases.handed_to_pool(request)
-
-    # -- bounds and failure ------------------------------------------------------------------
-
-    def _tick(self) -> None:  # I/O thread, every poll interval
+    def _tick(self) -> None:
+        self._tick_timer = None
         if not self.ctx.running:
             return
-        self.ctx.loop.post(self._check_bounds)
-        self.ctx.io.call(self._tick, delay=self.ctx.settings.poll_interval)
+        with self.ctx.loop.entered():
+            for claim in list(self.core.waiters.values()):
+                if claim.request.revoked():  # Celery's own test: announces and acks it
+                    self.handle(core.Revoked(claim))
+            self.handle(Tick())
+            self.parking.check_tracked()
+            self.parking.refill_all()
+        if self.ctx.open:
+            self._schedule_tick()
+        else:  # paused (a reconnect): leases are still renewed, on the I/O thread's timer
+            self._tick_timer = self.ctx.io.call(self.ctx.loop.post, self._tick,
+                                                delay=self.core.tick_every(
+                                                    self.ctx.settings.poll_interval))
 
-    def _check_bounds(self) -> None:
-        self.admission.tick()
-        self.releases.check_orphans()
-        self.parking.check_tracked()
-        self.parking.refill_all()
+    def _on_task_revoked(self, sender: Any = None, request: Any = None, **kwargs: Any) -> None:
+        """Celery revoked (or expired) ``request`` before a pool process took it: no pool
+        callback comes."""
+        if request is not None and celery_internals.revoked_before_start(request):
+            self.ctx.loop.post(self._revoked, request)
+
+    def _revoked(self, request: Any) -> None:
+        claim = getattr(request, CLAIM, None)
+        if claim is not None and claim.state is State.POOL:
+            self.handle(core.Ended(claim))
+
+
+class _Surroundings:
+    """What the core reads of this worker: its pool and its waiting room."""
+
+    def __init__(self, gate: Gate) -> None:
+        self.gate = gate
+
+    def pool_size(self) -> int:
+        return celery_internals.pool_size(self.gate.consumer.pool)
+
+    def lookahead(self) -> int:
+        if not celery_internals.pool_queues(self.gate.consumer.pool):
+            return 0
+        return self.gate.ctx.settings.worker_lookahead
+
+    def pulling(self, name: str) -> Tuple[int, int]:
+        return self.gate.parking.pulling_counts(name)
+
+    def max_waiting(self) -> int:
+        return self.gate.ctx.settings.worker_max_waiting
+
+    def child(self, pid: int) -> ChildFacts:
+        return self.gate._child(pid)
+
+    def orphan_child(self, claim: Claim) -> Optional[ChildFacts]:
+        return self.gate._orphan_child(claim)
+
+    def held_by_celery(self, request: Any) -> bool:
+        return celery_internals.still_held(request)
+
+
+class _Line:
+    """What the waiting room reads of and asks of the core (:class:`.parking.Line`)."""
+
+    def __init__(self, gate: Gate) -> None:
+        self.gate = gate
+
+    def room(self, name: str) -> int:
+        return self.gate.core.room(name)
+
+    def pump(self) -> None:
+        self.gate.handle(core.CapacityChanged())
+
+    def waiting(self) -> List[Claim]:
+        return list(self.gate.core.waiters.values())
+
+    def let_go(self, claims: List[Claim]) -> None:
+        self.gate.handle(core.LetGo(tuple(claims)))
+
+
+# (the attempts' answers feed the limit watch on the loop: LimitWatch.saw)
+_ = (Attempt, MultiAttempt)

@@ -28,8 +28,8 @@ from ..waiting_room import (
     parking_now,
 )
 from . import reporting  # noqa: F401 -- registers the semaphore_requests inspect command
+from .claim import GATE_HEADERS
 from .step import SemaphoreStep
-from .waiter import GATE_HEADERS
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,7 @@ once per process (at most :data:`MAX_NAMES` of them).
 from __future__ import annotations
 
 import logging
-import threading
-from typing import Any, Dict, List, Set, Union
+from typing import Any, Callable, Dict, List, Set, Union
 
 from ..backends.base import Attempt, Backend, MultiAttempt
 from ..guards import Guard, Guards, guarded_tasks
@@ -29,12 +28,18 @@ MAX_NAMES = 10_000
 
 class LimitWatch:
     """Looks at the limit in force of each name once, and logs a difference (module docs).
-    Thread-safe; :meth:`saw` costs nothing unless an attempt shows a difference."""
+    :meth:`saw` runs on the gate's loop thread and costs nothing unless an attempt shows a
+    difference; the look itself (a status read) goes to ``run_io``, and an unknown name is
+    given back to the loop (``post``) to be looked at again later."""
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend,
+                 run_io: Callable[..., Any] = lambda fn, *args: fn(*args),
+                 post: Callable[..., Any] = lambda fn, *args: fn(*args)) -> None:
         self.backend = backend
-        self._seen: Set[str] = set()
-        self._lock = threading.Lock()
+        self.run_io = run_io
+        self.post = post
+        #: names looked at, or being looked at (the loop thread's)
+        self._asked: Set[str] = set()
 
     def at_start(self, app: Any) -> None:
         """Look at the plain names (no template) of every guarded task of ``app``; warn when
@@ -55,12 +60,14 @@ class LimitWatch:
                     "celery-semaphore: semaphore %r: tasks declare different limits (%s): the "
                     "one that runs last sets the limit in force; declare one limit (e.g. in "
                     "semaphore_limits)", name, which)
-            self.look(name, max(by_limit))
+            if name not in self._asked:
+                self._asked.add(name)
+                self._look(name, max(by_limit))
 
     def saw(self, guard: Guard, attempt: Union[Attempt, MultiAttempt]) -> None:
-        """After an acquire attempt of ``guard``: look at each name whose limit in force (as
-        the attempt reports it) is not the declared one. Never raises: only a log line is at
-        stake, on the thread that makes the worker's backend calls."""
+        """After an acquire attempt of ``guard`` (loop thread): look, on the I/O thread, at
+        each name whose limit in force (as the attempt reports it) is not the declared one.
+        Never raises: only a log line is at stake."""
         try:
             self._saw(guard, attempt)
         except Exception:
@@ -73,26 +80,22 @@ class LimitWatch:
                     attempt.limit if attempt.blocking == name else None)
             else:
                 in_force = attempt.limit
-            if in_force is not None and in_force != declared and name not in self._seen:
-                self.look(name, declared)
+            if (in_force is not None and in_force != declared and name not in self._asked
+                    and len(self._asked) < MAX_NAMES):
+                self._asked.add(name)
+                self.run_io(self._look, name, declared)
 
-    def look(self, name: str, declared: int) -> None:
-        """Read ``name``'s status once and log a difference from ``declared``. An unknown
-        name is looked at again later (its first acquire creates it)."""
-        with self._lock:
-            if name in self._seen or len(self._seen) >= MAX_NAMES:
-                return
+    def _look(self, name: str, declared: int) -> None:
+        """Read ``name``'s status and log a difference from ``declared``. An unknown name
+        (or one whose status cannot be read now) is looked at again later."""
         try:
             status = self.backend.status(name)
         except Exception as exc:  # only a log line is at stake
             logger.debug("celery-semaphore: no status of %r to compare limits: %s", name, exc)
-            return
+            status = None
         if status is None:
+            self.post(self._asked.discard, name)
             return
-        with self._lock:
-            if name in self._seen:
-                return
-            self._seen.add(name)
         if status.limit == declared:
             return
         if status.pinned:

@@ -28,8 +28,8 @@ from ..guards import Guard
 from ..signals import task_skipped
 from ..states import SKIPPED_EVENT, SKIPPED_REASON, WAITING
 from . import celery_internals
+from .claim import Claim, State
 from .context import GateContext
-from .waiter import Waiter, WaitState
 
 logger = logging.getLogger(__name__)
 
@@ -44,21 +44,19 @@ class Outcomes:
     """See the module docstring. ``waiting``, ``fail`` and ``skip`` are called on the loop
     thread; the writes run on the I/O thread."""
 
-    def __init__(self, ctx: GateContext, capacity_changed: Callable[[], None]) -> None:
+    def __init__(self, ctx: GateContext) -> None:
         self.ctx = ctx
-        #: told when a request it settled frees what counted as a busy process
-        self.capacity_changed = capacity_changed
 
-    def waiting(self, waiter: Waiter, fields: Dict[str, Any], parked: bool = False) -> None:
-        """Write ``WAITING`` with ``fields`` for ``waiter`` (unless its task ignores results)."""
-        if not waiter.request.ignore_result:
-            self.ctx.io.call(self._write_waiting, waiter, fields, parked)
+    def waiting(self, claim: Claim, fields: Dict[str, Any], parked: bool = False) -> None:
+        """Write ``WAITING`` with ``fields`` for ``claim`` (unless its task ignores results)."""
+        if not claim.request.ignore_result:
+            self.ctx.io.call(self._write_waiting, claim, fields, parked)
 
-    def _write_waiting(self, waiter: Waiter, fields: Dict[str, Any],
+    def _write_waiting(self, claim: Claim, fields: Dict[str, Any],
                        parked: bool) -> None:  # I/O thread
-        if not parked and waiter.state not in (WaitState.LINED, WaitState.QUEUED):
+        if not parked and claim.state not in (State.LINED, State.QUEUED):
             return  # it left: it may run, or have run, and stored a later state
-        request = waiter.request
+        request = claim.request
         backend = request.task.backend
         if not stores_results(backend):
             return
@@ -123,9 +121,6 @@ class Outcomes:
     def _settle(self, request: Any) -> None:  # loop thread
         request.acknowledge()
         celery_internals.task_ready(request)
-        # it counted as a busy process until now (Celery's reserved requests): waiters in
-        # the line may have one now
-        self.capacity_changed()
 
     def parked_outcome(self, task_id: str, task_name: str, outcome: str,
                        exc: Optional[BaseException]) -> None:

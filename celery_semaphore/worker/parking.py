@@ -9,7 +9,7 @@ messages, so parked tasks are exactly as durable as queued ones.
 
 Only semaphores with a backlog use it. A guarded request is admitted the plain way (one
 acquire); only when the backend answers "wait" (its semaphore is full, others queue) and this
-worker already holds its share of that semaphore's waiters (``SHARE_PER_PROCESS`` per pool
+worker already holds its share of that semaphore's waiters (``core.SHARE_PER_PROCESS`` per pool
 process, ``semaphore_worker_max_waiting`` in all), or it waited past
 ``semaphore_worker_max_hold``, is it copied to its lane's parking queue, and the original
 acked once the copy is published (at-least-once: a kill in between leaves both, never
@@ -40,7 +40,7 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
-from typing import Any, Deque, Dict, List, Optional, Set, Tuple
+from typing import Any, Deque, Dict, Iterable, List, Optional, Protocol, Set, Tuple
 
 from celery.worker.control import control_command
 from kombu import Producer, Queue
@@ -61,9 +61,8 @@ from ..waiting_room import (
     semaphore_of,
 )
 from . import celery_internals
-from .admission import Admission
+from .claim import Claim
 from .context import GateContext
-from .core import How
 from .headers import lane_or_none
 from .lane_guards import SETTLE, LaneBusy, LaneGuards
 from .lanes import (
@@ -82,12 +81,9 @@ from .reporting import Reporting
 from .requeue import Requeue, publish_copy
 from .settlements import EVERY_MESSAGE, Settle, Settlements
 from .tally import Tally
-from .waiter import Waiter
 
 logger = logging.getLogger(__name__)
 
-#: Requests of one semaphore a worker holds waiting, per pool process.
-SHARE_PER_PROCESS = 2
 #: Parked tasks a worker remembers, to announce their revocation or max-wait failure while
 #: they are parked (the oldest are forgotten first; they are still judged when pulled).
 MAX_TRACKED = 100_000
@@ -95,6 +91,22 @@ MAX_TRACKED = 100_000
 BUSY_RETRY = 1.0
 #: Seconds after a lane was proven empty before its parking queue is deleted (AMQP).
 DELETE_AFTER = 2.0
+
+
+class Line(Protocol):
+    """What the waiting room asks of the requests waiting in the worker (the gate's core)."""
+
+    def room(self, name: str) -> int:
+        """How many more requests of ``name`` this worker should hold waiting."""
+
+    def pump(self) -> None:
+        """Something changed that may let the line move."""
+
+    def waiting(self) -> Iterable[Claim]:
+        """The requests waiting in this worker."""
+
+    def let_go(self, claims: List[Claim]) -> None:
+        """These waiting requests' messages are back in the broker already: they leave."""
 
 
 @dataclass
@@ -120,7 +132,7 @@ class ParkingLot:
         self.requeue = requeue
         self.reporting = reporting
         #: the line of waiting requests this room refills (:meth:`serve`)
-        self.line: Admission
+        self.line: Line
         # loop thread
         #: the doorbells held, by lane and semaphore, and the pulls on their way: decisions
         self.book = LaneBook(_LaneSurroundings(self))
@@ -143,7 +155,7 @@ class ParkingLot:
         self._unsettled: Counter[str] = Counter()
         self._unsettled_lock = threading.Lock()
 
-    def serve(self, line: Admission) -> None:
+    def serve(self, line: Line) -> None:
         """Refill ``line`` (each needs the other: the line parks here, the room reads the
         line's counts and hands it what it pulls). Called once, before the gate starts."""
         self.line = line
@@ -159,38 +171,31 @@ class ParkingLot:
         reserved)."""
         return sum(self.parking.values())
 
-    def room(self, name: str, waiting_of_name: Optional[int] = None,
-             waiting: Optional[int] = None) -> int:
-        """How many more requests of ``name`` this worker should hold waiting, counting those
-        it is pulling: what it can start soon (:data:`SHARE_PER_PROCESS` per pool process),
-        within ``semaphore_worker_max_waiting`` in all. The rest wait in the parking queue,
-        where any worker with room takes them, and a hot semaphore does not crowd out the
-        others."""
-        admission = self.line
-        if waiting_of_name is None:
-            waiting_of_name = admission.count(name)
-        if waiting is None:
-            waiting = len(admission)
-        share = (SHARE_PER_PROCESS * admission.pool_size() - waiting_of_name
-                 - sum(self.pulling.get(lane, 0) for lane in self.lanes.get(name, ())))
-        total = (self.ctx.settings.worker_max_waiting - waiting
-                 - sum(self.pulling.values()))
-        return min(share, total)
+    def room(self, name: str) -> int:
+        """How many more requests of ``name`` this worker should hold waiting (the core's
+        rule: :meth:`.WorkerCore.room`)."""
+        return self.line.room(name)
 
-    def park(self, waiter: Waiter, why: str) -> None:
-        """Park ``waiter``, which left the core (:attr:`.How.PARK`), in its lane (its message
+    def pulling_counts(self, name: str) -> Tuple[int, int]:
+        """Requests being pulled: of semaphore ``name`` (from every lane of it), and in all."""
+        pulling = self.pulling
+        return (sum(pulling.get(lane, 0) for lane in self.lanes.get(name, ())),
+                sum(pulling.values()))
+
+    def park(self, claim: Claim, why: str) -> None:
+        """Park ``claim``, which left the core (:attr:`.How.PARK`), in its lane (its message
         is acked once the parked copy is published, and a doorbell rung for the lane)."""
-        queue = celery_internals.consumed_queue(self.ctx.consumer, waiter.request)
+        queue = celery_internals.consumed_queue(self.ctx.consumer, claim.request)
         if queue is None:  # no lane whose doorbell would reach the workers of its queue
-            self.requeue.requeue(waiter)
+            self.requeue.requeue(claim)
             return
-        lane = lane_of(waiter.guard.name, waiter.guard.fair, queue.name)
+        lane = lane_of(claim.guard.name, claim.guard.fair, queue.name)
         self.parking[lane] = self.parking.get(lane, 0) + 1
-        self.ctx.in_transit.add(waiter.request.message.delivery_tag)
-        logger.debug("celery-semaphore: parking %s (%s)", waiter.request.id, why)
+        self.ctx.in_transit.add(claim.request.message.delivery_tag)
+        logger.debug("celery-semaphore: parking %s (%s)", claim.request.id, why)
         # stored before the copy exists: never after it ran
-        self.reporting.waiting(waiter, None, waiter.guard.limit, parked=True)
-        self.ctx.io.call(self._park, waiter, lane, queue)
+        self.reporting.waiting(claim, None, claim.guard.limit, parked=True)
+        self.ctx.io.call(self._park, claim, lane, queue)
 
     def dropped_by_pool(self, request: Any) -> None:
         """The pool's flush on a broker reconnect dropped ``request``'s job (loop thread). If
@@ -203,13 +208,13 @@ class ParkingLot:
                 self.ctx.consumer) and celery_internals.redis_qos(channel) is not None):
             self.settlements.later(message.delivery_tag, Settle.REQUEUE)
 
-    def give_back(self, waiter: Waiter) -> None:
-        """The consumer stops with ``waiter``, pulled from the waiting room, still waiting:
+    def give_back(self, claim: Claim) -> None:
+        """The consumer stops with ``claim``, pulled from the waiting room, still waiting:
         its message goes back to the parking queue (a reject on the parking channel; after a
         lost connection :meth:`reset` has put it back already, and the reject on the closed
         channel does nothing). The lane's doorbell goes back with the consumer's channel."""
-        waiter.request.acknowledged = True  # settled here, not on the consumer's channel
-        message = waiter.request.message
+        claim.request.acknowledged = True  # settled here, not on the consumer's channel
+        message = claim.request.message
         self.ctx.io.call(self._reject, message, (message.headers or {}).get(PARKED_HEADER))
 
     @property
@@ -279,28 +284,28 @@ class ParkingLot:
         already)."""
         return self.book.let_go_of_all()
 
-    def parked(self, waiter: Waiter, lane: str, published: bool) -> None:
+    def parked(self, claim: Claim, lane: str, published: bool) -> None:
         self.parking[lane] -= 1
         if not self.parking[lane]:
             del self.parking[lane]
-        request = waiter.request
+        request = claim.request
         if not published:  # what the waiting room cannot take goes the requeue way
-            self.requeue.requeue(waiter)
+            self.requeue.requeue(claim)
             return
         self.ctx.in_transit.discard(request.message.delivery_tag)
         request.acknowledge()
         celery_internals.task_ready(request)
         self.parked_total[semaphore_of(lane)] += 1
         self.tally.add(semaphore_of(lane), "parked_worker")
-        self._track(waiter)
+        self._track(claim)
         self.line.pump()
 
     # -- parked tasks revoked or past semaphore_max_wait (loop thread) ------------------------
 
-    def _track(self, waiter: Waiter) -> None:
-        request, settings = waiter.request, waiter.guard.settings
-        deadline = None if settings.max_wait is None else waiter.first_wait + settings.max_wait
-        task = ParkedTask(request.id, request.name, waiter.guard.name, request.stamps or None,
+    def _track(self, claim: Claim) -> None:
+        request, settings = claim.request, claim.guard.settings
+        deadline = None if settings.max_wait is None else claim.first_wait + settings.max_wait
+        task = ParkedTask(request.id, request.name, claim.guard.name, request.stamps or None,
                           deadline)
         self.tracked[request.id] = task
         if deadline is not None:
@@ -430,35 +435,33 @@ class ParkingLot:
         each goes back to its queue through :class:`.Settlements` once the broker answers
         (AMQP requeued them as the connection closed). Then every held lane is pulled again,
         and proven empty anew before its doorbell goes."""
-        admission = self.line
-        let_go = [w for w in admission.waiters.values()
-                  if w.pulled and getattr(w.request.message, "channel", None) is channel]
+        let_go = [c for c in self.line.waiting()
+                  if c.pulled and getattr(c.request.message, "channel", None) is channel]
         redis = celery_internals.redis_qos(channel) is not None
-        for waiter in let_go:
-            admission.leave(waiter, How.LET_GO)
-            if redis:
-                self.settlements.later(waiter.request.message.delivery_tag,
-                                            Settle.REQUEUE)
+        self.line.let_go(let_go)
+        if redis:
+            for claim in let_go:
+                self.settlements.later(claim.request.message.delivery_tag, Settle.REQUEUE)
         if let_go:
             logger.info("celery-semaphore: %d tasks that were waiting when the broker "
                         "connection was lost go back to their queue%s", len(let_go),
                         " once the broker answers" if redis else "")
         self._rearm()
 
-    def _park(self, waiter: Waiter, lane: str, queue: Queue) -> None:
-        """Publish ``waiter``'s parked copy (I/O thread), its lane's doorbell first (at most one
+    def _park(self, claim: Claim, lane: str, queue: Queue) -> None:
+        """Publish ``claim``'s parked copy (I/O thread), its lane's doorbell first (at most one
         every :data:`DOORBELL_EVERY` per lane from this worker: a worker that took the last one
         looks again :data:`RECHECK_AFTER` later): a doorbell the broker does not take leaves
         nothing parked (the request is requeued instead), never a copy nobody rings for."""
         try:
             self._ring_first(lane)
-            delivery = waiter.request.delivery_info or {}
+            delivery = claim.request.delivery_info or {}
             route = [delivery.get("exchange") or "", delivery.get("routing_key")]
             for _ in range(3):
                 parking = self._declared_queue(lane)
                 self._returned.clear()
-                publish_copy(self._producer(), waiter.request, "", parking.name,
-                             {PARKED_HEADER: lane, FIRST_WAIT_HEADER: waiter.first_wait,
+                publish_copy(self._producer(), claim.request, "", parking.name,
+                             {PARKED_HEADER: lane, FIRST_WAIT_HEADER: claim.first_wait,
                               PARKED_BY_HEADER: "worker", ROUTE_HEADER: route,
                               "eta": None},  # it was due already
                              delivery_mode=2, mandatory=True)
@@ -469,13 +472,13 @@ class ParkingLot:
                 raise RuntimeError(f"the broker returned the parked copy three times "
                                    f"(parking queue {parking.name})")
         except Exception as exc:
-            self._lost(exc, f"parking {waiter.request.id}, requeueing it")
-            self.ctx.loop.post(self.parked, waiter, lane, False)
+            self._lost(exc, f"parking {claim.request.id}, requeueing it")
+            self.ctx.loop.post(self.parked, claim, lane, False)
             return
-        self.ctx.loop.post(self._parked_then_ring, waiter, lane, queue)
+        self.ctx.loop.post(self._parked_then_ring, claim, lane, queue)
 
-    def _parked_then_ring(self, waiter: Waiter, lane: str, queue: Queue) -> None:
-        self.parked(waiter, lane, True)
+    def _parked_then_ring(self, claim: Claim, lane: str, queue: Queue) -> None:
+        self.parked(claim, lane, True)
         # held here: a pull begun from now on must find the copy (otherwise its doorbell was
         # rung before the copy was published: _park)
         self._run(self.book.rung_here(lane))

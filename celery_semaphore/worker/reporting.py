@@ -11,9 +11,9 @@ from typing import Any, Dict, Iterable, Mapping, Optional, Protocol
 from celery.worker.control import inspect_command
 
 from ..states import WAITING_EVENT
+from .claim import Claim, State
 from .context import GateContext
 from .outcomes import Outcomes
-from .waiter import Waiter, WaitState
 
 logger = logging.getLogger(__name__)
 
@@ -23,25 +23,25 @@ class Reporting:
         self.ctx = ctx
         self.outcomes = outcomes
 
-    def waiting(self, waiter: Waiter, position: Optional[int], limit: Any,
+    def waiting(self, claim: Claim, position: Optional[int], limit: Any,
                 parked: bool = False) -> None:
-        """``waiter`` waits at ``position`` of the backend's queue, or in the parking queue:
+        """``claim`` waits at ``position`` of the backend's queue, or in the parking queue:
         announce it (loop). A request under several semaphores: ``semaphore`` is the one whose
         queue it waits in, ``semaphores`` lists them all."""
-        fields = {"semaphore": waiter.blocking or waiter.guard.name, "limit": limit,
-                  "position": position, "attempt": waiter.requeues + 1}
-        if waiter.guard.multi:
-            fields["semaphores"] = list(waiter.guard.names)
-        if waiter.waits_for is not None:  # slots, units (costs in play) or rate
-            fields["waits_for"] = waiter.waits_for
-        if waiter.guard.cost != 1:
-            fields["cost"] = waiter.guard.cost
-        if waiter.guard.priority:
-            fields["priority"] = waiter.guard.priority
+        fields = {"semaphore": claim.blocking or claim.guard.name, "limit": limit,
+                  "position": position, "attempt": claim.requeues + 1}
+        if claim.guard.multi:
+            fields["semaphores"] = list(claim.guard.names)
+        if claim.waits_for is not None:  # slots, units (costs in play) or rate
+            fields["waits_for"] = claim.waits_for
+        if claim.guard.cost != 1:
+            fields["cost"] = claim.guard.cost
+        if claim.guard.priority:
+            fields["priority"] = claim.guard.priority
         if parked:
             fields["parked"] = True
-        waiter.request.send_event(WAITING_EVENT, **fields)
-        self.outcomes.waiting(waiter, fields, parked)
+        claim.request.send_event(WAITING_EVENT, **fields)
+        self.outcomes.waiting(claim, fields, parked)
 
     def revoked_parked(self, task_id: str, task_name: str) -> None:
         """A parked task was revoked: announce it now, as Celery does for a request it holds
@@ -65,30 +65,29 @@ class Reporting:
             dispatcher.send(kind, uuid=task_id, **fields)
 
 
-def snapshot(waiters: Iterable[Waiter], held: Iterable[Any], parked: Mapping[str, int],
+def snapshot(waiting: Iterable[Claim], held: Iterable[Claim], parked: Mapping[str, int],
              pulled: Mapping[str, int]) -> Dict[str, Any]:
     """What ``celery semaphore workers`` shows of one worker: the requests it holds waiting,
-    those that run holding a slot (:class:`.Held`), and per semaphore the requests it parked
-    and pulled back since it started. The caller holds the gate's lock."""
+    those that run holding a slot, and per semaphore the requests it parked and pulled back
+    since it started. Loop thread."""
     return {
         "waiting": [
             {"id": w.request.id, "task": w.request.name,
              "semaphore": w.blocking or w.guard.name,
              "semaphores": list(w.guard.names),
-             "position": w.position, "queued": w.state is WaitState.QUEUED,
+             "position": w.position, "queued": w.state is State.QUEUED,
              "waits_for": w.waits_for, "cost": w.guard.cost,
              "priority": w.guard.priority,
              "waited": round(time.monotonic() - w.entered, 3),
              "requeues": w.requeues}
-            for w in waiters
+            for w in waiting
         ],
         "held": [
-            {"id": h.request.id, "task": h.request.name, "semaphore": h.lease.name,
+            {"id": h.request.id, "task": h.request.name, "semaphore": h.guard.name,
              "semaphores": list(h.guard.names),
-             "holder": h.lease.holder, "token": str(h.lease.token),
-             "tokens": {name: str(lease.token) for name, lease in
-                        getattr(h.lease, "leases", {h.lease.name: h.lease}).items()}}
-            for h in held
+             "holder": h.holder, "token": str(next(iter(h.grants.values())).token),
+             "tokens": {name: str(grant.token) for name, grant in h.grants.items()}}
+            for h in held if h.guarded and h.grants
         ],
         "parked": dict(parked),
         "pulled": dict(pulled),

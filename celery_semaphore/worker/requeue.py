@@ -8,23 +8,23 @@ from __future__ import annotations
 import logging
 import random
 from datetime import datetime, timedelta, timezone
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Dict, Optional
 
 from ..waiting_room import FIRST_WAIT_HEADER, PARKED_BY_HEADER, PARKED_HEADER, ROUTE_HEADER
 from . import celery_internals
+from .claim import Claim
 from .context import GateContext
 from .headers import REQUEUES_HEADER
 from .tally import Tally
-from .waiter import Waiter
 
 logger = logging.getLogger(__name__)
 
 
-def backoff(waiter: Waiter) -> float:
+def backoff(claim: Claim) -> float:
     """Seconds until the requeued copy is due: ``semaphore_retry_backoff`` doubling per
     requeue up to ``semaphore_retry_backoff_max``, with jitter if ``semaphore_retry_jitter``."""
-    settings = waiter.guard.settings
-    delay: float = min(settings.retry_backoff * 2 ** min(waiter.requeues, 64),
+    settings = claim.guard.settings
+    delay: float = min(settings.retry_backoff * 2 ** min(claim.requeues, 64),
                        settings.retry_backoff_max)
     if settings.retry_jitter:
         delay = random.uniform(delay / 2, delay)
@@ -51,51 +51,47 @@ def publish_copy(producer: Any, request: Any, exchange: str, routing_key: Option
 
 
 class Requeue:
-    def __init__(self, ctx: GateContext, tally: Tally,
-                 capacity_changed: Callable[[], None]) -> None:
+    def __init__(self, ctx: GateContext, tally: Tally) -> None:
         self.ctx = ctx
         self.tally = tally
-        #: told when a requeued request no longer counts as a busy process
-        self.capacity_changed = capacity_changed
 
-    def requeue(self, waiter: Waiter) -> None:
-        """Publish a copy of the message of ``waiter`` (which left the core) with a backoff
+    def requeue(self, claim: Claim) -> None:
+        """Publish a copy of the message of ``claim`` (which left the core) with a backoff
         ETA, then ack the original (loop). Only for what the waiting room cannot take (the
         broker refused the parked copy, no lane for its queue, a priority request held past
         ``semaphore_worker_max_hold``)."""
-        countdown = backoff(waiter)
-        self.ctx.in_transit.add(waiter.request.message.delivery_tag)
+        countdown = backoff(claim)
+        self.ctx.in_transit.add(claim.request.message.delivery_tag)
         logger.warning("celery-semaphore: requeueing %s with a backoff of %.2fs: the waiting "
-                       "room could not take it", waiter.request.id, countdown)
-        self.ctx.io.call(self._republish, waiter, countdown)
+                       "room could not take it", claim.request.id, countdown)
+        self.ctx.io.call(self._republish, claim, countdown)
 
-    def _republish(self, waiter: Waiter, countdown: float) -> None:  # I/O thread
-        request = waiter.request
+    def _republish(self, claim: Claim, countdown: float) -> None:  # I/O thread
+        request = claim.request
         delivery = request.delivery_info or {}
         eta = (datetime.now(timezone.utc) + timedelta(seconds=countdown)).isoformat()
         try:
             with self.ctx.app.producer_or_acquire() as producer:
                 publish_copy(producer, request, delivery.get("exchange") or "",
                              delivery.get("routing_key"),
-                             {REQUEUES_HEADER: waiter.requeues + 1,
-                              FIRST_WAIT_HEADER: waiter.first_wait, "eta": eta,
+                             {REQUEUES_HEADER: claim.requeues + 1,
+                              FIRST_WAIT_HEADER: claim.first_wait, "eta": eta,
                               # a pulled request's copy goes to its task queue: unparked
                               PARKED_HEADER: None, PARKED_BY_HEADER: None, ROUTE_HEADER: None},
                              retry=True, retry_policy={"max_retries": 3})
         except Exception as exc:
             logger.warning("celery-semaphore: requeue of %s failed, rejecting for redelivery: %s",
                            request.id, exc)
-            self.ctx.loop.post(self._settle, waiter, False)
+            self.ctx.loop.post(self._settle, claim, False)
             return
-        self.ctx.loop.post(self._settle, waiter, True)
+        self.ctx.loop.post(self._settle, claim, True)
 
-    def _settle(self, waiter: Waiter, republished: bool) -> None:
-        request = waiter.request
+    def _settle(self, claim: Claim, republished: bool) -> None:
+        request = claim.request
         self.ctx.in_transit.discard(request.message.delivery_tag)
         if republished:
-            self.tally.add(waiter.guard.name, "requeued")
+            self.tally.add(claim.guard.name, "requeued")
             request.acknowledge()
         else:
             request.reject(requeue=True)
         celery_internals.task_ready(request)
-        self.capacity_changed()  # it counted as a busy process until now

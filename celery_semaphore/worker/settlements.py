@@ -37,7 +37,7 @@ from typing import Any, Callable, Container, Dict, List, Optional
 
 from . import celery_internals
 from .context import GateContext
-from .threads import RETRY_FIRST, RETRY_MAX
+from .core import RETRY_FIRST, RETRY_MAX
 
 logger = logging.getLogger(__name__)
 

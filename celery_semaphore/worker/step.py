@@ -58,7 +58,7 @@ class SemaphoreStep(bootsteps.StartStopStep):
         else:
             if not self.limits_checked:  # a pinned limit this worker's code disagrees with
                 self.limits_checked = True
-                self.gate.admission.limits.at_start(consumer.app)
+                self.gate.limits.at_start(consumer.app)
         self.gate.start()
 
     def stop(self, consumer: Any) -> None:
