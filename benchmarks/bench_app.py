@@ -115,3 +115,15 @@ def keyed(key, task, hold):
 def keyed_plain(key, task, hold):
     """W6's baseline: the same task with no semaphore, on the same workers."""
     body(f"{key}/{task}", hold)
+
+
+@app.task(semaphore="wide", limit=1000, shared=False)
+def wide(key, hold):
+    """W9: one semaphore whose limit (1,000) never binds: the gate's cost per task."""
+    body(key, hold)
+
+
+@app.task(shared=False)
+def unguarded(key, hold):
+    """W9's baseline: the same task with no semaphore, on the same workers."""
+    body(key, hold)

@@ -295,13 +295,22 @@ def check_task_class(cls: Any, name: str = "") -> None:
                              run, skip_first=bound)
 
 
+#: The per-call headers that change a call's guard (:func:`check_call_headers`).
+_CALL_HEADERS = frozenset({"semaphore", "semaphore_limit", "semaphore_cost",
+                           "semaphore_priority"})
+
+
 class Guards:
-    """Resolves the guard of each request; caches per-task settings and signatures."""
+    """Resolves the guard of each request; caches per-task settings and signatures, and the
+    guard of a task that no call can change."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self._settings: Dict[str, Settings] = {}
         self._signatures: Dict[str, inspect.Signature] = {}
+        #: task name -> its guard, for a task whose guard no call can change (one plain name,
+        #: nothing filled from the arguments)
+        self._fixed: Dict[str, Optional[Guard]] = {}
 
     def task_settings(self, task: Any) -> Settings:
         cached = self._settings.get(task.name)
@@ -319,11 +328,18 @@ class Guards:
         """The guard of one call, None when unguarded; ConfigurationError when it cannot be
         built (the template names an argument the call lacks, or fills in a bad name)."""
         headers = headers or {}
-        check_call_headers(headers)
+        if not _CALL_HEADERS.intersection(headers):
+            fixed = self._fixed.get(task.name, self)
+            if fixed is not self:
+                return fixed  # type: ignore[return-value]
+        else:
+            check_call_headers(headers)
         option = headers.get("semaphore")
         if option is None:
             option = getattr(task, "semaphore", None)
         if not option:
+            if not _CALL_HEADERS.intersection(headers):
+                self._fixed[task.name] = None
             return None
         settings = self.task_settings(task)
         fair = None
@@ -348,8 +364,13 @@ class Guards:
             )
             pairs[name] = validate_limit(limit, f"limit of semaphore {name!r}")
         (name, limit), *also = pairs.items()
-        return Guard(name, limit, settings, fair, tuple(also),
-                     **self.traffic(task, args, kwargs, headers, settings, fair, pairs))
+        guard = Guard(name, limit, settings, fair, tuple(also),
+                      **self.traffic(task, args, kwargs, headers, settings, fair, pairs))
+        if (not _CALL_HEADERS.intersection(headers) and "{" not in str(option)
+                and settings.fair_by is None and not isinstance(settings.cost, str)
+                and not isinstance(settings.fair_weights, str)):
+            self._fixed[task.name] = guard  # the same for every call of this task
+        return guard
 
     def traffic(self, task: Any, args: Any, kwargs: Any, headers: Dict[str, Any],
                 settings: Settings, fair: Optional[str], pairs: Dict[str, int]

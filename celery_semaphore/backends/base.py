@@ -209,6 +209,9 @@ class Attempt:
     #: What the caller waits for: ``"slots"`` (plain count), ``"units"`` (costs are in play)
     #: or ``"rate"``; None when admitted.
     waits_for: Optional[str] = None
+    #: Admitted: the units of the limit still free after this grant that nobody waits for
+    #: (None: the backend does not say). A hint, as of the grant.
+    free: Optional[int] = None
 
 
 @dataclass(frozen=True)

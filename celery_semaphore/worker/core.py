@@ -470,6 +470,9 @@ class WorkerCore:
         self.woken: Deque[Claim] = deque()
         #: ENDING claims by the pid of the child they wait for
         self.ending: Dict[int, List[Claim]] = {}
+        #: Semaphore name -> units its last grant here left free that nobody waited for
+        #: (:attr:`.Attempt.free`): room to try ahead in (:meth:`_try_ahead`)
+        self.spare: Dict[str, int] = {}
         self.running = True  # False once the worker shuts down: releases go at once
         self._out: List[Command] = []
 
@@ -538,11 +541,11 @@ class WorkerCore:
         # for it too (raising the prefetch), or, beyond this worker's share, goes to the
         # waiting room without asking the backend again.
         full = self.blocked(name) > 0
-        room = self.room(name, self.count(name), len(self.waiters))
         self.waiters[claim.holder] = claim
         _Counts.add(self.counts.waiting, name, 1)
         if full and claim.waits:
-            if room <= 0 and not event.pulled and claim.parks:
+            if (not event.pulled and claim.parks
+                    and self.room(name, self.count(name) - 1, len(self.waiters) - 1) <= 0):
                 return self._exit(claim, How.PARK, why="this worker holds its share already")
             self._announce_lined(claim)
         self._line_up(claim)
@@ -580,8 +583,10 @@ class WorkerCore:
         attempt = answer.attempt
         assert attempt is not None
         if attempt.grant is not None:
+            self._saw_spare(claim, attempt)
             return self._granted(claim, answer.holder, _grants_of(claim, attempt),
                                  _limits_of(claim, attempt), answer.requested_at)
+        self.spare.pop(claim.guard.name, None)
         claim.waited_sent = answer.requested_at  # a pushed grant comes after this reached it
         blocking = getattr(attempt, "blocking", None) or claim.guard.name
         if not claim.waits:  # semaphore_on_full skip or fail: it never queued
@@ -608,10 +613,12 @@ class WorkerCore:
         refusal or an error lines it up again."""
         attempt = answer.attempt
         if attempt is not None and attempt.grant is not None:
+            self._saw_spare(claim, attempt)
             return self._start(claim, answer.holder, _grants_of(claim, attempt),
                                _limits_of(claim, attempt), answer.requested_at)
         if isinstance(answer.error, ConfigurationError):
             return self._exit(claim, How.FAIL, error=answer.error)
+        self.spare.pop(claim.guard.name, None)
         claim.tried_ahead = True
         self._move(claim, State.LINED)
         # back where it was: behind those that tried ahead before it, ahead of the rest
@@ -620,6 +627,16 @@ class WorkerCore:
                       or (c.guard.priority == priority and not c.tried_ahead)),
                      len(self.line))
         self.line.insert(index, claim)
+
+    def _saw_spare(self, claim: Claim, attempt: Union[Attempt, MultiAttempt]) -> None:
+        free = getattr(attempt, "free", None)
+        name = claim.guard.name
+        if free is None or claim.guard.multi:
+            self.spare.pop(name, None)
+            return
+        if len(self.spare) >= 10_000:  # a template's keys: keep the recent ones
+            self.spare.clear()
+        self.spare[name] = free
 
     def _woken(self, event: Woken) -> None:
         claim = event.claim
@@ -825,21 +842,30 @@ class WorkerCore:
 
     def _try_ahead(self, free: int) -> None:
         """Tries ahead (class docstring) for the first lined requests that may make one, as
-        many as the lookahead leaves room for."""
-        room = self.surroundings.lookahead() + free - self.trying - self.trying_ahead
-        if room <= 0 or not self.line:
+        many as the lookahead leaves room for: :meth:`Surroundings.lookahead`, or as many as
+        the pool has processes for a semaphore whose last grant left at least that many
+        units free that nobody waited for (holding them ahead keeps nobody from a slot)."""
+        base = self.surroundings.lookahead()
+        if base <= 0 or not self.line:
+            return
+        size = self.surroundings.pool_size()
+        in_flight = self.trying + self.trying_ahead
+        room, wide = base + free - in_flight, max(base, size) + free - in_flight
+        if wide <= 0:
             return
         counts = self.counts
         for claim in list(self.line):
             name = claim.guard.name
+            plenty = self.spare.get(name, 0) >= size
             if (claim.tried_ahead or not claim.waits or claim.guard.priority > 0
-                    or name in counts.blocked or name in counts.queued or name in counts.ahead):
+                    or name in counts.blocked or name in counts.queued
+                    or (not plenty and (room <= 0 or name in counts.ahead))):
                 continue
             self.line.remove(claim)
             self._move(claim, State.AHEAD)
             self._send(claim, ahead=True)
-            room -= 1
-            if room <= 0:
+            room, wide = room - 1, wide - 1
+            if wide <= 0:
                 return
 
     def _send(self, claim: Claim, delay: float = 0.0, ahead: bool = False) -> None:

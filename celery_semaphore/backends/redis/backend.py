@@ -86,6 +86,9 @@ from ..base import (
     DEFAULT_WAITER_TTL,
     EMPTY_TTL,
     LISTENER_RETRY_FIRST,
+    PRIORITY_KEY,
+    RATE_KEY,
+    WEIGHT_KEY,
     Abandon,
     Acquire,
     AcquireAll,
@@ -134,6 +137,10 @@ _CLUSTER = (redis.exceptions.AskError, redis.exceptions.ClusterDownError,
 _FAILOVER = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ReadOnlyError,
              redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError,
              redis.exceptions.AskError, redis.exceptions.RedisClusterException)
+
+
+#: The meta keys of the traffic options (their absence: every default).
+_TRAFFIC_KEYS = frozenset({COST_KEY, PRIORITY_KEY, WEIGHT_KEY, RATE_KEY})
 
 
 def _busy(exc: Exception) -> bool:
@@ -222,6 +229,7 @@ class RedisBackend(Backend):
         )
         self._idle_ms = max(1, int(self.idle_ttl * 1000))
         self._channel_prefix = f"{self.key_prefix}wake:"
+        self._key_cache: Dict[str, List[str]] = {}
         self._listen_lock = threading.Lock()
         self._closed = threading.Event()
         self._listener: Optional[threading.Thread] = None
@@ -240,7 +248,13 @@ class RedisBackend(Backend):
         return dict(zip(KEY_SUFFIXES, self._keys(name)))
 
     def _keys(self, name: str) -> List[str]:
-        return [f"{self.key_prefix}{{{name}}}:{suffix}" for suffix in KEY_SUFFIXES]
+        keys = self._key_cache.get(name)
+        if keys is None:
+            if len(self._key_cache) >= 10_000:  # a template's keys: keep the recent ones
+                self._key_cache.clear()
+            keys = self._key_cache[name] = [f"{self.key_prefix}{{{name}}}:{suffix}"
+                                            for suffix in KEY_SUFFIXES]
+        return keys
 
     def _unavailable(self, exc: Exception) -> NoReturn:
         """Raise BackendUnavailable when ``exc`` means Redis cannot serve us now,
@@ -309,7 +323,9 @@ class RedisBackend(Backend):
     def _traffic_argv(meta: Optional[Meta]) -> Tuple[str, List[Any]]:
         """The meta JSON (a cost above 1 first: the scripts read it there) and the traffic
         ARGV of the acquire scripts (scripts/acquire.lua's [12] to [16])."""
-        meta = dict(meta or {})
+        if not meta or not _TRAFFIC_KEYS.intersection(meta):  # (most calls: the defaults)
+            return json.dumps(meta or {}, separators=(",", ":")), [1, 0, 1, "", ""]
+        meta = dict(meta)
         cost = cost_of(meta)
         meta.pop(COST_KEY, None)
         if cost > 1:
@@ -478,10 +494,10 @@ class RedisBackend(Backend):
     def _attempt(self, reply: Any) -> Attempt:
         """An acquire's result from scripts/acquire.lua's reply."""
         if reply[0] == 1:
-            _, slot, epoch, expires, now, current_limit = reply
+            _, slot, epoch, expires, now, current_limit, *free = reply
             return Attempt(
-                Grant(slot, epoch, expires / 1e6, (expires - now) / 1e6), limit=current_limit
-            )
+                Grant(slot, epoch, expires / 1e6, (expires - now) / 1e6), limit=current_limit,
+                free=free[0] if free else None)
         _, position, retry_after, _, current_limit, *rest = reply
         return Attempt(None, limit=current_limit, **self._refused(position, retry_after, rest))
 

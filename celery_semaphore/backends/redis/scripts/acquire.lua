@@ -3,7 +3,8 @@
 -- [14] fair weight, [15] rate interval (us, '' for none), [16] burst (prelude's traffic()); the
 -- last: the start of the caller's process (us), which dates its declared limit (prelude's
 -- declare).
--- Returns {1, slot, epoch, expires, now, limit} when admitted (or already holding), else
+-- Returns {1, slot, epoch, expires, now, limit[, units still free nobody waits for]} when
+-- admitted (or already holding), else
 -- {0, position (-1: not queued), retry_after (us, -1: nobody holds), now, limit,
 -- waits for (0 slots, 1 units, 2 rate), rate due (us, -1: not held back by the rate)}.
 local holder, declared_limit, ttl = ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6])
@@ -53,7 +54,9 @@ if admitted then
   local epoch = grant(holder, slot, tonumber(cfg[2]) or 0, limit, declared_limit, ttl, meta,
     queued, round, count, touched, tr)
   wake(before)
-  return {1, slot, epoch, now + ttl, now, limit}
+  -- the units still free that nobody waits for: a hint for callers that take slots ahead
+  local free = limit - count - 1 - tr.xh - (tr.cost - 1) - redis.call('ZCARD', queue)
+  return {1, slot, epoch, now + ttl, now, limit, free}
 end
 
 redis.call('HSET', config, 'limit', limit, 'd:' .. declared_limit, int(now))

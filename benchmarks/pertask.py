@@ -1,0 +1,209 @@
+"""W9, the gate's cost per task (``../shared/workloads.md``), and the breakdown behind it.
+
+N tasks of ``hold`` seconds on one semaphore whose limit (1,000) never binds, against the same
+tasks unguarded, on the same two workers (x 4 prefork, Redis broker), in rounds of alternating
+order (unguarded first in odd rounds, guarded first in even ones). Per round and kind:
+
+* makespan (first send to the last body's end, from the probe file the bodies write) and
+  throughput; ``vs_unguarded`` = unguarded makespan / guarded makespan of the same round pair;
+* the workers' main processes (every thread): CPU seconds per 1,000 tasks (``/proc/<pid>/stat``)
+  and context switches per task, voluntary and not, summed over their threads
+  (``/proc/<pid>/task/*/status``), with the busiest threads by name;
+* commands per task: on the backend (a Redis server of its own, so that ``INFO commandstats``
+  counts only the semaphore's commands, those run inside scripts included) and on the broker
+  (the shared Redis server's ``INFO commandstats``: other clients of that server count too).
+
+``python -m benchmarks.pertask [--tasks N] [--hold S] [--rounds R] [--profile]``; ``--profile``
+records a py-spy profile of one worker's main process during each guarded round (the flame
+graphs go next to the probe file; ``py-spy`` must be installed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from collections import Counter
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import redis
+
+from benchmarks.workload import _start_worker, broker_url, new_run
+from tests.probe import Probe
+
+HOLD = 0.001
+TASKS = 3000
+
+
+def _stat(pid: int) -> Tuple[float, int]:
+    """(CPU seconds, threads) of process ``pid``, every thread counted."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), int(fields[17])
+
+
+def _switches(pid: int) -> Dict[str, int]:
+    """Context switches per thread name (voluntary + involuntary) of process ``pid``."""
+    out: Counter[str] = Counter()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+        except OSError:
+            continue
+        name = fields["Name"].strip()
+        out[name] += (int(fields["voluntary_ctxt_switches"])
+                      + int(fields["nonvoluntary_ctxt_switches"]))
+    return out
+
+
+def _commands(client: "redis.Redis[Any]") -> Counter:
+    stats = client.info("commandstats")
+    return Counter({key[len("cmdstat_"):]: value["calls"] for key, value in stats.items()})
+
+
+def _snapshot(pids: Sequence[int], backend: Any, broker: Any) -> Dict[str, Any]:
+    switches: Counter[str] = Counter()
+    for pid in pids:
+        switches.update(_switches(pid))
+    return {"cpu": sum(_stat(pid)[0] for pid in pids), "switches": switches,
+            "threads": sum(_stat(pid)[1] for pid in pids),
+            "backend": _commands(backend), "broker": _commands(broker)}
+
+
+def _private_redis() -> Tuple[Any, str, str]:
+    from tests.servers import free_port, start_redis
+
+    port = free_port()
+    workdir = tempfile.mkdtemp(prefix="bench-w9-backend-")
+    proc, _ = start_redis(port, workdir)
+    return proc, f"redis://127.0.0.1:{port}/0", workdir
+
+
+def run(broker: str, tasks: int = TASKS, hold: float = HOLD, rounds: int = 2,
+        profile: bool = False, backend: Optional[str] = None) -> List[Dict[str, Any]]:
+    """W9 rows: one per round and kind, and a summary row per kind (ranges over rounds)."""
+    server, own_backend, workdir = (None, backend, None) if backend else _private_redis()
+    assert own_backend is not None
+    tmp, tag, env, bench_app = new_run("w9", broker, own_backend, 1000)
+    logs = [os.path.join(tmp, f"w{i}.log") for i in (1, 2)]
+    env = dict(env, BENCH_LOGLEVEL="warning")
+    procs = [_start_worker(env, f"w9-{i}", 4, log) for i, log in zip((1, 2), logs)]
+    probe = Probe(env["BENCH_PROBE"])
+    backend_client = redis.Redis.from_url(own_backend)
+    broker_client = redis.Redis.from_url(broker)
+    pids = [p.pid for p in procs]
+    rows: List[Dict[str, Any]] = []
+    try:
+        # warm up both paths (imports, connections, scripts loaded)
+        for kind, task in (("warm-u", "unguarded"), ("warm-g", "wide")):
+            _send_and_wait(bench_app, probe, task, f"{kind}:", 50, hold)
+        for r in range(rounds):
+            order = (("unguarded", "unguarded"), ("guarded", "wide"))
+            if r % 2:
+                order = order[::-1]
+            pair: Dict[str, Dict[str, Any]] = {}
+            for kind, task in order:
+                prefix = f"r{r}{kind[0]}:"
+                before = _snapshot(pids, backend_client, broker_client)
+                spy = _start_profile(pids[0], tmp, f"{kind}-{r}") if profile else None
+                makespan = _send_and_wait(bench_app, probe, task, prefix, tasks, hold)
+                if spy is not None:
+                    _stop_profile(spy)
+                after = _snapshot(pids, backend_client, broker_client)
+                switches = after["switches"] - before["switches"]
+                backend_cmds = after["backend"] - before["backend"]
+                broker_cmds = after["broker"] - before["broker"]
+                row = {"workload": "W9", "round": r, "kind": kind,
+                       "tasks": f"{tasks} x {hold * 1000:g} ms", "makespan_s": round(makespan, 3),
+                       "tasks_per_s": round(tasks / makespan, 1),
+                       "cpu_s_per_1000": round((after["cpu"] - before["cpu"]) * 1000 / tasks, 3),
+                       "switches_per_task": round(sum(switches.values()) / tasks, 2),
+                       "switches_by_thread": {k: round(v / tasks, 2)
+                                              for k, v in switches.most_common(6)},
+                       "threads": after["threads"],
+                       "backend_cmds_per_task": round(sum(backend_cmds.values()) / tasks, 2),
+                       "backend_cmds": {k: round(v / tasks, 2)
+                                        for k, v in backend_cmds.most_common(8)},
+                       "broker_cmds_per_task": round(sum(broker_cmds.values()) / tasks, 2),
+                       "broker_cmds": {k: round(v / tasks, 2)
+                                       for k, v in broker_cmds.most_common(8)}}
+                pair[kind] = row
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+            ratio = pair["unguarded"]["makespan_s"] / pair["guarded"]["makespan_s"]
+            pair["guarded"]["vs_unguarded"] = round(ratio, 3)
+            pair["guarded"]["cpu_vs_unguarded"] = round(
+                pair["guarded"]["cpu_s_per_1000"] / pair["unguarded"]["cpu_s_per_1000"], 3)
+            print(json.dumps({"round": r, "vs_unguarded": pair["guarded"]["vs_unguarded"],
+                              "cpu_vs_unguarded": pair["guarded"]["cpu_vs_unguarded"]}),
+                  flush=True)
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(60)
+        bench_app.app.close()
+        backend_client.close()
+        broker_client.close()
+        if server is not None:
+            server.terminate()
+            server.wait(10)
+            shutil.rmtree(workdir or "", ignore_errors=True)
+    return rows
+
+
+def _send_and_wait(bench_app: Any, probe: Probe, task: str, prefix: str, n: int,
+                   hold: float) -> float:
+    send = bench_app.app.tasks[f"benchmarks.bench_app.{task}"]
+    began = time.monotonic_ns()
+    for i in range(n):
+        send.delay(f"{prefix}{i}", hold)
+    deadline = time.monotonic() + 600
+    mark = f"end {prefix}".encode()
+    while True:  # a cheap count (the probe file is read whole once, at the end)
+        with open(probe.path, "rb") as f:
+            done = f.read().count(mark)
+        if done >= n:
+            break
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"W9 {task}: {done} of {n} ran")
+        time.sleep(0.1)
+    ends = [e for key, runs in probe.intervals().items() if key.startswith(prefix)
+            for _, e in runs if e is not None]
+    return (max(ends) - began) / 1e9
+
+
+def _start_profile(pid: int, tmp: str, label: str) -> Any:
+    out = os.path.join(tmp, f"profile-{label}.txt")
+    return subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--rate", "250",
+                             "--format", "raw", "--output", out, "--nonblocking", "--gil"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), out
+
+
+def _stop_profile(spy: Any) -> None:
+    proc, out = spy
+    proc.send_signal(2)
+    proc.wait(30)
+    print(f"  profile: {out}", flush=True)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.pertask")
+    parser.add_argument("--tasks", type=int, default=TASKS)
+    parser.add_argument("--hold", type=float, default=HOLD)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args(argv)
+    from tests.servers import redis_url
+
+    run(broker_url(redis_url()), args.tasks, args.hold, args.rounds, args.profile)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
