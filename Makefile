@@ -24,7 +24,8 @@ servers:
 PYTEST_JOBS ?= 3
 
 test: $(STAMP) servers docs
-	$(BIN)/ruff check celery_semaphore tests benchmarks chaos example_project
+	$(BIN)/ruff check celery_semaphore tests benchmarks chaos example_project scripts
+	$(BIN)/python scripts/check-negative-waits.py tests
 	$(BIN)/python -m mypy --config-file pyproject.toml
 	$(BIN)/python -m pytest -n $(PYTEST_JOBS) -m "not serial"
 	$(BIN)/python -m pytest -m serial
@@ -62,7 +63,8 @@ chaos: $(STAMP)
 	CHAOS_SECONDS=$(CHAOS_SECONDS) $(BIN)/python -m chaos
 
 lint: $(STAMP)
-	$(BIN)/ruff check celery_semaphore tests benchmarks chaos example_project
+	$(BIN)/ruff check celery_semaphore tests benchmarks chaos example_project scripts
+	$(BIN)/python scripts/check-negative-waits.py tests
 
 typecheck: $(STAMP)
 	$(BIN)/python -m mypy --config-file pyproject.toml
