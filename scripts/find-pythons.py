@@ -8,9 +8,10 @@ go untested in silence.
 
 Where it looks, in order: ``$CS_PYTHON_XY`` when set; every ``pythonX.Y`` on PATH; pyenv's
 versions (``pyenv versions --bare``, the newest patch release ``X.Y.*``, through ``pyenv
-which`` with ``PYENV_VERSION`` set to it, so no ``pyenv global`` is needed). A candidate counts
-only once it has run and said it is X.Y (a pyenv shim of a version not selected fails, and is
-skipped).
+which`` with ``PYENV_VERSION`` set to it, so no ``pyenv global`` is needed; ``pyenv`` from
+PATH, else ``$PYENV_ROOT/bin``, ``~/.pyenv`` by default, for a shell that never ran pyenv's
+init). A candidate counts only once it has run and said it is X.Y (a pyenv shim of a version
+not selected fails, and is skipped).
 
 ``--claimed`` prints the oldest and the newest Python of setup.cfg's classifiers
 (``3.10 3.13``) after checking that ``python_requires`` names the oldest.
@@ -88,6 +89,16 @@ def pyenv_candidates(version: str, pyenv: Optional[str]) -> List[str]:
     return found
 
 
+def pyenv_command() -> Optional[str]:
+    """``pyenv`` on PATH, else in ``$PYENV_ROOT/bin`` (pyenv's default root: ``~/.pyenv``)."""
+    found = shutil.which("pyenv")
+    if found:
+        return found
+    root = os.environ.get("PYENV_ROOT") or os.path.join(os.path.expanduser("~"), ".pyenv")
+    candidate = os.path.join(root, "bin", "pyenv")
+    return candidate if os.access(candidate, os.X_OK) else None
+
+
 def find(version: str, pyenv: Optional[str] = None) -> Tuple[Optional[str], List[str]]:
     """(the interpreter of Python ``version``, or None; where it looked)."""
     looked = []
@@ -101,7 +112,7 @@ def find(version: str, pyenv: Optional[str] = None) -> Tuple[Optional[str], List
             return os.path.abspath(explicit), looked
         return None, looked  # set but wrong: never fall back past what the caller asked for
     looked.append(f"python{version} on PATH")
-    pyenv = pyenv or shutil.which("pyenv")
+    pyenv = pyenv or pyenv_command()
     looked.append("pyenv's versions" if pyenv else "pyenv (not installed)")
     for candidate in on_path(f"python{version}") + pyenv_candidates(version, pyenv):
         if version_of(candidate) == version:
