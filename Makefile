@@ -24,26 +24,31 @@ servers:
 PYTEST_JOBS ?= 3
 
 test: $(STAMP) servers docs
-	$(BIN)/ruff check celery_semaphore tests benchmarks chaos example_project
+	$(BIN)/ruff check celery_semaphore tests benchmarks chaos example_project scripts
+	$(BIN)/python scripts/check-negative-waits.py tests
 	$(BIN)/python -m mypy --config-file pyproject.toml
 	$(BIN)/python -m pytest -n $(PYTEST_JOBS) -m "not serial"
 	$(BIN)/python -m pytest -m serial
 
 # make compat: the worker tests that touch Celery's internals, against every Celery minor that
-# setup.cfg claims (tox.ini: envs celery53 ... celery57, installed from PyPI), COMPAT_JOBS envs
-# at a time; make compat-ci: the oldest and the newest claimed only (.ci/run). Arguments for
-# pytest: make compat COMPAT_ARGS="-x".
-COMPAT_ENVS ?= celery53,celery54,celery55,celery56,celery57
-COMPAT_CI_ENVS ?= celery53,celery57
+# setup.cfg claims (tox.ini: envs celery53 ... celery57, installed from PyPI), and on the oldest
+# and the newest Python it claims (py310-celery53, py313-celery57), COMPAT_JOBS envs at a time;
+# make compat-ci: the oldest and the newest Celery, and both Pythons (.ci/run). The Pythons'
+# interpreters come from scripts/find-pythons.py ($CS_PYTHON_310, PATH, pyenv), which stops
+# the run when one is missing. Arguments for pytest: make compat COMPAT_ARGS="-x".
+COMPAT_PYTHON_ENVS ?= py310-celery53,py313-celery57
+COMPAT_ENVS ?= celery53,celery54,celery55,celery56,celery57,$(COMPAT_PYTHON_ENVS)
+COMPAT_CI_ENVS ?= celery53,celery57,$(COMPAT_PYTHON_ENVS)
 COMPAT_JOBS ?= 2
 COMPAT_ARGS ?=
 TOX_PARALLEL = $(BIN)/tox run-parallel --parallel-live -p $(COMPAT_JOBS)
+WITH_PYTHONS = pythons="$$($(BIN)/python scripts/find-pythons.py $(1))" && eval "$$pythons" &&
 
 compat: $(STAMP) servers
-	$(TOX_PARALLEL) -e $(COMPAT_ENVS) -- $(COMPAT_ARGS)
+	$(call WITH_PYTHONS,$(COMPAT_ENVS)) $(TOX_PARALLEL) -e $(COMPAT_ENVS) -- $(COMPAT_ARGS)
 
 compat-ci: $(STAMP) servers
-	$(TOX_PARALLEL) -e $(COMPAT_CI_ENVS) -- $(COMPAT_ARGS)
+	$(call WITH_PYTHONS,$(COMPAT_CI_ENVS)) $(TOX_PARALLEL) -e $(COMPAT_CI_ENVS) -- $(COMPAT_ARGS)
 
 demo: $(STAMP)
 	$(BIN)/python -m example_project.demo
@@ -62,7 +67,8 @@ chaos: $(STAMP)
 	CHAOS_SECONDS=$(CHAOS_SECONDS) $(BIN)/python -m chaos
 
 lint: $(STAMP)
-	$(BIN)/ruff check celery_semaphore tests benchmarks chaos example_project
+	$(BIN)/ruff check celery_semaphore tests benchmarks chaos example_project scripts
+	$(BIN)/python scripts/check-negative-waits.py tests
 
 typecheck: $(STAMP)
 	$(BIN)/python -m mypy --config-file pyproject.toml

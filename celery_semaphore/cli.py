@@ -14,8 +14,11 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
+import signal
 import sys
 import time
+from types import FrameType
 from typing import (
     IO,
     TYPE_CHECKING,
@@ -661,6 +664,66 @@ def workers(obj: Context, timeout: float, destination: Sequence[str], as_json: b
 # -- monitoring ---------------------------------------------------------------------------
 
 
+#: Longest time the main thread of ``exporter`` and live ``top`` blocks at once. Python runs
+#: signal handlers in the main thread, but the kernel may hand a process's signal to any of
+#: its threads (a scrape's, a backend's): then no wait of the main thread is interrupted, and
+#: the handler runs only when the main thread next runs Python code.
+SIGNAL_CHECK_EVERY = 0.1
+
+
+class _Stopped(Exception):
+    """SIGTERM or SIGINT reached a long-running command (``exporter``, live ``top``)."""
+
+
+class _SignalStop:
+    """SIGTERM, and SIGINT unless it is ignored, stop a long-running command promptly.
+
+    ``with stopper:`` runs the block until one arrives, then leaves it (its ``finally``
+    clauses run) as if it had returned. A signal ignored when the command starts stays
+    ignored: a background job of a non-interactive shell (``make test &``, a CI wrapper)
+    ignores SIGINT, and is stopped with SIGTERM. Later signals are ignored while the command
+    cleans up; :meth:`finish`, after the cleanup, then ends the process at once with status
+    0: a graceful interpreter shutdown with scrapes or reads still running in other threads
+    took seconds on a loaded machine, and nothing is left to save. Without a signal,
+    :meth:`finish` restores the handlers. The main thread only (signal handlers).
+    """
+
+    def __init__(self) -> None:
+        self.signalled = False
+        self._inside = False
+        self._saved: Dict[int, Any] = {}
+
+    def __enter__(self) -> "_SignalStop":
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous = signal.getsignal(sig)
+            if previous is not signal.SIG_IGN:
+                self._saved[sig] = previous
+                signal.signal(sig, self._handle)
+        self._inside = True
+        return self
+
+    def __exit__(self, kind: Any, exc: Any, tb: Any) -> bool:
+        self._inside = False
+        return kind is _Stopped
+
+    def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
+        if not self.signalled:
+            self.signalled = True
+            if self._inside:
+                raise _Stopped(signum)
+
+    def finish(self) -> None:
+        if self.signalled:
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except (OSError, ValueError):
+                    pass
+            os._exit(0)
+        for sig, previous in self._saved.items():
+            signal.signal(sig, previous)
+
+
 def _parked_reader(obj: Context) -> Optional[Callable[[List[str]], Dict[str, int]]]:
     """Parked counts per name from the app's broker; None without an app."""
     if obj.app is None:
@@ -697,14 +760,14 @@ def exporter(obj: Context, port: int, address: str, top_n: Optional[int]) -> Non
 
     One exporter serves the whole cluster: each scrape reads the backend (state and the
     counters it keeps) and, with -A, the broker (parked tasks). Needs prometheus_client
-    (extra [metrics]).
+    (extra [metrics]). Stops on SIGTERM or SIGINT (exit status 0), scrapes in flight or not.
     """
     try:
         import prometheus_client  # noqa: F401
     except ImportError:
         raise click.ClickException("the exporter needs prometheus_client: "
                                    "pip install 'celery-semaphore[metrics]'") from None
-    from .metrics import Collector, Templates, serve
+    from .metrics import Collector, Templates, serve, stop
 
     settings = obj.settings
     collector = Collector(obj.backend, Templates.of_app(obj.app, settings.limits),
@@ -715,11 +778,14 @@ def exporter(obj: Context, port: int, address: str, top_n: Optional[int]) -> Non
         raise click.ClickException(f"cannot listen on {address}:{port}: {exc}") from None
     click.echo(f"serving http://{address}:{server.server_port}/metrics for "
                f"{where(obj.backend)}", err=True)
+    stopper = _SignalStop()
     try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        server.shutdown()
+        with stopper:
+            while True:
+                time.sleep(SIGNAL_CHECK_EVERY)
+    finally:
+        stop(server)
+        stopper.finish()
 
 
 @semaphore.command()
@@ -741,7 +807,8 @@ def top(obj: Context, interval: float, sort: str, pattern: Optional[str], by_tem
         once: bool, as_json: bool) -> None:
     """A live view of every semaphore: limit, held, waiting, parked, wait p50/p99 and grants
     per second, refreshed in place (keys: s sort, r reverse, q quit). Piped, it prints one
-    frame per refresh; --once (or --json) prints one and exits."""
+    frame per refresh; --once (or --json) prints one and exits. Stops on SIGTERM or SIGINT
+    (exit status 0), restoring the terminal."""
     from . import top as view
 
     if not once and not as_json and interval <= 0:
@@ -767,17 +834,22 @@ def top(obj: Context, interval: float, sort: str, pattern: Optional[str], by_tem
     keys = sys.stdin if terminal and sys.stdin.isatty() else None
     live = view.Live(read, backend_where, interval, sort, pattern, by_template, out=stdout,
                      keys=keys)
+    stopper = _SignalStop()
     if keys is None:
-        live.run(terminal)
+        try:
+            with stopper:
+                live.run(terminal)
+        finally:
+            stopper.finish()
         return
     import termios
     import tty
 
     saved = termios.tcgetattr(keys.fileno())
     try:
-        tty.setcbreak(keys.fileno())
-        live.run(terminal)
-    except KeyboardInterrupt:
-        pass
+        with stopper:
+            tty.setcbreak(keys.fileno())
+            live.run(terminal)
     finally:
         termios.tcsetattr(keys.fileno(), termios.TCSADRAIN, saved)
+        stopper.finish()

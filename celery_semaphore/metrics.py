@@ -21,7 +21,9 @@ key of 100,000 would cost as many broker round trips per scrape.
 from __future__ import annotations
 
 import re
+import socket
 import string
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence
@@ -288,10 +290,31 @@ class Collector:
 
 def serve(collector: Collector, port: int, address: str) -> Any:
     """Serve ``/metrics`` for ``collector`` on ``address:port`` (0: any free port) from a
-    daemon thread; return the HTTP server (``server_port``, ``shutdown()``)."""
+    daemon thread; return the HTTP server (``server_port``; :func:`stop` it)."""
     from prometheus_client import CollectorRegistry, start_http_server
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
     server, _thread = start_http_server(port, addr=address, registry=registry)
     return server
+
+
+def stop(server: Any, timeout: float = 1.0) -> None:
+    """Stop ``server`` from :func:`serve` and close its socket, within about ``timeout``
+    seconds. Scrapes in flight go on in their daemon threads. ``shutdown()`` alone returns
+    only once the accept loop next looks, up to half a second later: a connection of our own
+    wakes it at once."""
+    stopper = threading.Thread(target=server.shutdown, daemon=True,
+                               name="celery-semaphore-exporter-stop")
+    stopper.start()
+    host, port = server.server_address[:2]
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    deadline = time.monotonic() + timeout
+    while stopper.is_alive() and time.monotonic() < deadline:
+        try:
+            socket.create_connection((host, port), timeout=0.1).close()
+        except OSError:
+            pass
+        stopper.join(0.02)
+    if not stopper.is_alive():
+        server.server_close()

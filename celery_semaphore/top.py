@@ -23,6 +23,11 @@ from typing import IO, Any, Callable, Dict, List, Optional, Tuple
 
 from .metrics import Row, Snapshot
 
+#: Longest time the refresh loop blocks at once: Python runs signal handlers (SIGTERM,
+#: SIGINT) in the main thread, but the kernel may hand a process's signal to another of its
+#: threads, which interrupts no wait of the main thread.
+WAKE_EVERY = 0.1
+
 #: Sort columns: key -> (header, descending by default).
 SORTS = {"waiting": "WAITING", "held": "HELD", "parked": "PARKED", "grants": "GRANTS/S",
          "p99": "WAIT P99", "name": "NAME"}
@@ -178,18 +183,20 @@ class Live:
                 self.out.flush()
 
     def _wait_keys(self) -> bool:
-        """Sleep one interval, handling keys meanwhile; True on ``q``."""
+        """Sleep one interval, handling keys meanwhile; True on ``q``. Never blocks longer
+        than :data:`WAKE_EVERY` at once (a signal handler waits for the main thread)."""
         deadline = time.monotonic() + self.interval
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
+            step = min(left, WAKE_EVERY)
             if self.keys is None:
-                time.sleep(left)
-                return False
-            ready, _, _ = select.select([self.keys], [], [], left)
+                time.sleep(step)
+                continue
+            ready, _, _ = select.select([self.keys], [], [], step)
             if not ready:
-                return False
+                continue
             key = os.read(self.keys.fileno(), 1).decode(errors="ignore")
             if key in ("q", "Q", "\x03") or key == "":
                 return True

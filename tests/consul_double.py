@@ -93,6 +93,10 @@ class ConsulDouble:
         # query on the prefix at once, and they would otherwise each render the same answer.
         self._answers: Dict[Tuple[int, str, str], Tuple[int, Optional["Encoded"]]] = {}
         self._stopped = threading.Event()
+        #: Blocking queries waiting for a change now, and wake-ups after which one found
+        #: nothing new under its key or prefix and went on waiting (read with ``cond``).
+        self.blocked = 0
+        self.woken_unchanged = 0
 
     # -- life cycle --------------------------------------------------------------------------
 
@@ -245,8 +249,14 @@ class ConsulDouble:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
-                self.cond.wait(left)
+                self.blocked += 1
+                try:
+                    woken = self.cond.wait(left)
+                finally:
+                    self.blocked -= 1
                 index, body = read()
+                if woken and index <= wanted:
+                    self.woken_unchanged += 1
             return index, body
 
     # -- requests ------------------------------------------------------------------------------

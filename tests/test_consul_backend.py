@@ -99,7 +99,7 @@ def test_a_holder_that_stops_renewing_is_pruned_and_its_session_destroyed(consul
     _, keys = client.kv.get(f"{kv_root(prefix)}c/", keys=True)
     assert f"{kv_root(prefix)}c/{session}" in keys  # the contender key
     assert s.try_acquire() is None
-    time.sleep(0.6)
+    time.sleep(0.6)  # sleep-ok: the stale holder's 0.5 s lease runs out unrenewed
     fresh = s.try_acquire()
     assert fresh is not None
     assert client.session.info(session)[1] is None
@@ -115,7 +115,7 @@ def test_sessions_another_process_pruned_are_forgotten(consul_url, prefix):
     try:
         assert ours.acquire("c", "a", limit=1, ttl=0.3, meta={}, wait=False).grant
         [session] = ours.sessions.owned
-        time.sleep(0.4)
+        time.sleep(0.4)  # sleep-ok: our 0.3 s lease runs out unrenewed
         assert theirs.acquire("c", "b", limit=1, ttl=30, meta={}, wait=False).grant  # prunes a
         assert admin(consul_url).session.info(session)[1] is None
         ttl, renewed = ours.sessions.owned[session]
@@ -201,6 +201,13 @@ def test_short_lived_threads_leave_no_connection_open(consul_url, prefix):
     connection limit in a long-lived worker)."""
     from celery_semaphore.backends.consul import http as module
 
+    operator = admin(consul_url)  # one client (one pooled connection) for every look below
+
+    def contenders_left():
+        _, keys = operator.kv.get(f"{kv_root(prefix)}t/", keys=True)
+        return [k for k in keys or [] if not k.endswith("/.lock")]
+
+    assert contenders_left() == []
     fds = len(os.listdir("/proc/self/fd"))
     backend = ConsulBackend(consul_url, key_prefix=prefix, spare_keep=0.05)
     s = Semaphore("t", 1, backend, key_prefix=prefix)
@@ -211,7 +218,8 @@ def test_short_lived_threads_leave_no_connection_open(consul_url, prefix):
         assert wait_until(lambda: s.status().waiting == 1)
         held.release()
         waiter.join(10)
-        time.sleep(0.15)  # the sweeper destroys the spare session
+        # the sweeper destroys the spare sessions (Consul deletes their contender keys)
+        assert wait_until(lambda: contenders_left() == [], timeout=10)
     transport = backend.client.http
     assert len(transport._idle) <= module.MAX_IDLE_CONNECTIONS
     assert len(os.listdir("/proc/self/fd")) < fds + 8  # not one per thread (30 threads ran)
@@ -456,10 +464,12 @@ def test_double_blocking_queries(double):
 
     thread = threading.Thread(target=block)
     thread.start()
-    time.sleep(0.2)
+    assert wait_until(lambda: double.blocked == 1, timeout=5)  # waiting in the double
     assert "answer" not in result
+    woken = double.woken_unchanged
     call(double, "PUT", "/v1/kv/other", b"x")  # outside the prefix: still blocked
-    time.sleep(0.2)
+    # woken by that write, it read its prefix, found nothing new and waits on
+    assert wait_until(lambda: double.woken_unchanged > woken and double.blocked == 1, timeout=5)
     assert "answer" not in result
     written_at = time.monotonic()
     call(double, "PUT", "/v1/kv/w/b", b"2")

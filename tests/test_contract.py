@@ -309,7 +309,7 @@ def test_renew_after_expiry_fails_and_does_not_reacquire(spec):
     sem = spec.semaphore("renew", 1, ttl=0.3)
     lease = sem.acquire()
     assert lease.renew()
-    time.sleep(0.5)
+    time.sleep(0.5)  # sleep-ok: the 0.3 s lease runs out
     assert not lease.valid
     assert lease.renew() is False
     assert lease.lost
@@ -323,7 +323,7 @@ def test_renew_extends_a_live_lease(spec):
     sem = spec.semaphore("extend", 1, ttl=1.2)
     lease = sem.acquire()
     for _ in range(4):
-        time.sleep(0.6)
+        time.sleep(0.6)  # sleep-ok: half the TTL passes between renewals
         assert lease.renew()
     assert lease.verify() and sem.try_acquire() is None
     assert lease.release() is True
@@ -332,7 +332,7 @@ def test_renew_extends_a_live_lease(spec):
 def test_release_after_expiry_returns_false_and_count_stays_right(spec):
     sem = spec.semaphore("late", 1, ttl=0.3)
     stale = sem.acquire()
-    time.sleep(0.5)
+    time.sleep(0.5)  # sleep-ok: the 0.3 s lease runs out
     fresh = sem.acquire(timeout=2)
     assert stale.release() is False
     assert sem.status().held == 1
@@ -347,7 +347,7 @@ def test_auto_renew_keeps_the_lease_and_reports_loss(spec):
     lease = sem.acquire()
     lost = threading.Event()
     lease.on_lost(lambda _lease: lost.set())
-    time.sleep(1.5)
+    time.sleep(1.5)  # sleep-ok: past twice the TTL, only auto-renewal keeps the lease
     assert lease.verify() and not lost.is_set()
     spec.backend().reset("auto")  # an operator wipes the semaphore
     assert lost.wait(2)

@@ -69,6 +69,16 @@ class Flower:
                 return
         raise AssertionError(f"Flower shows no task events: {self.log()[-3000:]}")
 
+    def caught_up(self, timeout=15):
+        """Send an unguarded task through the cluster's task queue and wait until Flower shows
+        it succeeded: by then Flower has every event the worker sent for the messages
+        delivered before it from that queue (doorbells included; the queue is FIFO, one
+        worker sends its events in order)."""
+        marker = self.cluster.task("unguarded").delay("flower-marker")
+        self.probes.add(marker.id)
+        return wait_until(lambda: self.state_of(marker.id) == "SUCCESS", timeout=timeout,
+                          interval=0.05)
+
     def info(self, task_id):
         return self.get(f"/api/task/info/{task_id}")
 
@@ -224,10 +234,11 @@ def test_no_internal_message_shows_as_a_task(watched, park_on_send):
     for result in [holder] + backlog:
         assert wait_until(lambda: flower.state_of(result.id) == "SUCCESS", timeout=15,
                           interval=0.05), (result.id, flower.history.get(result.id))
-    # A doorbell is acknowledged once a pull 0.25 s after the lane's last one found it empty:
-    # the lane is done, and what its doorbells would have shown has had time to show.
+    # The lane is empty, and every doorbell rung for it went to the task queue before it was
+    # parked in: a task sent now is delivered after them, and once Flower shows it, whatever
+    # the doorbells made the worker send has reached Flower too.
     assert wait_until(lambda: _parked(cluster, "slow") == 0, timeout=10)
-    time.sleep(1.0)
+    assert flower.caught_up(), flower.log()[-3000:]
     listed = flower.tasks()
     assert not [info.get("name") for info in listed.values()
                 if str(info.get("name")).startswith("celery_semaphore.")]

@@ -3,7 +3,6 @@
 message keeps the queue alive; once the holder's connection dies the message is back and the
 queue stays while it holds it; an empty queue nobody holds is deleted."""
 
-import time
 
 import pytest
 from kombu import Connection, Producer
@@ -72,7 +71,6 @@ def test_a_held_lane_is_not_deleted_and_its_message_comes_back(lane):
         other = LaneGuards(prefix)
         with pytest.raises(LaneBusy):  # a deletion holds the lane now
             other.channel(Connection(url), name, queue)
-        time.sleep(0.1)
         assert deleter.delete(locked, queue) is False  # not empty: it stays, with the message
         assert exists(url, queue.name) == (1, 0)
     finally:

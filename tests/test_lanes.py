@@ -1,6 +1,7 @@
 """The waiting room's pulling decisions (:mod:`celery_semaphore.worker.lanes`), driven event by
 event: no threads, no Celery, no broker. Each test feeds events and checks the commands that
-come out, in order; the clock and what the book reads of the worker are the test's."""
+come out, in order; the clock and what the book reads of the worker are the test's. A bell's
+state is never set or read here: it is reached by events and seen in the commands."""
 
 from celery_semaphore.waiting_room import RERING_EVERY, lane_of
 from celery_semaphore.worker.lanes import (
@@ -8,7 +9,6 @@ from celery_semaphore.worker.lanes import (
     RECHECK_AFTER,
     REFUSE_FOR,
     AckDuplicate,
-    BellState,
     Hold,
     LaneBook,
     LetGo,
@@ -51,12 +51,30 @@ def kinds(commands):
 LANE = lane_of("s", None, "celery")
 
 
+def ring(book, lane=LANE, message="bell"):
+    """A doorbell of ``lane`` arrives: its bell, as the Recheck command names it."""
+    commands = book.doorbell(lane, message)
+    assert kinds(commands)[0] == "Hold" and kinds(commands)[-1] == "Recheck"
+    return commands[-1].bell
+
+
+def drain_while_one_runs(book, worker, bell, lane=LANE):
+    """A pull begun RECHECK_AFTER after the ring finds the lane empty (no pull on its way)
+    while a task pulled from it still runs: the lane is proven empty, the doorbell still held
+    (nothing to do yet)."""
+    worker.now += RECHECK_AFTER
+    worker.unsettled_by_lane[lane] = 1
+    assert book.pulled(bell, 0, True, worker.now, lane) == []
+    assert book.recheck(bell) == []  # a drained lane is not pulled again
+    assert book.held() == [bell.message]
+
+
 def test_a_doorbell_is_held_pulled_and_looked_at_again_later():
     book, _ = make(room=5)
     commands = book.doorbell(LANE, "bell-1")
     assert kinds(commands) == ["Hold", "Pull", "Recheck"]
-    assert commands[1] == Pull(LANE, 5, 100.0) and book.pulling == {LANE: 5}
-    assert commands[2].delay == RECHECK_AFTER
+    assert commands[:2] == [Hold(), Pull(LANE, 5, 100.0)]
+    assert commands[2].delay == RECHECK_AFTER and commands[2].bell.lane == LANE
     # a second doorbell of the same lane: acked at once, the lane rearmed, pulled again
     commands = book.doorbell(LANE, "bell-2")
     assert commands[0] == AckDuplicate("bell-2") and kinds(commands)[1:] == ["Pull", "Recheck"]
@@ -65,41 +83,43 @@ def test_a_doorbell_is_held_pulled_and_looked_at_again_later():
 
 def test_an_early_empty_pull_is_no_proof_and_a_late_one_lets_go_once_settled():
     book, worker = make()
-    bell = book.doorbell(LANE, "bell")[-1].bell
+    bell = ring(book)
     book.pull_landed(LANE, 8)
     worker.now += RECHECK_AFTER / 4  # the pull began too early: look again once it is not
-    commands = book.pulled(bell, 0, True, 100.0, LANE)
-    assert commands == [Recheck(bell, RECHECK_AFTER * 3 / 4)] and bell.state is BellState.PULLING
+    assert book.pulled(bell, 0, True, 100.0, LANE) == [Recheck(bell, RECHECK_AFTER * 3 / 4)]
     worker.now = 100.0 + RECHECK_AFTER
-    commands = book.recheck(bell)
-    assert commands == [Pull(LANE, 8, worker.now)]
+    assert book.recheck(bell) == [Pull(LANE, 8, worker.now)]  # still pulled: not proven empty
     book.pull_landed(LANE, 8)
     worker.unsettled_by_lane[LANE] = 1  # a task pulled from it still runs
-    assert book.pulled(bell, 0, True, worker.now, LANE) == []
-    assert bell.state is BellState.DRAINED and book.held() == ["bell"]
+    assert book.pulled(bell, 0, True, worker.now, LANE) == []  # proven empty, held on
+    assert book.recheck(bell) == [] and book.held() == ["bell"]
     worker.unsettled_by_lane[LANE] = 0
     assert book.last_settled(LANE) == [LetGo(bell)]
-    assert book.held() == [] and book.lanes == {} and book.pulling == {}
+    assert book.held() == [] and book.refill("s") == [] and book.last_settled(LANE) == []
+    assert kinds(book.doorbell(LANE, "next")) == ["Hold", "Pull", "Recheck"]  # a fresh start
 
 
 def test_a_lane_is_not_proven_empty_while_given_back_messages_are_on_their_way():
     book, worker = make()
-    bell = book.doorbell(LANE, "bell")[-1].bell
+    bell = ring(book)
     book.pull_landed(LANE, 8)
     worker.pending = True
     assert book.pulled(bell, 0, True, 200.0, LANE) == [Recheck(bell, RECHECK_AFTER)]
-    assert bell.state is BellState.PULLING
+    assert book.recheck(bell) == [Pull(LANE, 8, worker.now)]  # still pulling the lane
 
 
 def test_a_message_back_in_its_lane_rearms_it_and_delivered_ones_pull_on():
     book, worker = make()
-    bell = book.doorbell(LANE, "bell")[-1].bell
+    bell = ring(book)
     book.pull_landed(LANE, 8)
     assert kinds(book.pulled(bell, 3, False, 100.0, LANE)) == ["Pull"]  # more of it
-    bell.state = BellState.DRAINED
+    book.pull_landed(LANE, 8)
+    drain_while_one_runs(book, worker, bell)
     worker.now = 150.0
-    commands = book.back_in_lane(LANE)
-    assert bell.state is BellState.PULLING and bell.rung == 150.0 and kinds(commands) == ["Pull"]
+    assert book.back_in_lane(LANE) == [Pull(LANE, 8, 150.0)]
+    # rung anew at 150: a pull begun then finding it empty proves nothing yet
+    book.pull_landed(LANE, 8)
+    assert book.pulled(bell, 0, True, 150.0, LANE) == [Recheck(bell, RECHECK_AFTER)]
 
 
 def test_no_room_rings_the_lane_again_for_the_others_at_most_every_rering():
@@ -128,12 +148,12 @@ def test_the_room_is_shared_between_the_lanes_of_a_semaphore_in_turn():
 
 
 def test_a_lane_of_an_unknown_task_is_left_to_the_others_for_a_while():
-    book, worker = make()
-    bell = book.doorbell(LANE, "bell")[-1].bell
-    book.pull_landed(LANE, 8)
-    bell.rerung = worker.now  # rung again a moment ago: refusing rings it anyway
-    commands = book.refused(LANE)
-    assert commands == [Ring(LANE), Recheck(bell, REFUSE_FOR)]
+    book, worker = make(room=0)
+    bell = ring(book)  # no room: rung again for the others
+    book.ring_failed(LANE)  # ... but the broker did not take that ring
+    worker.default_room = 8
+    # rung again a moment ago, and refused now: refusing rings it anyway
+    assert book.refused(LANE) == [Ring(LANE), Recheck(bell, REFUSE_FOR)]
     assert book.refill("s") == []  # refused meanwhile
     worker.now += REFUSE_FOR
     assert kinds(book.recheck(bell)) == ["Pull"]
@@ -141,7 +161,7 @@ def test_a_lane_of_an_unknown_task_is_left_to_the_others_for_a_while():
 
 def test_a_stopped_consumer_pulls_nothing_and_lets_go_of_every_doorbell_unacked():
     book, worker = make()
-    bell = book.doorbell(LANE, "bell")[-1].bell
+    bell = ring(book)
     other = lane_of("t", None, "celery")
     book.doorbell(other, "other")
     worker.open = False
@@ -152,10 +172,12 @@ def test_a_stopped_consumer_pulls_nothing_and_lets_go_of_every_doorbell_unacked(
 
 def test_a_copy_parked_here_makes_the_held_lane_prove_itself_empty_anew():
     book, worker = make()
-    bell = book.doorbell(LANE, "bell")[-1].bell
-    bell.state = BellState.DRAINED
+    bell = ring(book)
+    book.pull_landed(LANE, 8)
+    drain_while_one_runs(book, worker, bell)
     worker.now = 130.0
     assert book.rung_here(LANE) == [Recheck(bell, RECHECK_AFTER)]
-    assert bell.state is BellState.PULLING and bell.rung == 130.0
-    assert book.rung_here(lane_of("t", None, "celery")) == []
-    assert Hold() == Hold()
+    assert book.recheck(bell) == [Pull(LANE, 8, 130.0)]  # pulled again
+    book.pull_landed(LANE, 8)
+    assert book.pulled(bell, 0, True, 130.0, LANE) == [Recheck(bell, RECHECK_AFTER)]
+    assert book.rung_here(lane_of("t", None, "celery")) == []  # a lane it holds no bell of

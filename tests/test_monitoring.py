@@ -9,6 +9,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -206,19 +207,75 @@ def test_template_keys_are_summed_per_template_and_only_the_top_ones_exported(re
 # -- the command line: exporter, top --once / --json, top in a terminal, usage -------------
 
 
+SEMAPHORE_COMMAND = [sys.executable, "-m", "celery", "-A", "tests.celery_app", "semaphore"]
+
+
+#: Runs its arguments with SIGINT's default action, as a terminal starts a command, whatever
+#: the test run ignores (started as a background job, it ignores SIGINT).
+WITH_DEFAULT_SIGINT = [sys.executable, "-c", "import os, signal, sys; "
+                       "signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                       "os.execv(sys.argv[1], sys.argv[1:])"]
+
+
+class Command:
+    """A long-running ``celery semaphore`` command started as a shell's background job
+    (``cmd &`` in ``sh -c``: SIGINT ignored, as under ``make test &`` or a CI wrapper), or
+    as from a terminal (SIGINT's default action)."""
+
+    def __init__(self, cli, *args, background=False):
+        command = SEMAPHORE_COMMAND + list(args)
+        if background:  # the shell prints the job's pid, then waits for it
+            command = ["sh", "-c", '"$@" & echo $!; wait $!', "sh", *command]
+        else:
+            command = WITH_DEFAULT_SIGINT + command
+        self.proc = subprocess.Popen(command, cwd=ROOT, env=cli.env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+        self.pid = int(self.proc.stdout.readline()) if background else self.proc.pid
+
+    def ignores_sigint(self):
+        """Whether the command's process ignores SIGINT (its signal mask, from /proc)."""
+        with open(f"/proc/{self.pid}/status") as f:
+            ignored = int(re.search(r"^SigIgn:\s*([0-9a-f]+)", f.read(), re.M).group(1), 16)
+        return bool(ignored & (1 << (signal.SIGINT - 1)))
+
+    def stop(self, sig=signal.SIGTERM, timeout=10):
+        """Send ``sig``; the seconds until the command exited, and its exit status."""
+        sent = time.monotonic()
+        os.kill(self.pid, sig)
+        try:
+            status = self.proc.wait(timeout)
+        finally:
+            self.kill()
+        return time.monotonic() - sent, status
+
+    def kill(self):
+        if self.proc.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        self.proc.stdout.close()
+        self.proc.stderr.close()
+
+
+def start_exporter(cli, *args, background=False):
+    """An exporter on a free port: (the command, its port)."""
+    exporter = Command(cli, "exporter", "--port", "0", *args, background=background)
+    try:
+        line = exporter.proc.stderr.readline()
+        return exporter, int(re.search(r":(\d+)/metrics", line).group(1))
+    except Exception:
+        exporter.kill()
+        raise
+
+
 def test_exporter_command_serves_every_metric_and_wrong_use_exits_2(redis_url):
     cli = make_cli(redis_url)
     cli.backend.acquire("images", "h", limit=2, ttl=60, meta={}, wait=True)
-    command = [sys.executable, "-m", "celery", "-A", "tests.celery_app", "semaphore",
-               "exporter", "--port", "0"]
-    proc = subprocess.Popen(command, cwd=ROOT, env=cli.env, stderr=subprocess.PIPE, text=True)
+    exporter, port = start_exporter(cli)
     try:
-        line = proc.stderr.readline()
-        port = int(re.search(r":(\d+)/metrics", line).group(1))
         text = scrape(port)
     finally:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(10)
+        seconds, status = exporter.stop(signal.SIGTERM)
+    assert status == 0 and seconds < 1.0, (status, seconds)
     assert families(text) == set(METRICS)  # every metric of the table, and no other
     parsed = samples(text)
     assert value(parsed, "celery_semaphore_held", semaphore="images", template="") == 1
@@ -227,6 +284,100 @@ def test_exporter_command_serves_every_metric_and_wrong_use_exits_2(redis_url):
     for done in usage:
         assert done.returncode == 2, done.stderr
         assert "Usage:" in done.stderr and "Traceback" not in done.stderr
+
+
+def many_keys(cli, keys=2000):
+    """``keys`` semaphores of the template ``api:{customer_id}`` (a config each, as a resize
+    makes it), a few of them held and waited for: each scrape or refresh reads them all."""
+    backend = cli.backend
+    pipe = backend.client.pipeline(transaction=False)
+    for i in range(keys):
+        config = backend.key_names(f"api:{i}")["config"]
+        pipe.hset(config, "limit", 1)
+        pipe.pexpire(config, 600_000)
+    pipe.execute()
+    for i in range(0, keys, keys // 4):
+        backend.acquire(f"api:{i}", "holder", limit=1, ttl=600, meta={}, wait=True)
+        backend.acquire(f"api:{i}", "waiter", limit=1, ttl=600, meta={}, wait=True)
+
+
+STOP_TRIES = int(os.environ.get("CS_STOP_TRIES", "2"))  # 20 for the figure in the docs
+
+
+def test_the_exporter_stops_within_a_second_of_sigint_or_sigterm_however_started(redis_url):
+    """Started plainly, SIGINT stops it; started as a background job (SIGINT ignored, as
+    ``make test &`` would start it), SIGTERM does. Exit status 0 both ways."""
+    cli = make_cli(redis_url)
+    exporter, port = start_exporter(cli)
+    assert "celery_semaphore_up 1.0" in scrape(port)
+    assert not exporter.ignores_sigint()
+    seconds, status = exporter.stop(signal.SIGINT)
+    assert status == 0 and seconds < 1.0, (status, seconds)
+    exporter, port = start_exporter(cli, background=True)
+    assert "celery_semaphore_up 1.0" in scrape(port)
+    assert exporter.ignores_sigint()  # what made the old SIGINT of this test never land
+    seconds, status = exporter.stop(signal.SIGTERM)
+    assert status == 0 and seconds < 1.0, (status, seconds)
+
+
+def test_the_exporter_stops_within_a_second_of_sigterm_under_load(redis_url):
+    """2,000 keys, four clients scraping without a pause (each scrape reads every key): the
+    SIGTERM lands with scrapes in flight. STOP_TRIES tries; the worst is printed."""
+    cli = make_cli(redis_url)
+    many_keys(cli)
+    times = []
+    for _ in range(STOP_TRIES):
+        exporter, port = start_exporter(cli, background=True)
+        done, scrapes = threading.Event(), []
+
+        def scraping():
+            while not done.is_set():
+                try:
+                    scrapes.append(len(scrape(port)))
+                except OSError:
+                    return  # the exporter is gone
+
+        clients = [threading.Thread(target=scraping) for _ in range(4)]
+        try:
+            for client in clients:
+                client.start()
+            assert wait_until(lambda: len(scrapes) >= 4, timeout=60)
+            seconds, status = exporter.stop(signal.SIGTERM)
+        finally:
+            done.set()
+            for client in clients:
+                client.join(60)
+        assert status == 0, (status, exporter.proc.stderr)
+        times.append(seconds)
+    print(f"exporter under load: exit {max(times):.3f} s after SIGTERM at worst "
+          f"({len(times)} tries; {', '.join(f'{t:.3f}' for t in times)})")
+    assert max(times) < 1.0, times
+
+
+def test_top_stops_within_a_second_of_sigterm_under_load_as_a_background_job(redis_url):
+    """Piped, refreshing every 0.1 s over 2,000 keys, started with SIGINT ignored: SIGTERM
+    stops it mid-refresh or mid-pause, exit status 0. STOP_TRIES tries; the worst printed."""
+    cli = make_cli(redis_url)
+    many_keys(cli)
+    times = []
+    for _ in range(STOP_TRIES):
+        top = Command(cli, "top", "--interval", "0.1", background=True)
+        try:
+            frames = 0
+            for line in top.proc.stdout:  # two frames: the command is refreshing
+                frames += line.startswith("celery semaphore top")
+                if frames == 2:
+                    break
+            assert frames == 2, top.proc.stderr.read()
+            assert top.ignores_sigint()
+            seconds, status = top.stop(signal.SIGTERM)
+        finally:
+            top.kill()
+        assert status == 0, status
+        times.append(seconds)
+    print(f"top under load: exit {max(times):.3f} s after SIGTERM at worst "
+          f"({len(times)} tries; {', '.join(f'{t:.3f}' for t in times)})")
+    assert max(times) < 1.0, times
 
 
 def test_top_once_and_json_piped(redis_url):

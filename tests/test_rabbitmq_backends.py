@@ -3,6 +3,7 @@ holders that die or freeze, resizes under load and from two administrators at on
 token count after many reject/requeue cycles. Token counts are read from the broker itself.
 """
 
+import logging
 import multiprocessing
 import os
 import select
@@ -407,9 +408,13 @@ def test_a_holder_of_a_slot_removed_by_a_shrink_keeps_it(amqp_url, tagged):
     assert sem.try_acquire() is not None and sem.try_acquire() is None
 
 
-def test_a_slot_still_claimed_elsewhere_keeps_the_waiter_first_in_line(amqp_url, tagged):
+def test_a_slot_still_claimed_elsewhere_keeps_the_waiter_first_in_line(amqp_url, tagged,
+                                                                       caplog):
     """The registry grants slot 0, but a holder whose lease lapsed still has its B queue: the
     caller gives the slot back and stays first in line, ahead of a later waiter."""
+    from celery_semaphore.backends.rabbitmq import slots
+
+    caplog.set_level(logging.DEBUG, logger=slots.__name__)
     url = servers.slots_url(amqp_url)
     sem = Semaphore("claimed", 1, url, ttl=30, poll_interval=0.1, **tagged)
     sem.resize(1)
@@ -421,10 +426,19 @@ def test_a_slot_still_claimed_elsewhere_keeps_the_waiter_first_in_line(amqp_url,
         assert wait_until(lambda: sem.status().waiting == 1)
         second = threading.Thread(target=lambda: results.append(("second", sem.acquire(20))))
         second.start()
-        assert wait_until(lambda: sem.status().waiting == 2)
-        time.sleep(0.3)  # both keep trying while slot 0 stays claimed
-        assert not results
-        first_holder = sem.status().waiters[0].holder
+        seen = []  # one status with both in line (the first is granted and gives back meanwhile)
+        assert wait_until(lambda: seen.append(sem.status()) or seen[-1].waiting == 2)
+        first_holder = seen[-1].waiters[0].holder
+
+        def handed_back():
+            return [r.args[2] for r in caplog.records if r.name == slots.__name__
+                    and r.args[1] == "claimed" and "handed back" in r.msg]
+
+        # the registry grants slot 0 to the head of the line again and again, the claim is
+        # refused each time and the slot handed back: the first stays first (only the head is
+        # granted), and nobody holds the slot
+        assert wait_until(lambda: len(handed_back()) >= 3, timeout=10), handed_back()
+        assert set(handed_back()) == {first_holder} and not results
     # The stale connection closed: its B queue is gone.
     first.join(20)
     assert results and results[0][0] == "first"

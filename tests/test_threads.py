@@ -104,7 +104,7 @@ def test_the_keeper_keeps_a_lease_past_its_ttl_and_a_release_is_not_reported_los
     for _ in range(3):
         lease = sem.acquire()
         keeper.add(lease)
-        time.sleep(0.5)  # past its TTL: only the keeper's renewals keep it
+        time.sleep(0.5)  # sleep-ok: past its TTL, only the keeper's renewals keep it
         assert lease.verify() and lease.remaining > 0
         lease.release()
         keeper.discard(lease)

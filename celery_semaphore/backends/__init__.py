@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import sys
 import threading
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple, Type
@@ -72,11 +71,7 @@ def register_backend(scheme: str, backend: "Type[Backend] | str") -> None:
 def _entry_points() -> Dict[str, Any]:
     from importlib.metadata import entry_points
 
-    if sys.version_info >= (3, 10):
-        eps = entry_points(group=ENTRY_POINT_GROUP)
-    else:  # Python 3.9: no selection by group
-        eps = entry_points().get(ENTRY_POINT_GROUP, [])
-    return {ep.name.lower(): ep for ep in eps}
+    return {ep.name.lower(): ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
 
 
 def known_schemes() -> Dict[str, Any]:

@@ -230,7 +230,7 @@ class SQLiteBackend(DocumentBackend):
         while not self._closed.is_set():
             try:
                 payload = listener.recv(65536)
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 return

@@ -198,7 +198,7 @@ class AMQPLink:
                 return
             try:
                 self.conn.blocking_read(timeout=5.0)
-            except socket.timeout:
+            except TimeoutError:
                 return
             except amqp_errors.ChannelError as exc:  # a channel closed by the broker
                 logger.debug("AMQP channel closed by the broker: %r", exc)
@@ -253,7 +253,7 @@ class AMQPLink:
             conn = self.connection()
             try:
                 conn.blocking_read(timeout=min(timeout - waited, 1.0))  # see _drain
-            except socket.timeout:
+            except TimeoutError:
                 pass
             conn.heartbeat_tick(rate=4)
 

@@ -34,6 +34,7 @@ and the holder's Lease reports the loss by its local deadline.
 from __future__ import annotations
 
 import functools
+import logging
 import random
 import time
 from typing import Any, Optional, Set
@@ -44,6 +45,8 @@ from ..base import Attempt, Meta
 from ..engine import Transaction
 from ..model import Waiter
 from .registry import Hand, RabbitBackend, RegistryTransaction
+
+logger = logging.getLogger(__name__)
 
 
 class SlotHand(Hand):
@@ -170,6 +173,8 @@ class SlotQueueBackend(RabbitBackend[SlotHand]):
                 return attempt
             # Granted by the registry, but the previous holder's B queue is still there: give
             # the slot back and stay first in line (we were), then try another slot.
+            logger.debug("slot %d of %r granted to %s but still claimed (its B queue exists): "
+                         "handed back", attempt.grant.slot, name, holder)
             locked.add(attempt.grant.slot)
             self._transact(name, functools.partial(self._back_to_the_head, holder, meta, wait))
             self._close_hand(hand)
