@@ -547,7 +547,7 @@ class Gate:
         claim = command.claim
         job_id, _ = self.orphans.pop(id(claim), (None, None))
         if self.acked is not None:
-            self.acked.pop(job_id, None)  # type: ignore[arg-type]
+            self.acked.pop(job_id, None)
         logger.info("celery-semaphore: settled %s (its job went to pool child %s, which %s): %s",
                     claim.request.id, claim.child, "exited" if command.requeue else "moved on",
                     "put back in its queue" if command.requeue else "acknowledged")
