@@ -764,3 +764,32 @@ def test_acquire_all_fencing_tokens_per_semaphore_and_renewal(spec):
     for epochs in seen.values():
         assert epochs == sorted(set(epochs))  # strictly increasing, each semaphore its own
     assert sems[0].status().held == 0 and sems[1].status().held == 0
+
+
+# -- operations as values (the worker's batches) ------------------------------------------
+
+
+def test_perform_all_runs_a_batch_in_order_each_outcome_on_its_own(spec):
+    """What the worker hands a backend in one go (:meth:`Backend.perform_all`): each
+    operation's outcome in order, one that fails keeps none of the others from running, and
+    the batch is the same as the calls one by one."""
+    from celery_semaphore.backends.base import Abandon, Acquire, Release, Renew
+
+    backend = spec.backend()
+    meta = {"task_id": "t"}
+    outcomes = backend.perform_all([
+        Acquire("batch", "a:1", 1, 30.0, meta, True),
+        Acquire("batch", "b:1", 1, 30.0, meta, True),  # full: queued behind a
+        Acquire("batch2", "c:1", 1, 30.0, {"x": object()}, True),  # refused alone
+        Renew("batch", "a:1", 30.0),
+    ])
+    (first, e1), (second, e2), (bad, e3), (renewed, e4) = outcomes
+    assert e1 is None and first.grant is not None
+    assert e2 is None and second.grant is None and second.position == 0
+    assert bad is None and e3 is not None
+    assert e4 is None and renewed is not None
+    outcomes = backend.perform_all([Release("batch", "a:1"), Abandon(("batch",), "b:1"),
+                                    Release("batch", "a:1")])
+    assert [result for result, _ in outcomes] == [True, None, False]
+    status = backend.status("batch")
+    assert status is None or (status.held == 0 and status.waiting == 0)

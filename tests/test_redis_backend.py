@@ -432,3 +432,111 @@ def test_a_redis_cluster_node_is_refused_with_a_clear_error(tmp_path):
         backend.close()
         proc.terminate()
         proc.wait(10)
+
+
+# -- pushed grants ------------------------------------------------------------------------
+
+
+def _wakes(backend):
+    """Every wake-up the backend's channel carries for this process, parsed."""
+    client = redis.Redis.from_url(backend.url, decode_responses=True)
+    pubsub = client.pubsub()
+    pubsub.subscribe(backend._channel_prefix + backend.client_id)
+    assert wait_until(lambda: (pubsub.get_message(timeout=0.1) or {}).get("type")
+                      == "subscribe")
+    got = []
+
+    def read():
+        message = pubsub.get_message(timeout=0.05)
+        if message and message["type"] == "message":
+            got.append(backend.pushed_grant(message["data"]))
+        return got
+
+    read.client = client  # (a client that is collected closes its connections)
+    return read, pubsub
+
+
+META = {"task_id": "t", "task": "x"}
+
+
+def test_a_release_pushes_the_slot_to_the_next_waiter_in_one_operation(redis_url, prefix):
+    backend = get_backend(redis_url, key_prefix=prefix)
+    read, pubsub = _wakes(backend)
+    try:
+        assert backend.acquire("p", "h:1", limit=1, ttl=30, meta=META, wait=True).grant
+        first = backend.acquire("p", "w1:1", limit=1, ttl=30, meta=META, wait=True, push=True)
+        second = backend.acquire("p", "w2:1", limit=1, ttl=30, meta=META, wait=True, push=True)
+        assert first.position == 0 and second.position == 1
+        assert backend.release("p", "h:1")
+        # granted there and then, in FIFO order: the holder is w1 before anyone asks again
+        status = backend.status("p")
+        assert [h.holder for h in status.holders] == ["w1:1"] and status.waiting == 1
+        assert wait_until(lambda: len(read()) == 1)
+        ((name, holder, pushed),) = read()
+        assert (name, holder) == ("p", "w1:1") and pushed.grant.ttl == pytest.approx(30)
+        (held,) = status.holders
+        assert (pushed.grant.slot, pushed.grant.epoch) == (held.slot, held.epoch)
+        # its next acquire returns that very grant; a cancel (abandon) would release it
+        again = backend.acquire("p", "w1:1", limit=1, ttl=30, meta=META, wait=True, push=True)
+        assert again.grant.epoch == pushed.grant.epoch
+        backend.abandon_all(["p"], "w1:1")
+        assert [h.holder for h in backend.status("p").holders] == ["w2:1"]
+    finally:
+        pubsub.close()
+        backend.reset("p")
+
+
+def test_a_waiter_without_push_is_woken_and_takes_its_slot_itself(redis_url, prefix):
+    backend = get_backend(redis_url, key_prefix=prefix)
+    read, pubsub = _wakes(backend)
+    try:
+        backend.acquire("q", "h:1", limit=1, ttl=30, meta=META, wait=True)
+        backend.acquire("q", "w:1", limit=1, ttl=30, meta=META, wait=True)
+        backend.release("q", "h:1")
+        assert wait_until(lambda: len(read()) == 1)
+        assert read()[0][2] is None  # a plain wake-up
+        assert backend.status("q").held == 0
+    finally:
+        pubsub.close()
+        backend.reset("q")
+
+
+def test_pushed_grants_keep_the_rules_twins_costs_and_rate(redis_url, prefix):
+    backend = get_backend(redis_url, key_prefix=prefix)
+    try:
+        # a twin of a holder is not pushed while that holder holds
+        backend.acquire("tw", "task1:a", limit=2, ttl=30, meta=META, wait=True)
+        backend.acquire("tw", "other:a", limit=2, ttl=30, meta=META, wait=True)
+        backend.acquire("tw", "task1:b", limit=2, ttl=30, meta=META, wait=True, push=True)
+        backend.release("tw", "other:a")
+        assert {h.holder for h in backend.status("tw").holders} == {"task1:a"}
+        backend.release("tw", "task1:a")
+        assert {h.holder for h in backend.status("tw").holders} == {"task1:b"}
+        # costs: a waiter needing 2 units is pushed only once both are free
+        cost2 = {**META, **traffic_meta(2, 0, None, 1)}
+        backend.acquire("c", "u1:1", limit=2, ttl=30, meta=META, wait=True)
+        backend.acquire("c", "big:1", limit=2, ttl=30, meta=cost2, wait=True, push=True)
+        backend.acquire("c", "u2:1", limit=2, ttl=30, meta=META, wait=True)  # behind big
+        assert backend.status("c").held == 1
+        backend.release("c", "u1:1")
+        assert [h.holder for h in backend.status("c").holders] == ["big:1"]
+        # a rate: one start per operation, whoever waits
+        rated = {**META, **traffic_meta(1, 0, (60.0, 1), 1)}
+        assert backend.acquire("r", "r0:1", limit=5, ttl=30, meta=rated, wait=True).grant
+        for i in (1, 2):
+            backend.acquire("r", f"r{i}:1", limit=5, ttl=30, meta=rated, wait=True, push=True)
+        backend.release("r", "r0:1")
+        assert backend.status("r").held == 0  # the rate holds back the next start
+    finally:
+        for name in ("tw", "c", "r"):
+            backend.reset(name)
+
+
+def test_a_grant_reports_the_units_left_free_that_nobody_waits_for(redis_url, prefix):
+    backend = get_backend(redis_url, key_prefix=prefix)
+    try:
+        assert backend.acquire("f", "a:1", limit=3, ttl=30, meta=META, wait=True).free == 2
+        assert backend.acquire("f", "b:1", limit=3, ttl=30, meta=META, wait=True).free == 1
+        assert backend.acquire("f", "c:1", limit=3, ttl=30, meta=META, wait=True).free == 0
+    finally:
+        backend.reset("f")

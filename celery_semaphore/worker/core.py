@@ -586,7 +586,7 @@ class WorkerCore:
             self._saw_spare(claim, attempt)
             return self._granted(claim, answer.holder, _grants_of(claim, attempt),
                                  _limits_of(claim, attempt), answer.requested_at)
-        self.spare.pop(claim.guard.name, None)
+        self.spare[claim.guard.name] = 0  # full
         claim.waited_sent = answer.requested_at  # a pushed grant comes after this reached it
         blocking = getattr(attempt, "blocking", None) or claim.guard.name
         if not claim.waits:  # semaphore_on_full skip or fail: it never queued
@@ -618,7 +618,8 @@ class WorkerCore:
                                _limits_of(claim, attempt), answer.requested_at)
         if isinstance(answer.error, ConfigurationError):
             return self._exit(claim, How.FAIL, error=answer.error)
-        self.spare.pop(claim.guard.name, None)
+        if attempt is not None:
+            self.spare[claim.guard.name] = 0  # full: no more tries ahead until a grant says
         claim.tried_ahead = True
         self._move(claim, State.LINED)
         # back where it was: behind those that tried ahead before it, ahead of the rest
@@ -629,6 +630,7 @@ class WorkerCore:
         self.line.insert(index, claim)
 
     def _saw_spare(self, claim: Claim, attempt: Union[Attempt, MultiAttempt]) -> None:
+        """A grant of ``claim``'s semaphore said how many units it left free (or not)."""
         free = getattr(attempt, "free", None)
         name = claim.guard.name
         if free is None or claim.guard.multi:
@@ -844,7 +846,8 @@ class WorkerCore:
         """Tries ahead (class docstring) for the first lined requests that may make one, as
         many as the lookahead leaves room for: :meth:`Surroundings.lookahead`, or as many as
         the pool has processes for a semaphore whose last grant left at least that many
-        units free that nobody waited for (holding them ahead keeps nobody from a slot)."""
+        units free that nobody waited for (holding them ahead keeps nobody from a slot); none
+        for a semaphore found full here since its last grant (a try would only be refused)."""
         base = self.surroundings.lookahead()
         if base <= 0 or not self.line:
             return
@@ -856,9 +859,10 @@ class WorkerCore:
         counts = self.counts
         for claim in list(self.line):
             name = claim.guard.name
-            plenty = self.spare.get(name, 0) >= size
+            spare = self.spare.get(name)  # None: not known here
+            plenty = spare is not None and spare >= size
             if (claim.tried_ahead or not claim.waits or claim.guard.priority > 0
-                    or name in counts.blocked or name in counts.queued
+                    or name in counts.blocked or name in counts.queued or spare == 0
                     or (not plenty and (room <= 0 or name in counts.ahead))):
                 continue
             self.line.remove(claim)

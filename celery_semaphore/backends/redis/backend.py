@@ -452,8 +452,13 @@ class RedisBackend(Backend):
         runs them one by one)."""
         if self.kind == deployments.CLUSTER or len(ops) < 2:
             return super().perform_all(ops)
-        plans = [self.calls_of(op) for op in ops]
-        calls = [call for plan, _ in plans for call in plan]
+        plans: List[Any] = []
+        for op in ops:  # an operation that cannot be made (its meta, say) fails alone
+            try:
+                plans.append(self.calls_of(op))
+            except Exception as exc:
+                plans.append(exc)
+        calls = [call for plan in plans if not isinstance(plan, Exception) for call in plan[0]]
         sources = _sources()
 
         def run() -> List[Any]:
@@ -472,10 +477,14 @@ class RedisBackend(Backend):
         try:
             replies = self._riding(run)
         except Exception as exc:  # the round trip itself failed: every operation with it
-            return [(None, exc) for _ in ops]
+            return [(None, plan if isinstance(plan, Exception) else exc) for plan in plans]
         out: List[Outcome] = []
         at = 0
-        for plan, parse in plans:
+        for planned in plans:
+            if isinstance(planned, Exception):
+                out.append((None, planned))
+                continue
+            plan, parse = planned
             mine = replies[at:at + len(plan)]
             at += len(plan)
             error = next((r for r in mine if isinstance(r, Exception)), None)
