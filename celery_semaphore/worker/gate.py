@@ -759,10 +759,10 @@ class Gate:
             commands = self.core.shutdown()
             self.ctx.state = GateState.CLOSED
             self.run(commands)
+            self.tally.flush()
         io = self.ctx.io
         io.call(self.parking.close)  # after the acks and rejects already on their way
         io.call(self.settlements.final_flush)
-        io.call(self.tally.flush)
         io.stop()
         close_all()  # this process's backends: wake-up listeners, connections, socket files
 

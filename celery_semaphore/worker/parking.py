@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import heapq
 import logging
-import threading
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
@@ -151,9 +150,11 @@ class ParkingLot:
         self._is_amqp: Optional[bool] = None
         self._producer_of: Optional[Tuple[Any, Producer]] = None
         self._returned: List[Any] = []
-        # lane -> pulled messages not acked or rejected yet (loop and I/O threads)
+        # lane -> pulled messages not acked or rejected yet: the I/O thread's count (it pulls
+        # and settles them), and the loop thread's (it delivers them, and hears of each
+        # settlement)
         self._unsettled: Counter[str] = Counter()
-        self._unsettled_lock = threading.Lock()
+        self.unsettled: Counter[str] = Counter()
 
     def serve(self, line: Line) -> None:
         """Refill ``line`` (each needs the other: the line parks here, the room reads the
@@ -337,6 +338,8 @@ class ParkingLot:
     def _pulled(self, lane: str, asked: int, messages: List[Any], empty: bool,
                 began: float) -> None:
         self.book.pull_landed(lane, asked)
+        if messages:  # each is settled once, whatever happens to it (_settled_here)
+            self.unsettled[lane] += len(messages)
         bell = self.bells.get(lane)
         if not self.ctx.open:  # the consumer stopped meanwhile: they wait for another pull
             for message in messages:
@@ -435,6 +438,7 @@ class ParkingLot:
         each goes back to its queue through :class:`.Settlements` once the broker answers
         (AMQP requeued them as the connection closed). Then every held lane is pulled again,
         and proven empty anew before its doorbell goes."""
+        self.unsettled.clear()  # the reset forgot them: their settlements are not counted
         let_go = [c for c in self.line.waiting()
                   if c.pulled and getattr(c.request.message, "channel", None) is channel]
         redis = celery_internals.redis_qos(channel) is not None
@@ -534,8 +538,7 @@ class ParkingLot:
                     empty = True
                     break
                 messages.append(message)
-                with self._unsettled_lock:  # unsettled from now on, whoever settles it
-                    self._unsettled[lane] += 1
+                self._unsettled[lane] += 1  # unsettled from now on, whoever settles it
             self._reroute(queue.channel, messages)
         except Exception as exc:
             self._lost(exc, f"pulling parked requests of {semaphore_of(lane)!r}")
@@ -564,18 +567,16 @@ class ParkingLot:
         """Stop holding ``lane`` (AMQP) once no message pulled from it is unsettled (I/O)."""
         if not self.guards.holds(lane):
             return
-        with self._unsettled_lock:
-            if self._unsettled.get(lane):
-                return
+        if self._unsettled.get(lane):
+            return
         self.guards.release(lane)
 
     def _delete_lane(self, lane: str) -> None:
         """This worker proved ``lane`` empty and let go of its doorbell (AMQP, I/O thread):
         delete its parking queue unless someone holds the lane or a message is in it
         (:class:`.LaneGuards`)."""
-        with self._unsettled_lock:
-            if self._unsettled.get(lane) or self.guards.holds(lane):  # pulled again meanwhile
-                return
+        if self._unsettled.get(lane) or self.guards.holds(lane):  # pulled again meanwhile
+            return
         try:
             self._channel()
             locked = self.guards.lock(self._connection, lane)
@@ -635,16 +636,21 @@ class ParkingLot:
         lane must be proven empty anew before its doorbell goes."""
         self._run(self.book.back_in_lane(lane))
 
-    def _settled(self, lane: str) -> None:
-        with self._unsettled_lock:
+    def _settled(self, lane: str) -> None:  # I/O thread
+        if lane in self._unsettled:
             self._unsettled[lane] -= 1
-            if self._unsettled[lane] > 0:
-                return
-            del self._unsettled[lane]
-        self.ctx.io.call(self._release_if_idle, lane)
-        self.ctx.loop.post(self._last_settled, lane)
+            if self._unsettled[lane] <= 0:
+                del self._unsettled[lane]
+                self.ctx.io.call(self._release_if_idle, lane)
+        self.ctx.loop.post(self._settled_here, lane)
 
-    def _last_settled(self, lane: str) -> None:
+    def _settled_here(self, lane: str) -> None:  # loop thread
+        if lane not in self.unsettled:  # (pulled before a reset that forgot it)
+            return
+        self.unsettled[lane] -= 1
+        if self.unsettled[lane] > 0:
+            return
+        del self.unsettled[lane]
         self._run(self.book.last_settled(lane))
 
     def _reject(self, message: Any, lane: Optional[str] = None, rearm: bool = True) -> None:
@@ -673,8 +679,7 @@ class ParkingLot:
         consumer's channel, or stay held."""
         connection, self._connection = self._connection, None
         self.guards.forget_all()
-        with self._unsettled_lock:
-            self._unsettled.clear()
+        self._unsettled.clear()
         if connection is None:
             return
         channel = celery_internals.parking_channel(connection)
@@ -717,8 +722,7 @@ class _LaneSurroundings:
         return len(self.lot.settlements) > 0
 
     def unsettled(self, lane: str) -> int:
-        with self.lot._unsettled_lock:
-            return self.lot._unsettled.get(lane, 0)
+        return self.lot.unsettled.get(lane, 0)
 
 
 def doorbell_strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Any:

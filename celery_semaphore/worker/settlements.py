@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import threading
 from typing import Any, Callable, Container, Dict, List, Optional
 
 from . import celery_internals
@@ -65,18 +64,23 @@ class Settle(enum.Enum):
 
 class Settlements:
     """Settles, through the gate's own connection, what a lost channel could not. See the
-    module docstring."""
+    module docstring. What is pending belongs to the I/O thread (every settlement is made
+    there); the loop thread keeps how many are pending (:meth:`__len__`), told by it."""
 
     def __init__(self, ctx: GateContext) -> None:
         self.ctx = ctx
-        self._lock = threading.Lock()
-        #: delivery tag -> what to make of it (taken over, not landed yet)
+        #: delivery tag -> what to make of it (taken over, not landed yet): the I/O thread's
         self._pending: Dict[str, Settle] = {}
         self._flushing = False
+        #: how many are pending, as the loop thread last heard
+        self._count = 0
 
     def __len__(self) -> int:
-        with self._lock:
-            return len(self._pending)
+        """Settlements not landed yet (loop thread)."""
+        return self._count
+
+    def _counted(self, count: int) -> None:  # loop thread
+        self._count = count
 
     # -- channels ----------------------------------------------------------------------------
 
@@ -147,46 +151,46 @@ class Settlements:
         self.later(delivery_tag, settle)
 
     def later(self, delivery_tag: str, settle: Settle) -> None:
-        """Make ``settle`` of ``delivery_tag`` through the gate's own connection (any thread)."""
-        with self._lock:
-            self._pending[delivery_tag] = settle
-            if self._flushing:
-                return
+        """Make ``settle`` of ``delivery_tag`` through the gate's own connection (any thread:
+        it is made on the I/O thread)."""
+        self.ctx.io.call(self._later, delivery_tag, settle)
+
+    def _later(self, delivery_tag: str, settle: Settle) -> None:  # I/O thread
+        self._pending[delivery_tag] = settle
+        self.ctx.loop.post(self._counted, len(self._pending))
+        if not self._flushing:
             self._flushing = True
-        self.ctx.io.call(self.flush)
+            self.ctx.io.call(self.flush)
 
     def flush(self, retry: float = RETRY_FIRST) -> None:
         """Make every pending settlement (I/O thread), retrying while the broker is away and
         the gate runs."""
-        with self._lock:
-            pending = dict(self._pending)
+        pending = dict(self._pending)
         landed: List[str] = []
         try:
             celery_internals.settle_unacked(
                 self.ctx.app, [(tag, settle is Settle.REQUEUE) for tag, settle in pending.items()],
                 landed.append)
         except Exception as exc:
-            with self._lock:
-                for tag in landed:
-                    if self._pending.get(tag) is pending[tag]:
-                        del self._pending[tag]
+            self._landed(pending, landed)
             if self.ctx.running:
                 self.ctx.io.call(self.flush, min(retry * 2, RETRY_MAX), delay=retry)
             else:
                 self._give_up(exc)
             return
-        with self._lock:
-            for tag in landed:
-                if self._pending.get(tag) is pending[tag]:
-                    del self._pending[tag]
-            more = bool(self._pending)
-            self._flushing = more
-        if more:
+        self._landed(pending, landed)
+        self._flushing = bool(self._pending)
+        if self._flushing:
             self.ctx.io.call(self.flush)
 
-    def _give_up(self, exc: BaseException) -> None:
-        with self._lock:
-            left, self._flushing = len(self._pending), False
+    def _landed(self, pending: Dict[str, Settle], landed: List[str]) -> None:
+        for tag in landed:
+            if self._pending.get(tag) is pending[tag]:
+                del self._pending[tag]
+        self.ctx.loop.post(self._counted, len(self._pending))
+
+    def _give_up(self, exc: BaseException) -> None:  # I/O thread
+        left, self._flushing = len(self._pending), False
         if left:
             logger.warning("celery-semaphore: %d acks or requeues did not reach the broker "
                            "before the worker stopped; its visibility_timeout delivers those "
@@ -194,7 +198,7 @@ class Settlements:
 
     def final_flush(self, then: Optional[Callable[[], None]] = None) -> None:
         """The worker stops (I/O thread): one last try for what is pending."""
-        if len(self):
+        if self._pending:
             try:
                 self.flush()
             except Exception as exc:  # pragma: no cover - flush catches its own
