@@ -10,7 +10,7 @@ import platform
 import sys
 from datetime import datetime, timezone
 
-from benchmarks import backends, backlog, keys, traffic, workload
+from benchmarks import backends, backlog, keys, pertask, scaling, traffic, workload
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -83,6 +83,24 @@ def markdown(data) -> str:
             "workload", "setup", "tasks", "starts_per_s", "vs_asked", "max_starts_in_1s",
             "unit_utilization", "ideal_fifo_utilization", "vs_ideal", "max_units",
             "makespan_s", "deliveries_per_task"]),
+        "W9, the gate's cost per task: N tasks on one semaphore whose limit (1,000) never "
+        "binds, beside the same tasks unguarded on the same two workers (x 4 prefork), rounds "
+        "in alternating order; the workers' main processes (every thread): CPU seconds per "
+        "1,000 tasks and context switches per task; commands per task on the backend (a Redis "
+        "of its own: scripts' own commands included) and on the broker (the shared server):",
+        table([r for r in data.get("pertask", []) if r.get("kind") == "guarded"],
+              ["tasks", "round", "makespan_s", "vs_unguarded", "cpu_s_per_1000",
+               "cpu_vs_unguarded", "switches_per_task", "backend_cmds_per_task",
+               "broker_cmds_per_task"]),
+        table([r for r in data.get("pertask", []) if r.get("kind") == "unguarded"],
+              ["tasks", "round", "makespan_s", "cpu_s_per_1000", "switches_per_task",
+               "broker_cmds_per_task"]),
+        "W11, cost as workers grow: 400 x 10 ms on one semaphore of limit 2, workers of "
+        "concurrency 1, the backend on a Redis of its own; commands per task inside scripts "
+        "included:",
+        table(data.get("scaling", []), ["workers", "tasks", "limit", "backend_cmds_per_task",
+                                        "cmds_vs_smallest", "utilization", "makespan_s",
+                                        "max_concurrent"]),
         "The waiting room under a deep backlog: guarded tasks sent while their semaphore is "
         "full reach one worker (-c 4), parked on send (the default) or parked by the worker "
         "(`semaphore_park_on_send = False`). `parked_per_s`: on send, the sender's rate into "
@@ -164,6 +182,12 @@ def main(argv=None) -> int:
                     "machine": machine(), "backends": backends.run(url, rabbit, more)}
             print("celery workloads:", flush=True)
             data["workload"] = workload.run(url, rabbit, more)
+        print("the gate's cost per task (W9):", flush=True)
+        broker = workload.broker_url(url)
+        data["pertask"] = (pertask.run(broker, 3000, 0.001, rounds=2)
+                           + pertask.run(broker, 2000, 0.0, rounds=2))
+        print("cost as workers grow (W11):", flush=True)
+        data["scaling"] = scaling.run(broker)
         print("many keys (W6):", flush=True)
         data["keys"] = keys.run(url, rabbit, workload.broker_url(url))
         print("rates and costs (W7, W8):", flush=True)

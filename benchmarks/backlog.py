@@ -32,7 +32,7 @@ import redis
 
 from benchmarks.workload import _start_worker, new_run
 from celery_semaphore.waiting_room import lane_of, parking_queue_name
-from tests.probe import Probe
+from tests.probe import probe_for
 
 
 def rss_mb(pid: int) -> float:
@@ -87,7 +87,7 @@ def unguarded_behind(broker: str, backend: str, guarded: int = UNGUARDED_BEHIND,
     from celery_semaphore import Semaphore
 
     blocker = Semaphore("bench", 1, backend, key_prefix=f"{tag}:", ttl=3600).acquire()
-    probe, procs = Probe(env["BENCH_PROBE"]), []
+    probe, procs = probe_for(env["BENCH_PROBE"]), []
     try:
         for n in range(workers):
             procs.append(_start_worker(env, f"behind{n}", 4, os.path.join(tmp, f"w{n}.log")))
@@ -141,7 +141,7 @@ def run(broker: str, backend: str, tasks: int = 20000, drain: bool = False,
     log = os.path.join(tmp, "worker.log")
     proc = _start_worker(env, "backlog", 4, log)
     ready = time.monotonic_ns()
-    probe = Probe(env["BENCH_PROBE"])
+    probe = probe_for(env["BENCH_PROBE"])
     try:
         idle = rss_mb(proc.pid)
         peak, first, last, count = idle, None, None, 0

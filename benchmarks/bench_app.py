@@ -13,7 +13,7 @@ import time
 from celery import Celery
 
 import celery_semaphore
-from tests.probe import Probe
+from tests.probe import probe_for
 
 LIMIT = int(os.environ.get("BENCH_LIMIT", "4"))
 
@@ -30,7 +30,7 @@ app.conf.update(
     broker_connection_retry_on_startup=True,
 )
 celery_semaphore.install(app)
-probe = Probe(os.environ.get("BENCH_PROBE", "/tmp/bench-probe.log"))
+probe = probe_for(os.environ.get("BENCH_PROBE", "/tmp/bench-probe.log"))
 
 
 def body(key, hold):

@@ -21,8 +21,8 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import redis
 
-from benchmarks.workload import _start_worker, new_run
-from tests.probe import Probe
+from benchmarks.workload import _start_worker, new_run, wait_for_ends
+from tests.probe import probe_for
 
 SHAPES: Tuple[Tuple[int, int], ...] = ((1000, 1), (500, 2), (50, 20), (10000, 1))
 HOLD = 0.02
@@ -57,7 +57,7 @@ def run_broker(label: str, broker: str, backend: str,
     tmp, tag, env, bench_app = new_run(f"w6-{label}", broker, backend, 1)
     logs = [os.path.join(tmp, f"w{i}.log") for i in (1, 2)]
     procs = [_start_worker(env, f"w6{label}{i}", 4, log) for i, log in zip((1, 2), logs)]
-    probe = Probe(env["BENCH_PROBE"])
+    probe = probe_for(env["BENCH_PROBE"])
     amqp = broker.startswith("amqp")
 
     def state() -> Dict[str, int]:
@@ -74,21 +74,13 @@ def run_broker(label: str, broker: str, backend: str,
                 prefix = f"{kind[0]}{keys}x{per_key}:"
                 received, cpu = _received(logs), sum(_cpu_seconds(p.pid) for p in procs)
                 send = bench_app.app.tasks[f"benchmarks.bench_app.{task}"]
+                base = probe.ended()
                 began = time.monotonic_ns()
                 for r in range(per_key):
                     for k in range(keys):
                         send.delay(f"{prefix}{k}", r, HOLD)
                 total = keys * per_key
-                deadline = time.monotonic() + 600
-                while len(probe.completed(prefix)) < total:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"W6 {label} {kind}: "
-                                           f"{len(probe.completed(prefix))} of {total} ran")
-                    time.sleep(0.05)
-                # every body's end line written (a read may race the last write)
-                while time.monotonic() < deadline and any(
-                        e is None for runs in probe.intervals().values() for _, e in runs):
-                    time.sleep(0.05)
+                wait_for_ends(probe, base, total, prefix, 600, f"W6 {label} {kind}")
                 ends = [e for key, runs in probe.intervals().items() if key.startswith(prefix)
                         for _, e in runs if e is not None]
                 row[f"{kind}_s"] = round((max(ends) - began) / 1e9, 3)

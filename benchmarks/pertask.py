@@ -33,7 +33,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import redis
 
 from benchmarks.workload import _start_worker, broker_url, new_run
-from tests.probe import Probe
+from tests.probe import Probe, probe_for
 
 HOLD = 0.001
 TASKS = 3000
@@ -93,7 +93,7 @@ def run(broker: str, tasks: int = TASKS, hold: float = HOLD, rounds: int = 2,
     logs = [os.path.join(tmp, f"w{i}.log") for i in (1, 2)]
     env = dict(env, BENCH_LOGLEVEL="warning")
     procs = [_start_worker(env, f"w9-{i}", 4, log) for i, log in zip((1, 2), logs)]
-    probe = Probe(env["BENCH_PROBE"])
+    probe = probe_for(env["BENCH_PROBE"])
     backend_client = redis.Redis.from_url(own_backend)
     broker_client = redis.Redis.from_url(broker)
     pids = [p.pid for p in procs]
@@ -160,14 +160,13 @@ def run(broker: str, tasks: int = TASKS, hold: float = HOLD, rounds: int = 2,
 def _send_and_wait(bench_app: Any, probe: Probe, task: str, prefix: str, n: int,
                    hold: float) -> float:
     send = bench_app.app.tasks[f"benchmarks.bench_app.{task}"]
+    base = probe.ended()
     began = time.monotonic_ns()
     for i in range(n):
         send.delay(f"{prefix}{i}", hold)
     deadline = time.monotonic() + 600
-    mark = f"end {prefix}".encode()
-    while True:  # a cheap count (the probe file is read whole once, at the end)
-        with open(probe.path, "rb") as f:
-            done = f.read().count(mark)
+    while True:  # a cheap count (the record is parsed once, at the end)
+        done = probe.ended() - base
         if done >= n:
             break
         if time.monotonic() > deadline:

@@ -21,7 +21,7 @@ import redis
 
 from benchmarks.pertask import _commands, _private_redis
 from benchmarks.workload import _start_worker, analyse, broker_url, new_run
-from tests.probe import Probe
+from tests.probe import probe_for
 
 TASKS = 400
 HOLD = 0.01
@@ -39,7 +39,7 @@ def run_size(broker: str, workers: int, tasks: int = TASKS, hold: float = HOLD
         for i in range(workers):
             procs.append(_start_worker(env, f"w11-{workers}-{i}", 1,
                                        os.path.join(tmp, f"w{i}.log")))
-        probe = Probe(env["BENCH_PROBE"])
+        probe = probe_for(env["BENCH_PROBE"])
         send = bench_app.app.tasks["benchmarks.bench_app.gated"]
         for i in range(4):  # warm: scripts loaded, connections made
             send.delay(f"warm{i}", 0.0)
@@ -47,15 +47,14 @@ def run_size(broker: str, workers: int, tasks: int = TASKS, hold: float = HOLD
         while len(probe.completed("warm")) < 4 and time.monotonic() < deadline:
             time.sleep(0.05)
         before = _commands(client)
+        base = probe.ended()
         began = time.monotonic_ns()
         for i in range(tasks):
             send.delay(f"t{i}", hold)
         deadline = time.monotonic() + 600
-        mark = b"end t"
         while True:
-            with open(probe.path, "rb") as f:
-                if f.read().count(mark) >= tasks:
-                    break
+            if probe.ended() - base >= tasks:
+                break
             if time.monotonic() > deadline:
                 raise RuntimeError(f"W11 at {workers} workers: not every task ran")
             time.sleep(0.1)

@@ -32,7 +32,7 @@ import tempfile
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from tests.probe import Probe
+from tests.probe import Probe, probe_for
 from tests.servers import redis_db, slots_url, unique_tag
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,6 +57,36 @@ def _start_worker(env: Dict[str, str], name: str, concurrency: int, log: str,
     return proc
 
 
+def wait_for_ends(probe: Probe, base: int, total: int, prefix: str, timeout: float,
+                  what: str) -> None:
+    """Wait until ``total`` bodies of keys starting with ``prefix`` have ended, ``base``
+    having ended before: a cheap count while they run (the sender shares the machine's cores
+    with the workers: parsing the whole record 20 times a second would slow them), then one
+    parse to check that each key ended (a task run twice is not a task that ran)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if probe.ended() - base >= total:
+            done = probe.completed(prefix)
+            if len(done) >= total and all(n > 0 for n in done.values()):
+                return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what}: only {len(probe.completed(prefix))} of {total} "
+                               f"tasks finished in {timeout}s")
+        time.sleep(0.05)
+
+
+def probe_target(tmp: str, tag: str) -> str:
+    """Where the bodies record their start and end: a file (the default: no load on any
+    server), or with ``BENCH_PROBE_KIND=redis`` a list in database 15 of the benchmarks'
+    Redis server with about five commands per body, as the probe of the issues' figures
+    (:class:`tests.probe.RedisProbe`)."""
+    if os.environ.get("BENCH_PROBE_KIND", "file") == "redis":
+        from tests.servers import redis_url
+
+        return f"{redis_db(redis_url(), 15)}#{tag}:probe"
+    return os.path.join(tmp, "probe.log")
+
+
 def new_run(kind: str, broker: str, backend: str, limit: int, park_on_send: bool = True
             ) -> Tuple[str, str, Dict[str, str], Any]:
     """A fresh temporary directory, tag (queue and key prefix), worker environment and bench
@@ -66,7 +96,7 @@ def new_run(kind: str, broker: str, backend: str, limit: int, park_on_send: bool
     tag = unique_tag()
     env = dict(os.environ, BENCH_BROKER=broker, BENCH_SEMAPHORE_BACKEND=backend,
                BENCH_PREFIX=f"{tag}:", BENCH_QUEUE=f"{tag}.q", BENCH_LIMIT=str(limit),
-               BENCH_PROBE=os.path.join(tmp, "probe.log"), PYTHONPATH=ROOT,
+               BENCH_PROBE=probe_target(tmp, tag), PYTHONPATH=ROOT,
                BENCH_PARK_ON_SEND="1" if park_on_send else "0")
     os.environ.update({k: env[k] for k in env if k.startswith("BENCH_")})
     import benchmarks.bench_app as bench_app
@@ -87,7 +117,7 @@ def run_setup(kind: str, broker: str, backend: str, limit: int, batches: List[Li
     logs = [os.path.join(tmp, f"{name}.log") for name, _, _ in workers]
     procs = [_start_worker(env, name, c, log, extra)
              for (name, c, extra), log in zip(workers, logs)]
-    probe = Probe(env["BENCH_PROBE"])
+    probe = probe_for(env["BENCH_PROBE"])
     total = sum(len(batch) for batch in batches)
     sent_at = []
     try:
@@ -95,13 +125,7 @@ def run_setup(kind: str, broker: str, backend: str, limit: int, batches: List[Li
             sent_at.append(time.monotonic_ns())
             for task, args in batch:
                 bench_app.app.tasks[f"benchmarks.bench_app.{task}"].delay(*args)
-        deadline = time.monotonic() + timeout
-        while len(probe.completed()) < total or any(
-                n == 0 for n in probe.completed().values()):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{kind}: only {len(probe.completed())} of {total} tasks "
-                                   f"finished in {timeout}s")
-            time.sleep(0.05)
+        wait_for_ends(probe, 0, total, "", timeout, kind)
     finally:
         for proc in procs:
             proc.terminate()

@@ -11,12 +11,21 @@ from __future__ import annotations
 import os
 import time
 from collections import defaultdict
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 
 class Probe:
     def __init__(self, path: str) -> None:
         self.path = path
+
+    def ended(self) -> int:
+        """Bodies that ended so far, every key (cheap: no parsing)."""
+        try:
+            with open(self.path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            return 0
+        return data.count(b"\nend ") + data.startswith(b"end ")
 
     def mark(self, kind: str, key: str) -> None:
         line = f"{kind} {key} {time.monotonic_ns()} {os.getpid()}\n".encode()
@@ -86,3 +95,58 @@ class Probe:
         """key -> number of finished executions."""
         return {k: sum(1 for _, end in runs if end is not None)
                 for k, runs in self.intervals().items() if k.startswith(prefix)}
+
+
+class RedisProbe(Probe):
+    """The same record kept in a Redis list, with the load of the probe the issues' figures
+    come from (../shared/workloads.md): about five commands per body on the server the
+    broker and the backend use (a counter of live bodies, its peak, a hash of running pids,
+    and the start/end marks). ``target``: ``redis://host:port/db#key``."""
+
+    def __init__(self, target: str) -> None:
+        super().__init__(target)
+        url, _, self.key = target.partition("#")
+        self.url = url
+        self._client: Any = None
+
+    @property
+    def client(self) -> Any:
+        import redis
+
+        if self._client is None or self._pid != os.getpid():
+            self._client, self._pid = redis.Redis.from_url(self.url), os.getpid()
+        return self._client
+
+    def mark(self, kind: str, key: str) -> None:
+        line = f"{kind} {key} {time.monotonic_ns()} {os.getpid()}"
+        client = self.client
+        if kind == "start":
+            live = client.incr(f"{self.key}:live")
+            client.eval("if tonumber(redis.call('GET', KEYS[1]) or 0) < tonumber(ARGV[1]) "
+                        "then redis.call('SET', KEYS[1], ARGV[1]) end", 1,
+                        f"{self.key}:peak", live)
+            client.hset(f"{self.key}:pids", os.getpid(), key)
+        else:
+            client.decr(f"{self.key}:live")
+            client.hdel(f"{self.key}:pids", os.getpid())
+            client.incr(f"{self.key}:ended")
+        client.rpush(self.key, line)
+
+    def events(self) -> List[Tuple[str, str, int, int]]:
+        out = []
+        for raw in self.client.lrange(self.key, 0, -1):
+            kind, key, ns, pid = raw.decode().split()
+            out.append((kind, key, int(ns), int(pid)))
+        return out
+
+    def ended(self) -> int:
+        return int(self.client.get(f"{self.key}:ended") or 0)
+
+    def clear(self) -> None:
+        self.client.delete(self.key, f"{self.key}:live", f"{self.key}:peak",
+                          f"{self.key}:pids", f"{self.key}:ended")
+
+
+def probe_for(target: str) -> Probe:
+    """A :class:`RedisProbe` for ``redis://...#key``, else a file :class:`Probe`."""
+    return RedisProbe(target) if target.startswith("redis") else Probe(target)
