@@ -153,3 +153,15 @@ def spec(request, tmp_path):
         url = servers.slots_url(request.getfixturevalue("amqp_url"))
     yield BackendSpec(kind, url, options)
     close_all()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_worker_left_running():
+    """A worker a test left running (it failed before its cleanup) is killed at the end, and
+    the run says so: a leftover keeps consuming the shared broker and the CPU."""
+    yield
+    from tests.workers import kill_leftovers
+
+    left = kill_leftovers()
+    if left:
+        print(f"\nkilled {left} celery worker(s) a test left running")

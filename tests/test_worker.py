@@ -41,8 +41,13 @@ class Cluster:
         self.backend = get_backend(backend or broker, key_prefix=self.env["CS_KEY_PREFIX"])
         # Worker names are unique per broker: a RabbitMQ worker's pidbox queue is exclusive.
         self.workers = [Worker(self.env, f"{names}{i}", concurrency) for i in range(workers)]
-        for worker in self.workers:
-            worker.wait_ready()
+        try:
+            for worker in self.workers:
+                worker.wait_ready()
+        except BaseException:  # none left running when one does not start
+            for worker in self.workers:
+                worker.kill()
+            raise
 
     def task(self, name):
         return self.app.tasks[f"tests.celery_app.{name}"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import subprocess
@@ -18,6 +19,24 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: tox env of ``make compat`` sets its own).
 NAME_SUFFIX = os.environ.get("CS_NODE_SUFFIX", "") + (
     f"-{os.environ['PYTEST_XDIST_WORKER']}" if os.environ.get("PYTEST_XDIST_WORKER") else "")
+
+
+#: Every worker this process started: what a test left running (one that failed before its
+#: cleanup, a fixture that raised while starting its workers) is killed at the session's end
+#: (tests/conftest.py) and, at the latest, when this process exits.
+STARTED: "List[Worker]" = []
+
+
+def kill_leftovers() -> int:
+    """Kill every worker this process started that still runs; how many there were."""
+    left = [worker for worker in STARTED if worker.proc.poll() is None]
+    for worker in left:
+        worker.kill()
+    STARTED.clear()
+    return len(left)
+
+
+atexit.register(kill_leftovers)
 
 
 def children(pid: int) -> List[int]:
@@ -47,8 +66,9 @@ class Worker:
                 "--without-mingle"]
         self.proc = subprocess.Popen(args + (extra or []), cwd=ROOT, env=env,
                                      stdout=open(self.log, "ab"), stderr=subprocess.STDOUT)
+        STARTED.append(self)
 
-    def wait_ready(self, timeout: float = 30.0) -> None:
+    def wait_ready(self, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
