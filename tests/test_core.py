@@ -803,3 +803,18 @@ def test_a_claim_moves_only_along_the_table():
     with pytest.raises(RuntimeError):
         claim.move(State.ENDING)  # a waiting claim never ends in a child
     assert State.POOL in TRANSITIONS[State.QUEUED] and State.DONE not in TRANSITIONS[State.DONE]
+
+
+def test_a_grant_with_every_process_busy_waits_in_the_pools_queue_within_the_lookahead():
+    """With a lookahead, a grant (answered or pushed) that finds every process busy goes to
+    the pool's queue, as a grant tried ahead does, while fewer requests than the pool has
+    processes wait there; beyond that it is given back."""
+    core, world = make(processes=1, lookahead=1)
+    first, _, _ = arrive(core)
+    second, _, _ = arrive(core, guard("b"))
+    core.handle(answer(first, wait_answer()))
+    core.handle(answer(second, wait_answer()))
+    arrive(core, None)  # an unguarded request takes the one process
+    assert started(core.handle(pushed(first))) == [first]  # waits in the pool's queue
+    commands = core.handle(pushed(second, name="b"))
+    assert kinds(commands) == ["StopAttempts", "GiveBackGrant"]  # the queue is full

@@ -629,6 +629,16 @@ class WorkerCore:
                      len(self.line))
         self.line.insert(index, claim)
 
+    def _pool_queue_room(self) -> bool:
+        """A grant that finds every process busy may wait in the pool's queue (as a grant
+        tried ahead does: it starts the moment a process frees) while fewer requests than the
+        pool has processes wait there; with no lookahead, or a pool that does not queue,
+        never."""
+        if self.surroundings.lookahead() <= 0:
+            return False
+        size = self.surroundings.pool_size()
+        return self.busy - size < size
+
     def _saw_spare(self, claim: Claim, attempt: Union[Attempt, MultiAttempt]) -> None:
         """A grant of ``claim``'s semaphore said how many units it left free (or not)."""
         free = getattr(attempt, "free", None)
@@ -938,10 +948,11 @@ class WorkerCore:
 
     def _granted(self, claim: Claim, holder: str, grants: Dict[str, Grant],
                  limits: Dict[str, Optional[int]], since: float) -> None:
-        if self.free_processes() <= 0:
-            # The pool filled up meanwhile: never sit on a slot waiting for a process. The
-            # claim stays RETURNING until the release is done: an answer to an attempt made
-            # before it would carry this very grant, about to be freed.
+        if self.free_processes() <= 0 and not self._pool_queue_room():
+            # The pool filled up meanwhile, and its queue too: never sit on a slot waiting
+            # for a process beyond that. The claim stays RETURNING until the release is done:
+            # an answer to an attempt made before it would carry this very grant, about to
+            # be freed.
             self._move(claim, State.RETURNING)
             ttl = min(g.ttl for g in grants.values())
             self._out.append(GiveBackGrant(claim, holder, tuple(grants), since + ttl))
