@@ -155,8 +155,10 @@ def _counts_per_period(value: Any, what: str, example: str, months: bool
                                      f"not {value!r} ({item!r})")
         count, number, unit = match.groups()
         period = _period(number, unit, item, what, months)
-        if any(period == seen for _, seen, _ in out):
-            raise ConfigurationError(f"{what} {value!r} gives the period of {item!r} twice")
+        twin = next((seen for _, period_seen, seen in out if period_seen == period), None)
+        if twin is not None:
+            raise ConfigurationError(f"{what} {value!r} gives two counts for one period "
+                                     f"({twin!r} and {item!r})")
         out.append((count, period, item))
     return out
 

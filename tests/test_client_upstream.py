@@ -148,7 +148,7 @@ def test_what_a_semaphore_declares(double):
     ({"limit": 0}, "limit must be a positive integer"),
     ({"quota": "1000/hour"}, "quota '1000/hour': unknown period"),
     ({"quota_tz": "Mars/Base"}, "quota_tz 'Mars/Base' is not a time zone"),
-    ({"rate": "10/s; 10/s"}, "twice"),
+    ({"rate": "10/s; 10/s"}, "two counts for one period"),
 ])
 def test_bad_client_arguments_are_refused(double, kwargs, problem):
     with pytest.raises(ConfigurationError, match=problem):

@@ -54,7 +54,8 @@ def test_quotas_in_every_accepted_form(text, quotas):
     ("1.5/h", "whole number"), ("0/h", "whole number from 1"), ("-5/h", "count per period"),
     ("1000000000001/d", "whole number from 1 to"), ("5/0s", "from 1 second"),
     ("5/367d", "from 1 second to 366 days"), ("5/2mo", "one calendar month"),
-    ("1/h; 2/h", "twice"), ("1/h; 2/60m", "twice"), (";".join(["1/s"] * 9), "at most 8"),
+    ("1/h; 2/h", "two counts for one period"), ("1/h; 2/60m", r"\('1/h' and '2/60m'\)"),
+    (";".join(["1/s"] * 9), "at most 8"),
     ("1/h;; x", "count per period"), (["1/h"], "count per period"),
 ])
 def test_bad_quotas_are_refused_naming_the_option_and_value(value, problem):
@@ -76,7 +77,7 @@ def test_several_rates_and_longer_periods(text, intervals):
 
 @pytest.mark.parametrize("value, problem", [
     ("1/mo", "unknown period 'mo'"), ("0/s", "above 0"), ("2000000/s", "at most 1000000"),
-    ("10/s; 5/s", "twice"), ("fast", "count per period"),
+    ("10/s; 5/s", "two counts for one period"), ("fast", "count per period"),
 ])
 def test_bad_rates_are_refused(value, problem):
     with pytest.raises(ConfigurationError, match=problem):
