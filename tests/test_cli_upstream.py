@@ -313,3 +313,15 @@ def test_the_exporter_serves_pauses_quota_windows_and_learned_limits():
     assert value(parsed, "celery_semaphore_paused", **plain) == 0
     assert not [k for k in parsed if k[0] == "celery_semaphore_paused_until_seconds"
                 and ("semaphore", "plain") in k[1]]
+
+
+def test_workers_say_a_request_waits_for_the_quota_or_a_pause():
+    from celery_semaphore.cli import render_workers
+
+    waiting = [{"semaphore": "llm", "id": "t1", "queued": True, "position": 0,
+                "waits_for": "quota", "waited": 2.0},
+               {"semaphore": "api", "id": "t2", "queued": True, "position": 3,
+                "waits_for": "pause", "waited": 1.0}]
+    text = render_workers({"w1@host": {"held": [], "waiting": waiting}})
+    assert "position 0 at its last try, waiting for the quota's next window" in text
+    assert "position 3 at its last try, paused" in text
