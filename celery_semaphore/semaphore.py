@@ -210,9 +210,10 @@ class Lease:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> None:
-        if isinstance(exc, Backoff) and exc.seconds is not None and not self._released:
+        wait = exc.remaining() if isinstance(exc, Backoff) else None
+        if wait and not self._released:
             try:  # closed for everyone before this slot frees
-                upstream_ops(self.backend).pause(self.name, exc.remaining() or 0.0, exc.reason)
+                upstream_ops(self.backend).pause(self.name, wait, exc.reason)
             except Exception as pause_error:
                 logger.warning("pausing semaphore %r for %r failed: %s", self.name, exc,
                                pause_error)

@@ -190,3 +190,9 @@ def test_current_lease_settle_in_an_eager_task():
     assert settled == [("settle", "llm", seen[0], 42), ("settle", "llm:ann", seen[0], 42),
                        ("settle", "llm", seen[0], 3), ("settle", "llm:ann", seen[0], 3)]
     assert backend.status("llm").held == 0
+
+
+def test_a_backoff_whose_time_has_passed_pauses_nothing(double):
+    with pytest.raises(Backoff), Semaphore("api-past", 2, double).acquire():
+        raise Backoff(retry_after="Wed, 21 Oct 2015 07:28:00 GMT")
+    assert not ops(double, "pause") and double.status("api-past").held == 0
