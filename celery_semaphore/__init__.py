@@ -4,6 +4,7 @@ from typing import Any
 
 from . import autoinstall  # noqa: F401 -- connects the worker_init receiver
 from .backends.base import FencingToken, SemaphoreStatus
+from .backoff import Adaptive, Backoff
 from .exceptions import (
     BackendUnavailable,
     BrokerUnavailable,
@@ -35,7 +36,9 @@ def install(app: Any) -> Any:
 __version__ = "0.1.0"
 
 __all__ = [
+    "Adaptive",
     "BackendUnavailable",
+    "Backoff",
     "BrokerUnavailable",
     "ConfigurationError",
     "FencingToken",

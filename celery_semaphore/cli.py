@@ -15,6 +15,7 @@ import functools
 import json
 import math
 import os
+import re
 import signal
 import sys
 import time
@@ -38,6 +39,7 @@ import click
 
 from .backends import get_backend
 from .backends.base import Backend, SemaphoreStatus, cost_of, priority_of
+from .backoff import check_reason, parse_http_date, parse_iso_datetime
 from .exceptions import (
     BrokerUnavailable,
     ConfigurationError,
@@ -47,8 +49,10 @@ from .exceptions import (
     SemaphoreError,
     UnknownSemaphore,
 )
+from .metrics import learned_of, pause_of, rate_text, rates_of, windows_of
 from .names import validate_limit, validate_name
 from .settings import Settings
+from .traffic import upstream_ops
 from .urls import mask_url
 
 # -- operations: a backend in, JSON-ready data out -----------------------------------------
@@ -56,15 +60,39 @@ from .urls import mask_url
 
 def list_semaphores(backend: Backend) -> List[Dict[str, Any]]:
     """Every semaphore the backend knows: ``name``, ``limit``, ``pinned`` (by ``resize``),
-    ``declared`` (the limits callers declared lately, sorted), ``held``, ``waiting``."""
+    ``declared`` (the limits callers declared lately, sorted), ``held``, ``units``,
+    ``waiting``, ``paused_until`` (backend epoch seconds, None when not paused) and
+    ``pause_reason``, ``quotas`` (each window now: :func:`quota_rows`) and ``adaptive`` (the
+    learned limit: :func:`adaptive_row`; None when the limit is not learned)."""
     rows = []
     for name in backend.names():
         status = backend.status(name)
         if status is not None:  # reset or expired since names() listed it
+            paused_until, reason = pause_of(status)
             rows.append({"name": name, "limit": status.limit, "pinned": status.pinned,
                          "declared": sorted(status.declared), "held": status.held,
-                         "units": status.units, "waiting": status.waiting})
+                         "units": status.units, "waiting": status.waiting,
+                         "paused_until": paused_until, "pause_reason": reason,
+                         "quotas": quota_rows(status), "adaptive": adaptive_row(status)})
     return rows
+
+
+def quota_rows(status: SemaphoreStatus) -> List[Dict[str, Any]]:
+    """Each quota window of ``status`` now: ``window`` (as written per: ``h``, ``d``,
+    ``5s``, ``mo``), ``count``, ``used`` (above ``count``: a debt), ``window_start`` and
+    ``window_end`` (backend epoch seconds)."""
+    return [{"window": w.label, "count": w.count, "used": w.used, "window_start": w.start,
+             "window_end": w.end} for w in windows_of(status)]
+
+
+def adaptive_row(status: SemaphoreStatus) -> Optional[Dict[str, Any]]:
+    """The learned limit of ``status``: ``min``, ``max``, ``current`` (the limit in force is
+    its floor), ``pinned``; None when the limit is not learned."""
+    learned = learned_of(status)
+    if learned is None:
+        return None
+    return {"min": learned.min, "max": learned.max, "current": learned.current,
+            "pinned": learned.pinned}
 
 
 def semaphore_status(backend: Backend, name: str) -> SemaphoreStatus:
@@ -116,20 +144,47 @@ def release_holder(backend: Backend, name: str, holder: str) -> Dict[str, Any]:
             "token": str(entry.token), "released": True}
 
 
+def pause_semaphore(backend: Backend, name: str, seconds: float,
+                    reason: str = "") -> Dict[str, Any]:
+    """Close ``name`` for ``seconds`` from the backend's now (no acquire admitted; holders
+    keep their slots), creating its state if it has none. A pause in force that ends later is
+    kept: ``kept`` is then True. ``paused_until``: the end in force (backend epoch
+    seconds)."""
+    validate_name(name)
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not (
+            0 <= seconds < math.inf):
+        raise ConfigurationError(f"a pause must last a finite number of seconds >= 0, "
+                                 f"not {seconds!r}")
+    reason = check_reason(reason)
+    before = backend.status(name)
+    earlier_end = None if before is None else pause_of(before)[0]
+    end = float(upstream_ops(backend).pause(name, float(seconds), reason))
+    kept = earlier_end is not None and end == earlier_end and seconds > 0
+    return {"name": name, "paused_until": end, "seconds": float(seconds), "reason": reason,
+            "kept": kept}
+
+
+def resume_semaphore(backend: Backend, name: str) -> Dict[str, Any]:
+    """Lift the pause of ``name``. ``resumed`` is False when none was in force."""
+    validate_name(name)
+    return {"name": name, "resumed": bool(upstream_ops(backend).resume(name))}
+
+
 def reset_semaphore(backend: Backend, name: str) -> Dict[str, Any]:
     """Delete all state of ``name``. ``reset`` is False when it was unknown."""
     return {"name": name, "reset": backend.reset(validate_name(name))}
 
 
-def compare_limits(backend: Backend, limits: Mapping[str, int]) -> List[Dict[str, Any]]:
+def compare_limits(backend: Backend, limits: Mapping[str, Any]) -> List[Dict[str, Any]]:
     """The names of ``limits`` (``semaphore_limits``) whose limit in force is not the
     configured one, each with ``configured``, ``limit`` (None: the backend does not know the
     name yet; the first acquire creates it with the declared limit) and ``pinned``. Changes
     nothing: declared limits take effect on their own (the newest declaration is in force),
-    except where ``resize`` pinned one. Templates (``"api:{customer_id}"``) are skipped."""
+    except where ``resize`` pinned one. Templates (``"api:{customer_id}"``) and learned limits
+    (:class:`.Adaptive`) are skipped."""
     differences = []
     for name, limit in sorted(limits.items()):
-        if "{" in name:
+        if "{" in name or not isinstance(limit, int):  # a template, or a learned limit
             continue
         current = backend.status(name)
         if current is not None and current.limit == limit:
@@ -177,6 +232,11 @@ def relative(t: float, now: float) -> str:
     return f"in {text}" if delta > 0 else f"{text} ago"
 
 
+def utc_time(t: float) -> str:
+    """``2026-05-09 14:00:00 UTC``."""
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
+
+
 def table(headers: Sequence[str], rows: Iterable[Sequence[Any]],
           right: Iterable[int] = (), indent: str = "") -> List[str]:
     """Lines of an aligned table; columns whose index is in ``right`` are right-aligned."""
@@ -199,6 +259,10 @@ def render_status(status: SemaphoreStatus, now: Optional[float] = None,
         f"{k} ({'newest, ' if k == status.newest_declared else ''}{relative(seen, now)})"
         for k, seen in sorted(status.declared.items())) or "none seen"
     pinned = " (pinned by resize)" if status.pinned else ""
+    learned = learned_of(status)
+    if learned is not None:
+        pinned = (f" (learned {learned.current:.4g} within {learned.min}..{learned.max}"
+                  + ("; pinned by resize: learning stopped)" if learned.pinned else ")"))
     lines = [
         f"semaphore {status.name}",
         f"  limit     {status.limit}{pinned}",
@@ -208,11 +272,26 @@ def render_status(status: SemaphoreStatus, now: Optional[float] = None,
     ]
     if status.units != status.held:
         lines.insert(5, f"  units     {status.units} of {status.limit} (holders' costs)")
-    if status.rate is not None:
-        interval, burst = status.rate
+    paused_until, reason = pause_of(status)
+    if paused_until is not None:
+        left = "ending now" if paused_until <= now else relative(paused_until, now)
+        lines.insert(1, f"  PAUSED    until {utc_time(paused_until)} ({left})"
+                        + (f": {reason}" if reason else "")
+                        + "; `resume` lifts it")
+    rates = rates_of(status)
+    if rates:
         due = status.next_start
-        lines.append(f"  rate      {1 / interval:g}/s, burst {burst}; next start "
-                     + ("now" if due is None or due <= now else relative(due, now)))
+        lines.append(f"  {'rate ' if len(rates) == 1 else 'rates'}     "
+                     + "; ".join(f"{rate_text(interval)}, burst {burst}"
+                                 for interval, burst in rates)
+                     + "; next start " + ("now" if due is None or due <= now
+                                          else relative(due, now)))
+    for i, window in enumerate(windows_of(status)):
+        over = (f" (over by {window.used - window.count}: later starts wait for the next "
+                "window)" if window.used > window.count else "")
+        lines.append(f"  {'quota' if i == 0 else '':<9} {window.used} of {window.count} per "
+                     f"{window.label}{over}, window ends {relative(window.end, now)} "
+                     f"({utc_time(window.end)})")
     if parked is not None:
         lines.append(f"  parked    {parked}")
     lines += [f"  note: {note}" for note in limit_notes(status)]
@@ -233,6 +312,39 @@ def render_status(status: SemaphoreStatus, now: Optional[float] = None,
     return "\n".join(lines)
 
 
+def list_table(rows: Sequence[Mapping[str, Any]], now: Optional[float] = None) -> List[str]:
+    """The lines of ``list``: PAUSED and QUOTA columns only when a semaphore has a pause or
+    a quota; a learned limit is marked ``~`` (``=``: pinned by resize)."""
+    now = time.time() if now is None else now
+    paused = any(r["paused_until"] is not None for r in rows)
+    quotas = any(r["quotas"] for r in rows)
+
+    def limit(row: Mapping[str, Any]) -> str:
+        learned = row["adaptive"]
+        return f"{row['limit']}{('=' if learned['pinned'] else '~') if learned else ''}"
+
+    def paused_cell(row: Mapping[str, Any]) -> str:
+        until = row["paused_until"]
+        if until is None:
+            return "-"
+        return ("ending now" if until <= now else relative(until, now)) + (
+            f" ({row['pause_reason']})" if row["pause_reason"] else "")
+
+    def quota_cell(row: Mapping[str, Any]) -> str:
+        return " ".join(f"{q['used']}/{q['count']}/{q['window']}" for q in row["quotas"]) or "-"
+
+    headers = ("NAME", "LIMIT", "PINNED", "DECLARED", "HELD", "UNITS", "WAITING", "PARKED")
+    lines = table(headers + ("PAUSED",) * paused + ("QUOTA",) * quotas,
+                  [(r["name"], limit(r), "pinned" if r["pinned"] else "-",
+                    ",".join(map(str, r["declared"])) or "-", r["held"], r["units"],
+                    r["waiting"], "-" if r["parked"] is None else r["parked"])
+                   + (paused_cell(r),) * paused + (quota_cell(r),) * quotas for r in rows],
+                  right=(1, 4, 5, 6, 7))
+    if any(r["adaptive"] for r in rows):
+        lines.append("~: a learned (adaptive) limit; =: learned, pinned by resize")
+    return lines
+
+
 def limit_notes(status: SemaphoreStatus) -> List[str]:
     """Why the limit in force is not what some caller declares (none when all agree)."""
     if status.pinned and status.newest_declared not in (None, status.limit):
@@ -250,8 +362,9 @@ def _where_waiting(request: Mapping[str, Any]) -> str:
         return "in the worker's line (no free pool process yet)"
     if request.get("position") is None:
         return "entering the backend's queue"
-    why = {"units": ", waiting for units", "rate": ", waiting for the rate"}.get(
-        request.get("waits_for") or "", "")
+    why = {"units": ", waiting for units", "rate": ", waiting for the rate",
+           "quota": ", waiting for the quota's next window",
+           "pause": ", paused"}.get(request.get("waits_for") or "", "")
     return f"position {request['position']} at its last try{why}"
 
 
@@ -425,6 +538,79 @@ class PositiveInt(_IntParamType):
             self.fail(str(exc).replace("limit ", "", 1), param, ctx)
 
 
+#: Seconds in each unit a ``--for`` duration may use.
+DURATION_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]+)?)(ms|s|m|h|d|w)")
+
+
+def parse_duration(text: str) -> float:
+    """``"90s"``, ``"10m"``, ``"1h30m"``, ``"1.5h"``, ``"2d"``, ``"1w"``, ``"500ms"``, or a
+    bare number of seconds -> seconds (above 0, finite); ValueError otherwise."""
+    compact = "".join(str(text).split())
+    if re.fullmatch(r"[0-9]+(?:\.[0-9]+)?", compact):
+        seconds = float(compact)
+    elif compact and re.fullmatch(f"(?:{_DURATION_PART.pattern})+", compact):
+        seconds = sum(float(number) * DURATION_UNITS[unit]
+                      for number, unit in _DURATION_PART.findall(compact))
+    else:
+        raise ValueError(f"{text!r} is not a duration such as 90s, 10m, 1h30m or 2d")
+    if not 0 < seconds < math.inf:
+        raise ValueError(f"{text!r}: a duration must be above 0")
+    return seconds
+
+
+def parse_moment(text: str) -> float:
+    """An ISO 8601 date and time (without an offset: UTC) or an HTTP-date -> Unix time;
+    ValueError otherwise."""
+    for parse in (parse_iso_datetime, parse_http_date):
+        try:
+            return parse(text).timestamp()
+        except ValueError:
+            continue
+    raise ValueError(f"{text!r} is neither an ISO 8601 time (2026-05-09T14:00:00Z) nor an "
+                     "HTTP-date (Sat, 09 May 2026 14:00:00 GMT)")
+
+
+if TYPE_CHECKING:
+    _FloatParamType = click.ParamType[float]
+else:
+    _FloatParamType = click.ParamType
+
+
+class Duration(_FloatParamType):
+    """``--for``: :func:`parse_duration`, else a usage error (exit 2)."""
+
+    name = "duration"
+
+    def convert(self, value: Any, param: Optional[click.Parameter],
+                ctx: Optional[click.Context]) -> float:
+        if isinstance(value, float):
+            return value
+        try:
+            return parse_duration(value)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+class Moment(_FloatParamType):
+    """``--until``: :func:`parse_moment` (a Unix time), not in the past, else a usage error
+    (exit 2)."""
+
+    name = "time"
+
+    def convert(self, value: Any, param: Optional[click.Parameter],
+                ctx: Optional[click.Context]) -> float:
+        if isinstance(value, float):
+            return value
+        try:
+            moment = parse_moment(value)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+        if moment <= time.time():
+            self.fail(f"{value!r} is in the past", param, ctx)
+        return moment
+
+
 def _operational(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Turn every failure of an operation into one line on stderr and exit status 1."""
 
@@ -504,12 +690,7 @@ def list_(obj: Context, as_json: bool) -> None:
     parked = obj.parked([r["name"] for r in rows])
     for row in rows:
         row["parked"] = parked.get(row["name"]) if parked is not None else None
-    human = table(("NAME", "LIMIT", "PINNED", "DECLARED", "HELD", "UNITS", "WAITING", "PARKED"),
-                  [(r["name"], r["limit"], "pinned" if r["pinned"] else "-",
-                    ",".join(map(str, r["declared"])) or "-", r["held"], r["units"],
-                    r["waiting"], "-" if r["parked"] is None else r["parked"]) for r in rows],
-                  right=(1, 4, 5, 6, 7))
-    _emit(as_json, rows, "\n".join(human) if rows else "no semaphores")
+    _emit(as_json, rows, "\n".join(list_table(rows)) if rows else "no semaphores")
 
 
 @semaphore.command()
@@ -581,6 +762,56 @@ def release(obj: Context, name: str, holder: str, as_json: bool) -> None:
     task = f" (task {done['task_id']})" if done["task_id"] else ""
     _emit(as_json, done, f"released {done['holder']}{task} from semaphore {name!r}, "
                          f"token {done['token']}")
+
+
+@semaphore.command()
+@backend_option
+@click.argument("name", callback=_name)
+@click.option("--for", "for_", type=Duration(), metavar="DURATION",
+              help="How long: 90s, 10m, 1h30m, 2d, 1w (a bare number: seconds).")
+@click.option("--until", type=Moment(), metavar="TIME",
+              help="Until when: ISO 8601 (2026-05-09T14:00:00Z; without an offset: UTC) or "
+                   "an HTTP-date (Sat, 09 May 2026 14:00:00 GMT).")
+@click.option("--reason", default="", help="Why: shown by status, list, top and the exporter.")
+@json_option
+@click.pass_obj
+@_operational
+def pause(obj: Context, name: str, for_: Optional[float], until: Optional[float], reason: str,
+          as_json: bool) -> None:
+    """Close NAME on every worker for a while, as a task's Backoff does: no task of it starts
+    anywhere until then or `resume NAME` (running ones finish; waiting ones keep their place
+    and hold no process). A pause in force that ends later is kept. NAME need not exist yet
+    (a template's key). --until is turned into a duration with this host's clock; the pause
+    ends by the backend's."""
+    if (for_ is None) == (until is None):
+        raise click.UsageError("pass one of --for DURATION or --until TIME")
+    seconds = for_ if for_ is not None else (until or 0.0) - time.time()
+    if seconds <= 0:
+        raise click.BadParameter("is in the past", param_hint="'--until'")
+    done = pause_semaphore(obj.backend, name, seconds, reason)
+    now = time.time()
+    end = done["paused_until"]
+    when = f"until {utc_time(end)} ({relative(end, now)})"
+    if done["kept"]:
+        human = f"semaphore {name!r} stays paused {when}: a pause ending later was in force"
+    else:
+        human = f"paused semaphore {name!r} {when}" + (f": {done['reason']}"
+                                                       if done["reason"] else "")
+    _emit(as_json, done, human)
+
+
+@semaphore.command()
+@backend_option
+@click.argument("name", callback=_name)
+@json_option
+@click.pass_obj
+@_operational
+def resume(obj: Context, name: str, as_json: bool) -> None:
+    """Lift the pause of NAME (`pause`, or a task's Backoff): its waiting tasks start as slots
+    allow, at once."""
+    done = resume_semaphore(obj.backend, name)
+    _emit(as_json, done, f"resumed semaphore {name!r}" if done["resumed"]
+          else f"semaphore {name!r} was not paused")
 
 
 @semaphore.command()

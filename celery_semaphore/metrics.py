@@ -25,14 +25,122 @@ import socket
 import string
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 from .backends.base import Backend, SemaphoreStatus
 from .stats import SemaphoreStats, total
 
 #: Default number of keys per template exported one by one (``semaphore_metrics_top``).
 DEFAULT_TOP = 10
+
+
+# -- what a status says of pauses, quotas, rates and learned limits --------------------------
+# (:class:`.SemaphoreStatus` fields of the upstream contract: ``paused_until``,
+# ``pause_reason``, ``quotas``, ``rates``, ``adaptive``; read with defaults so that a backend
+# that keeps none of them shows none.)
+
+
+@dataclass(frozen=True)
+class Window:
+    """One quota window of a semaphore, now: ``used`` of ``count`` units (``used`` above
+    ``count``: a debt), in the window ``[start, end)`` (backend epoch seconds); ``period``
+    in seconds, 0 for a calendar month; ``label`` as a quota is written per (``h``, ``5s``,
+    ``d``, ``mo``)."""
+
+    label: str
+    period: int
+    count: int
+    used: int
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class Learned:
+    """An adaptive limit: ``current`` (the limit in force is its floor), between ``min`` and
+    ``max``; ``pinned``: an operator's ``resize`` stopped the learning."""
+
+    min: int
+    max: int
+    current: float
+    pinned: bool
+
+
+def period_label(period: float) -> str:
+    """How a quota or rate is written per this period: ``s``, ``5s``, ``m``, ``10m``, ``h``,
+    ``d``, ``w``, ``mo`` (0: a calendar month)."""
+    period = int(period)
+    if period == 0:
+        return "mo"
+    for unit, seconds in (("w", 604800), ("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        if period % seconds == 0:
+            count = period // seconds
+            return unit if count == 1 else f"{count}{unit}"
+    return f"{period}s"  # pragma: no cover - periods are whole seconds
+
+
+def rate_text(interval: float) -> str:
+    """A rate's starts per period, in the first unit that gives a whole count (``50/s``,
+    ``500/m``, ``30/h``), else the first that gives at least one (``2.5/s``)."""
+    units = (("s", 1), ("m", 60), ("h", 3600), ("d", 86400), ("w", 604800))
+    for unit, seconds in units:
+        count = seconds / interval
+        if count >= 1 and abs(count - round(count)) <= 1e-6 * count:
+            return f"{round(count)}/{unit}"
+    for unit, seconds in units:
+        if seconds / interval >= 1 or unit == "w":
+            return f"{seconds / interval:.4g}/{unit}"
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def pause_of(status: SemaphoreStatus) -> Tuple[Optional[float], str]:
+    """``(paused until, in backend epoch seconds, or None; the reason, "" when none)``."""
+    until = getattr(status, "paused_until", None)
+    return (None if until is None else float(until)), str(getattr(status, "pause_reason", "")
+                                                          or "")
+
+
+def windows_of(status: SemaphoreStatus) -> Tuple[Window, ...]:
+    """The semaphore's quota windows as they stand (none without quotas)."""
+    return tuple(Window(period_label(q.period), int(q.period), int(q.count), int(q.used),
+                        float(q.window_start), float(q.window_end))
+                 for q in getattr(status, "quotas", None) or ())
+
+
+def rates_of(status: SemaphoreStatus) -> Tuple[Tuple[float, int], ...]:
+    """Every rate ``(interval, burst)`` of the semaphore (``status.rate`` is the first)."""
+    rates = getattr(status, "rates", None)
+    if rates:
+        return tuple((float(i), int(b)) for i, b in rates)
+    return () if status.rate is None else (status.rate,)
+
+
+def learned_of(status: SemaphoreStatus) -> Optional[Learned]:
+    """The adaptive limit's state, None for a limit that is not learned."""
+    state = getattr(status, "adaptive", None)
+    if state is None:
+        return None
+    return Learned(int(state.min), int(state.max), float(state.current), bool(state.pinned))
+
+
+def _sum_windows(rows: Sequence["Row"]) -> Tuple[Window, ...]:
+    """Each period's windows of several keys, summed (the earliest end)."""
+    by_period: Dict[int, List[Window]] = {}
+    for row in rows:
+        for window in row.quotas:
+            by_period.setdefault(window.period, []).append(window)
+    return tuple(Window(ws[0].label, period, sum(w.count for w in ws), sum(w.used for w in ws),
+                        min(w.start for w in ws), min(w.end for w in ws))
+                 for period, ws in sorted(by_period.items()))
+
+
+def _sum_learned(rows: Sequence["Row"]) -> Optional[Learned]:
+    found = [row.adaptive for row in rows if row.adaptive is not None]
+    if not found:
+        return None
+    return Learned(sum(a.min for a in found), sum(a.max for a in found),
+                   sum(a.current for a in found), any(a.pinned for a in found))
 
 
 @dataclass
@@ -51,6 +159,15 @@ class Row:
     units: Optional[int] = None
     #: With a rate: the backend time from which the next start is allowed.
     next_start: Optional[float] = None
+    #: Paused: until when (backend epoch seconds; a template: its latest key's), and why.
+    paused_until: Optional[float] = None
+    pause_reason: str = ""
+    #: Keys paused now (a plain semaphore: 0 or 1).
+    paused: int = 0
+    #: The quota windows (a template: each period summed over its keys).
+    quotas: Tuple[Window, ...] = field(default_factory=tuple)
+    #: The learned limit, for an adaptive semaphore (a template: summed over its keys).
+    adaptive: Optional[Learned] = None
 
     @property
     def waiting_total(self) -> int:
@@ -74,11 +191,17 @@ class Snapshot:
                 by_template.setdefault(row.template, []).append(row)
         for template, rows in sorted(by_template.items()):
             parked = [r.parked for r in rows if r.parked is not None]
+            paused = [r for r in rows if r.paused_until is not None]
+            latest = max(paused, key=lambda r: r.paused_until or 0.0) if paused else None
             plain.append(Row(template, template, sum(r.limit for r in rows),
                              sum(r.held for r in rows), sum(r.waiting for r in rows),
                              sum(parked) if parked else None, total(r.stats for r in rows),
                              keys=len(rows),
-                             units=sum(r.held if r.units is None else r.units for r in rows)))
+                             units=sum(r.held if r.units is None else r.units for r in rows),
+                             paused_until=None if latest is None else latest.paused_until,
+                             pause_reason="" if latest is None else latest.pause_reason,
+                             paused=len(paused), quotas=_sum_windows(rows),
+                             adaptive=_sum_learned(rows)))
         return plain
 
     def top_keys(self, n: int) -> List[Row]:
@@ -157,9 +280,12 @@ def read_snapshot(backend: Backend, templates: Templates,
 
 
 def _row(status: SemaphoreStatus, template: str) -> Row:
+    paused_until, reason = pause_of(status)
     return Row(status.name, template, status.limit, status.held, status.waiting, None,
                status.stats or SemaphoreStats(), units=status.units,
-               next_start=status.next_start)
+               next_start=status.next_start, paused_until=paused_until, pause_reason=reason,
+               paused=int(paused_until is not None), quotas=windows_of(status),
+               adaptive=learned_of(status))
 
 
 # -- Prometheus ------------------------------------------------------------------------------
@@ -178,6 +304,23 @@ METRICS = {
     "celery_semaphore_rate_next_start_seconds": ("gauge", "Seconds until the semaphore's rate "
                                                           "allows its next start (0: now); "
                                                           "semaphores with a rate only"),
+    "celery_semaphore_paused": ("gauge", "Keys paused now (a Backoff or `celery semaphore "
+                                         "pause`; a plain semaphore: 0 or 1)"),
+    "celery_semaphore_paused_until_seconds": ("gauge", "Seconds until the pause ends (0: "
+                                                       "ending now); paused semaphores only "
+                                                       "(a template: its latest key's), "
+                                                       "reason: why"),
+    "celery_semaphore_quota_used": ("gauge", "Units started in the current window of each "
+                                             "quota (above quota_limit: a debt), per window "
+                                             "(h, d, 5s, mo...)"),
+    "celery_semaphore_quota_limit": ("gauge", "Units a quota allows per window (its count)"),
+    "celery_semaphore_quota_window_end_seconds": ("gauge", "Seconds until the current window "
+                                                           "of the quota ends (a template: its "
+                                                           "earliest key's)"),
+    "celery_semaphore_adaptive_limit": ("gauge", "The learned limit of an adaptive semaphore "
+                                                 "(its floor is in force); adaptive ones only"),
+    "celery_semaphore_adaptive_pinned": ("gauge", "1 when resize pinned an adaptive "
+                                                  "semaphore's limit (learning stopped)"),
     "celery_semaphore_waiting": ("gauge", "Requests waiting now: where=worker (in the "
                                           "backend's queue, held by a worker), where=parked "
                                           "(in the broker's waiting room)"),
@@ -243,6 +386,13 @@ class Collector:
         waiting = family("celery_semaphore_waiting", labels + ("where",))
         units = family("celery_semaphore_units", labels)
         next_start = family("celery_semaphore_rate_next_start_seconds", labels)
+        paused = family("celery_semaphore_paused", labels)
+        paused_until = family("celery_semaphore_paused_until_seconds", labels + ("reason",))
+        quota_used = family("celery_semaphore_quota_used", labels + ("window",))
+        quota_limit = family("celery_semaphore_quota_limit", labels + ("window",))
+        window_end = family("celery_semaphore_quota_window_end_seconds", labels + ("window",))
+        learned = family("celery_semaphore_adaptive_limit", labels)
+        learned_pinned = family("celery_semaphore_adaptive_pinned", labels)
         wall = time.time()
         counters = {c: family(f"celery_semaphore_{c}_total", labels)
                     for c in ("acquired", "expired", "lost", "requeued")}
@@ -261,6 +411,17 @@ class Collector:
             units.add_metric(ids, row.held if row.units is None else row.units)
             if row.next_start is not None:
                 next_start.add_metric(ids, max(0.0, row.next_start - wall))
+            paused.add_metric(ids, row.paused)
+            if row.paused_until is not None:
+                paused_until.add_metric(ids + [row.pause_reason],
+                                        max(0.0, row.paused_until - wall))
+            for window in row.quotas:
+                quota_used.add_metric(ids + [window.label], window.used)
+                quota_limit.add_metric(ids + [window.label], window.count)
+                window_end.add_metric(ids + [window.label], max(0.0, window.end - wall))
+            if row.adaptive is not None:
+                learned.add_metric(ids, row.adaptive.current)
+                learned_pinned.add_metric(ids, int(row.adaptive.pinned))
             waiting.add_metric(ids + ["worker"], row.waiting)
             if row.parked is not None:
                 waiting.add_metric(ids + ["parked"], row.parked)
@@ -270,8 +431,9 @@ class Collector:
             parked_total.add_metric(ids + ["send"], row.stats["parked_send"])
             wait.add_metric(ids, list(row.stats.wait.cumulative()), row.stats.wait.total)
             hold.add_metric(ids, list(row.stats.hold.cumulative()), row.stats.hold.total)
-        yield from (keys, limit, held, units, next_start, waiting, *counters.values(),
-                    parked_total, wait, hold)
+        yield from (keys, limit, held, units, next_start, paused, paused_until, quota_used,
+                    quota_limit, window_end, learned, learned_pinned, waiting,
+                    *counters.values(), parked_total, wait, hold)
         key_limit = family("celery_semaphore_key_limit", labels)
         key_held = family("celery_semaphore_key_held", labels)
         key_waiting = family("celery_semaphore_key_waiting", labels + ("where",))

@@ -26,8 +26,18 @@ from .backends.base import (
     SemaphoreStatus,
     new_holder_id,
 )
+from .backoff import (
+    OUTCOMES,
+    Adaptive,
+    Backoff,
+    RetryAfter,
+    check_reason,
+    outcome_of,
+    retry_after_seconds,
+)
 from .exceptions import ConfigurationError, SemaphoreTimeout
 from .names import validate_limit, validate_name, validate_ttl
+from .traffic import upstream_ops
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +70,7 @@ class Lease:
         *,
         limit: Optional[int] = None,
         meta: Optional[Meta] = None,
+        adaptive: Optional[Adaptive] = None,
     ) -> None:
         self.backend = backend
         self.name = name
@@ -67,7 +78,11 @@ class Lease:
         self.token: FencingToken = grant.token
         self.limit = limit
         self.meta = dict(meta or {})
+        #: The :class:`.Adaptive` limit of the semaphore, or None: a release reports the
+        #: outcome of the work (``with``: from its exception) for the limit to learn from.
+        self.adaptive = adaptive
         self.ttl = grant.ttl
+        self._granted_at = time.monotonic()
         # The local deadline counts from before the request was sent, so it ends no later
         # than the backend's expiry whatever the network delay was.
         self._deadline = requested_at + grant.ttl
@@ -115,13 +130,20 @@ class Lease:
         for callback in self._lost_callbacks:
             callback(self)
 
-    def release(self) -> bool:
+    def release(self, outcome: Optional[str] = None, latency: Optional[float] = None) -> bool:
         """Free the slot. True only for the call that freed it; False when it had expired.
 
         Idempotent: later calls return False and touch nothing. A call that raises (the
         backend unreachable) leaves the lease held, to be released again; meanwhile it is no
         longer renewed, so its TTL frees the slot if nobody does.
+
+        ``outcome`` (``"ok"``, ``"overload"``, ``"error"``) and ``latency`` (seconds) tell an
+        :class:`.Adaptive` semaphore how the work went (:mod:`.backends.base`, ``release``);
+        leaving a ``with`` block reports them for an adaptive lease.
         """
+        if outcome is not None and outcome not in OUTCOMES:
+            raise ConfigurationError(f"outcome must be one of {', '.join(OUTCOMES)} or None, "
+                                     f"not {outcome!r}")
         with self._lock:
             if self._released or self._releasing:
                 return False
@@ -130,7 +152,11 @@ class Lease:
 
         default_keeper.discard(self)
         try:
-            freed = self.backend.release(self.name, self.holder)
+            if outcome is None and latency is None:
+                freed = self.backend.release(self.name, self.holder)
+            else:
+                freed = upstream_ops(self.backend).release(self.name, self.holder,
+                                                           outcome=outcome, latency=latency)
         except BaseException:
             with self._lock:
                 self._releasing = False
@@ -161,22 +187,57 @@ class Lease:
             self.mark_lost()
         return held
 
+    def settle(self, units: int) -> bool:
+        """Say how many units of the semaphore's rates and quotas this holder actually spent
+        (``units`` >= 0; at admission it spent its estimate, the ``units`` of the acquire):
+        the windows still open and the rates are adjusted by the difference, refunding or
+        overdrawing (:mod:`.backends.base`, ``settle``). Absolute and idempotent: settling
+        again adjusts by the change. False when the lease is no longer held (nothing
+        changed)."""
+        from .traffic import validate_settle_units
+
+        units = validate_settle_units(units)
+        if self._released:
+            return False
+        return bool(upstream_ops(self.backend).settle(self.name, self.holder, units))
+
+    def outcome(self, exc: Optional[BaseException]) -> Optional[str]:
+        """What releasing after ``exc`` (None: the work went well) reports: None unless the
+        semaphore is adaptive (:func:`.backoff.outcome_of`)."""
+        return None if self.adaptive is None else outcome_of(exc, self.adaptive)
+
     def __enter__(self) -> "Lease":
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> None:
-        if exc_type is None:
-            self.release()
-            return
-        try:  # the body's exception is the one to surface
-            self.release()
-        except Exception as release_error:
-            logger.warning("releasing %r after %r failed (its TTL frees the slot): %s",
-                           self, exc, release_error)
+        wait = exc.remaining() if isinstance(exc, Backoff) else None
+        if wait and not self._released:
+            try:  # closed for everyone before this slot frees
+                upstream_ops(self.backend).pause(self.name, wait, exc.reason)
+            except Exception as pause_error:
+                logger.warning("pausing semaphore %r for %r failed: %s", self.name, exc,
+                               pause_error)
+        _release_on_exit(self, exc, self.outcome(exc), time.monotonic() - self._granted_at)
 
     def __repr__(self) -> str:
         state = "released" if self._released else ("lost" if self.lost else "held")
         return f"<Lease {self.name!r} token={self.token} holder={self.holder} {state}>"
+
+
+def _release_on_exit(lease: Union[Lease, "LeaseGroup"], exc: Any, outcome: Optional[str],
+                     latency: float) -> None:
+    """Release on leaving a ``with`` block, reporting ``outcome`` (and the time held) when
+    there is one; after an exception, a failed release is logged, not raised: the body's
+    exception is the one to surface."""
+    args: Dict[str, Any] = {} if outcome is None else {"outcome": outcome, "latency": latency}
+    if exc is None:
+        lease.release(**args)
+        return
+    try:
+        lease.release(**args)
+    except Exception as release_error:
+        logger.warning("releasing %r after %r failed (its TTL frees the slot): %s",
+                       lease, exc, release_error)
 
 
 class Semaphore:
@@ -190,7 +251,9 @@ class Semaphore:
     :param name: the semaphore's name: at most 200 UTF-8 bytes, printable, without whitespace
         or any of ``{}[]*?\\/``.
     :param limit: the limit this caller declares (1 to 100,000; 1 by default, as the
-        ``semaphore_default_limit`` setting). Limits follow the code: the declaration of the
+        ``semaphore_default_limit`` setting), or an :class:`.Adaptive` (the limit is learned
+        between its ``min`` and ``max``; a lease left by a ``with`` block reports how the
+        work went). Limits follow the code: the declaration of the
         most recently started process is in force (so a deploy that changes it takes effect
         with the new processes' first acquire), unless an operator pinned the limit with
         :meth:`resize` or ``celery semaphore resize`` (:mod:`.backends.base`, "Limits").
@@ -205,9 +268,13 @@ class Semaphore:
     :param auto_renew: renew every lease in the background every third of its TTL and call
         its ``on_lost`` callbacks when a renewal finds it gone.
     :param rate: at most that many starts (grants) per period, cluster-wide, on the backend's
-        clock (``"100/s"``, ``"30/m"``, ``"1000/h"``); ``burst`` starts at once (default 1).
-        The rate is the semaphore's: the latest caller that declares one sets it
-        (:mod:`.backends.base`, "Rate").
+        clock (``"100/s"``, ``"30/m"``, ``"1000/h"``; several: ``"10/s; 500/m"``);
+        ``burst`` starts at once (default 1), for each rate. The rate is the semaphore's: the
+        latest caller that declares one sets it (:mod:`.backends.base`, "Rate").
+    :param quota: at most that many units started per calendar window (``"1000/h;
+        20000/d"``; :func:`.traffic.parse_quota`), the semaphore's like the rate; windows of
+        whole days, weeks (from Monday) and months start at midnight of ``quota_tz`` (an IANA
+        name, its UTC offset when the call is made; default UTC).
     :param options: passed to the backend (``key_prefix``, ``waiter_ttl``, ``idle_ttl``, and
         each backend's own, e.g. Redis's ``socket_timeout``).
     :raises ConfigurationError: for any invalid argument, before anything is sent.
@@ -216,7 +283,7 @@ class Semaphore:
     def __init__(
         self,
         name: str,
-        limit: int = 1,
+        limit: Union[int, Adaptive] = 1,
         backend: Union[str, Backend, None] = None,
         *,
         ttl: float = DEFAULT_TTL,
@@ -225,16 +292,27 @@ class Semaphore:
         auto_renew: bool = False,
         rate: Optional[str] = None,
         burst: int = 1,
+        quota: Optional[str] = None,
+        quota_tz: str = "UTC",
         **options: Any,
     ) -> None:
         from . import traffic
 
         self.name = validate_name(name)
-        self.limit = validate_limit(limit)
-        interval = traffic.parse_rate(rate, "rate")
-        #: ``(interval seconds, burst)`` of the rate this caller declares, or None.
-        self.rate = None if interval is None else (interval, traffic.validate_burst(burst,
-                                                                                    "burst"))
+        declared = traffic.validate_limit_value(limit)
+        #: The :class:`.Adaptive` limit this caller declares, or None.
+        self.adaptive = traffic.adaptive_of(declared)
+        #: The limit it declares (an adaptive one's ``max``).
+        self.limit = traffic.limit_number(declared)
+        intervals = traffic.parse_rates(rate, "rate")
+        #: ``(interval seconds, burst)`` of each rate this caller declares (empty: none).
+        self.rates: Tuple[Tuple[float, int], ...] = traffic.rates_meta(
+            intervals, traffic.validate_burst(burst, "burst")) or ()
+        #: The first of them, or None.
+        self.rate = self.rates[0] if self.rates else None
+        #: The quotas it declares (:class:`.traffic.Quota`), or None.
+        self.quota = traffic.parse_quota(quota, "quota")
+        self.quota_tz = traffic.validate_quota_tz(quota_tz, "quota_tz")
         self.ttl = validate_ttl(ttl)
         self.poll_interval = _positive_seconds(poll_interval, "poll_interval")
         self.meta = dict(meta or {})
@@ -252,9 +330,8 @@ class Semaphore:
 
     def _lease(self, holder: str, grant: Grant, requested_at: float, meta: Meta,
                limit: Any) -> Lease:
-        lease = Lease(
-            self.backend, self.name, holder, grant, requested_at, limit=limit, meta=meta
-        )
+        lease = Lease(self.backend, self.name, holder, grant, requested_at, limit=limit,
+                      meta=meta, adaptive=self.adaptive)
         if self.auto_renew:
             from .keeper import default_keeper
 
@@ -263,7 +340,8 @@ class Semaphore:
 
     def acquire(self, timeout: Optional[float] = None, *, meta: Optional[Meta] = None,
                 task_id: Optional[str] = None, fair_key: Optional[str] = None,
-                cost: int = 1, priority: int = 0, fair_weight: int = 1) -> Lease:
+                cost: int = 1, priority: int = 0, fair_weight: int = 1,
+                units: int = 1) -> Lease:
         """Block until a slot is free and return its lease.
 
         Raises :class:`SemaphoreTimeout` when ``timeout`` seconds pass first (the caller then
@@ -273,7 +351,9 @@ class Semaphore:
         (a tenant, say) the semaphore serves its waiters round-robin across keys, FIFO within
         one (:mod:`.backends.base`, "Fair shares"), ``fair_weight`` waiters of this key per
         round. ``cost``: the units of the limit this lease holds (1 to the limit); ``priority``:
-        higher is admitted first (:mod:`.backends.base`, "Costs", "Priorities").
+        higher is admitted first (:mod:`.backends.base`, "Costs", "Priorities"). ``units``:
+        the units of the semaphore's rates and quotas this start spends, as estimated now
+        (:meth:`Lease.settle` says what it actually spent).
         """
         if timeout is not None and (isinstance(timeout, bool)
                                     or not isinstance(timeout, (int, float))
@@ -282,7 +362,7 @@ class Semaphore:
                                      f"not {timeout!r}")
         if timeout is not None and math.isinf(timeout):
             timeout = None
-        meta = self._meta(meta, fair_key, cost, priority, fair_weight)
+        meta = self._meta(meta, fair_key, cost, priority, fair_weight, units)
         holder = new_holder_id(task_id)
         deadline = None if timeout is None else time.monotonic() + timeout
         wake = threading.Event()
@@ -315,13 +395,17 @@ class Semaphore:
                 self._abandon(holder)
 
     def _meta(self, meta: Optional[Meta], fair_key: Optional[str], cost: int = 1,
-              priority: int = 0, fair_weight: int = 1) -> Meta:
+              priority: int = 0, fair_weight: int = 1, units: int = 1) -> Meta:
         from . import traffic
 
+        if isinstance(units, str):
+            raise ConfigurationError(f"units must be an integer, not {units!r}")
         meta = {**self.meta, **(meta or {}), **traffic.traffic_meta(
             traffic.validate_cost(cost, "cost", self.limit),
-            traffic.validate_priority(priority, "priority"), self.rate,
-            traffic.validate_weight(fair_weight))}
+            traffic.validate_priority(priority, "priority"),
+            weight=traffic.validate_weight(fair_weight), rates=self.rates, quota=self.quota,
+            quota_tz=self.quota_tz, units=traffic.validate_units(units, "units", self.quota),
+            adaptive=self.adaptive)}
         if fair_key is not None:
             if not isinstance(fair_key, str):
                 raise ConfigurationError(f"fair_key must be a string, not {fair_key!r}")
@@ -337,11 +421,11 @@ class Semaphore:
 
     def try_acquire(self, *, meta: Optional[Meta] = None, task_id: Optional[str] = None,
                     fair_key: Optional[str] = None, cost: int = 1, priority: int = 0,
-                    fair_weight: int = 1) -> Optional[Lease]:
+                    fair_weight: int = 1, units: int = 1) -> Optional[Lease]:
         """Take a slot if one is free and nobody is queued ahead of this caller for it; never
-        blocks. ``meta``, ``task_id``, ``fair_key``, ``cost``, ``priority`` and
-        ``fair_weight`` as for :meth:`acquire`."""
-        meta = self._meta(meta, fair_key, cost, priority, fair_weight)
+        blocks. ``meta``, ``task_id``, ``fair_key``, ``cost``, ``priority``, ``fair_weight``
+        and ``units`` as for :meth:`acquire`."""
+        meta = self._meta(meta, fair_key, cost, priority, fair_weight, units)
         holder = new_holder_id(task_id)
         requested_at = time.monotonic()
         try:
@@ -364,6 +448,23 @@ class Semaphore:
         """Release the pin :meth:`resize` set: the newest declared limit is in force again.
         Returns the limit in force (None: the backend does not know the semaphore)."""
         return self.backend.unpin(self.name)
+
+    def pause(self, retry_after: RetryAfter, reason: str = "") -> float:
+        """Close the semaphore for everyone until ``retry_after`` (seconds, a datetime, a
+        timedelta or a ``Retry-After`` header value, as :class:`.Backoff` takes) from now, on
+        the backend's clock: no acquire is admitted meanwhile (holders keep their slots). A
+        pause in force that ends later is kept. Returns the end in force (backend epoch
+        seconds). Leaving a lease's ``with`` block by a :class:`.Backoff` with a time does
+        the same."""
+        seconds = retry_after_seconds(retry_after, what="pause")
+        if seconds is None:
+            raise ConfigurationError("pause needs a time: seconds, a datetime, a timedelta or "
+                                     "a Retry-After header value, not None")
+        return float(upstream_ops(self.backend).pause(self.name, seconds, check_reason(reason)))
+
+    def resume(self) -> bool:
+        """Lift a pause (:meth:`pause`); True if one was in force."""
+        return bool(upstream_ops(self.backend).resume(self.name))
 
     def status(self) -> SemaphoreStatus:
         """Limit, holders and waiters. A semaphore never used shows this caller's limit."""
@@ -449,9 +550,15 @@ class LeaseGroup:
         for callback in self._lost_callbacks:
             callback(self)
 
-    def release(self) -> bool:
+    def release(self, outcome: Optional[str] = None, latency: Optional[float] = None) -> bool:
         """Release every lease (each once; a call that raises leaves the ones not released to
-        a later call). True when this call freed all that were still held."""
+        a later call). True when this call freed all that were still held. ``outcome`` and
+        ``latency`` as for :meth:`Lease.release`, reported to each adaptive semaphore."""
+        return self._release(lambda lease: outcome if lease.adaptive is not None else None,
+                             latency)
+
+    def _release(self, outcome_of_lease: Callable[[Lease], Optional[str]],
+                 latency: Optional[float]) -> bool:
         from .keeper import default_keeper
 
         default_keeper.discard(self)
@@ -459,13 +566,20 @@ class LeaseGroup:
         for lease in self.leases.values():
             if lease.released:
                 continue
+            outcome = outcome_of_lease(lease)
             try:
-                freed = lease.release() and freed
+                freed = (lease.release(outcome, latency) if outcome is not None
+                         else lease.release()) and freed
             except BaseException as exc:  # the others are still released
                 error = error or exc
         if error is not None:
             raise error
         return freed
+
+    def settle(self, units: int) -> bool:
+        """:meth:`Lease.settle` for every semaphore of the group: True when each was
+        settled."""
+        return all([lease.settle(units) for lease in self.leases.values()])
 
     def renew(self, ttl: Optional[float] = None) -> bool:
         """Renew every lease; False (and lost) as soon as one is gone."""
@@ -478,7 +592,17 @@ class LeaseGroup:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> None:
-        Lease.__exit__(self, exc_type, exc, traceback)  # type: ignore[arg-type]
+        """Release every lease, each adaptive one with the outcome of ``exc``. A
+        :class:`.Backoff` pauses none of them (which one did the API mean?): call
+        :meth:`Semaphore.pause`."""
+        latency = time.monotonic() - min(lease._granted_at for lease in self.leases.values())
+        try:
+            self._release(lambda lease: lease.outcome(exc), latency)
+        except Exception as release_error:
+            if exc is None:
+                raise
+            logger.warning("releasing %r after %r failed (its TTL frees the slot): %s",
+                           self, exc, release_error)
 
     def __repr__(self) -> str:
         tokens = " ".join(f"{name}={token}" for name, token in self.tokens.items())
@@ -493,6 +617,11 @@ def _check_set(semaphores: Sequence[Semaphore]) -> Backend:
         raise ConfigurationError("semaphores acquired together must share one backend")
     if len({s.name for s in semaphores}) != len(semaphores):
         raise ConfigurationError("acquire_all lists a semaphore twice")
+    first = semaphores[0]
+    if any((s.quota, s.quota_tz, s.adaptive) != (first.quota, first.quota_tz, first.adaptive)
+           for s in semaphores):  # one acquire's meta declares them for every semaphore
+        raise ConfigurationError("semaphores acquired together must declare the same quota "
+                                 "and the same Adaptive limit (or none)")
     return backend
 
 
@@ -500,7 +629,8 @@ def _group(semaphores: Sequence[Semaphore], backend: Backend, holder: str, attem
            requested_at: float, meta: Meta) -> LeaseGroup:
     group = LeaseGroup({
         s.name: Lease(backend, s.name, holder, attempt.grants[s.name], requested_at,
-                      limit=attempt.limits.get(s.name), meta=meta) for s in semaphores})
+                      limit=attempt.limits.get(s.name), meta=meta, adaptive=s.adaptive)
+        for s in semaphores})
     if semaphores[0].auto_renew:
         from .keeper import default_keeper
 

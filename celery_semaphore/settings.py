@@ -39,7 +39,8 @@ class Settings:
     """Validated semaphore settings. Field names are the setting names without ``semaphore_``."""
 
     backend: Optional[str] = None
-    limits: Dict[str, int] = field(default_factory=dict)
+    #: name or template -> its limit: an int, or an :class:`.Adaptive` (a learned limit).
+    limits: Dict[str, Any] = field(default_factory=dict)
     default_limit: int = 1
     lease_ttl: float = 60.0
     poll_interval: float = 1.0
@@ -60,10 +61,19 @@ class Settings:
     metrics_top: int = 10
     #: Units of the limit a task holds: an int, or a template over its parameters.
     cost: Any = 1
-    #: Starts per period (``"100/s"``) allowed cluster-wide, per semaphore; None: no rate.
+    #: Starts per period (``"100/s"``, several: ``"10/s; 500/m"``) allowed cluster-wide, per
+    #: semaphore; None: no rate.
     rate: Optional[str] = None
-    #: Starts a rate allows at once.
+    #: Starts a rate allows at once (each rate, when several).
     burst: int = 1
+    #: Units started per calendar window (``"1000/h; 20000/d"``), per semaphore; None: none.
+    quota: Optional[str] = None
+    #: The IANA time zone whose midnight starts a quota's days, weeks and months (its UTC
+    #: offset when the call is made).
+    quota_tz: str = "UTC"
+    #: Units of the rates and quotas a start spends, as estimated at admission: an int, or a
+    #: template over the task's parameters (``"{max_tokens}"``).
+    units: Any = 1
     #: Admission priority within a semaphore (higher first).
     priority: int = 0
     #: Fair-share weights: a dict from fair keys (``"*"``: the others) or a template.
@@ -80,6 +90,7 @@ class Settings:
             if found:
                 values[f.name] = validate(key, f.name, value)
         settings = cls(**values)
+        settings.check_together("")
         if settings.retry_backoff_max < settings.retry_backoff:
             raise ConfigurationError(
                 "semaphore_retry_backoff_max must not be below semaphore_retry_backoff "
@@ -95,7 +106,33 @@ class Settings:
             value = getattr(task, key, None)
             if value is not None:
                 overrides[f.name] = validate(f"{task.name}: task option {key}", f.name, value)
-        return replace(self, **overrides) if overrides else self
+        if not overrides:
+            return self
+        own = replace(self, **overrides)
+        own.check_together(f"{task.name}: ")
+        return own
+
+    def check_together(self, where: str = "") -> None:
+        """Refuse values that are fine alone but not together: units (an int) above the
+        count of a quota (no start could ever be admitted). ``where`` prefixes the message."""
+        from . import traffic
+
+        if isinstance(self.units, int) and self.quota is not None:
+            try:
+                traffic.check_units_fit(self.units, traffic.parse_quota(self.quota))
+            except ConfigurationError as exc:
+                raise ConfigurationError(f"{where}{exc}") from None
+
+    def options_used(self, limit: Any = None) -> List[str]:
+        """The traffic options (:func:`.traffic.options_used`) these settings use, with a
+        task's ``limit`` option (an :class:`.Adaptive` limit, there or in
+        ``semaphore_limits``, uses ``"adaptive"``), for :meth:`.Backend.check_traffic`."""
+        from . import traffic
+
+        limits = list(limit.values()) if isinstance(limit, dict) else [limit]
+        return traffic.options_used(self.cost, self.rate, self.priority, self.fair_weights,
+                                    quota=self.quota, units=self.units,
+                                    limit=limits + list(self.limits.values()))
 
     def backend_url(self, app: Any) -> str:
         """``semaphore_backend``; else the broker itself when it is Redis (the Redis backend)
@@ -270,8 +307,10 @@ def validate(key: str, field_name: str, value: Any) -> Any:
     if field_name == "limits":
         if not isinstance(value, dict):
             raise ConfigurationError(f"{key} must be a dict of name -> limit, not {value!r}")
+        from .traffic import validate_limit_value
+
         try:
-            return {validate_template(k, "name"): validate_limit(v, f"limit of {k!r}")
+            return {validate_template(k, "name"): validate_limit_value(v, f"limit of {k!r}")
                     for k, v in value.items()}
         except (InvalidName, InvalidLimit) as exc:
             raise ConfigurationError(f"{key}: {exc}") from None
@@ -300,14 +339,22 @@ def validate(key: str, field_name: str, value: Any) -> Any:
         return value
     if field_name == "fair_by":
         return validate_fair_by(key, value)
-    if field_name in ("cost", "rate", "burst", "priority", "fair_weights"):
+    if field_name in ("cost", "rate", "burst", "priority", "fair_weights", "quota",
+                      "quota_tz", "units"):
         from . import traffic
 
         if field_name == "cost":
             return traffic.validate_cost(value, key)
         if field_name == "rate":
-            traffic.parse_rate(value, key)
+            traffic.parse_rates(value, key)
             return value
+        if field_name == "quota":
+            traffic.parse_quota(value, key)
+            return value
+        if field_name == "quota_tz":
+            return traffic.validate_quota_tz(value, key)
+        if field_name == "units":
+            return traffic.validate_units(value, key)
         if field_name == "burst":
             return traffic.validate_burst(value, key)
         if field_name == "priority":

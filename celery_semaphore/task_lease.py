@@ -151,6 +151,28 @@ class TaskLease:
         if not self.verify():
             raise LeaseLost(f"the slot of semaphore {self.name!r} (token {self.token}) is lost")
 
+    def settle(self, units: int) -> bool:
+        """Say how many units of the rates and quotas the task actually spent (``units`` >=
+        0), instead of the estimate it was admitted with (``semaphore_units``): the windows
+        still open and the rates are refunded or overdrawn by the difference
+        (:meth:`.Lease.settle`). Absolute and idempotent. Settles every semaphore the task
+        holds (one holder for all of them, whichever lease of :func:`current_leases` is
+        used). False when a slot is no longer held (nothing changed there)."""
+        from .traffic import upstream_ops, validate_settle_units
+
+        units = validate_settle_units(units)
+        backend = upstream_ops(self._backend())
+        return all([bool(backend.settle(name, self.holder, units))
+                    for name in self._holders_names()])
+
+    def _holders_names(self) -> List[str]:
+        """Every semaphore this lease's holder holds: the running task's, when this is its
+        lease; else those of this lease's record."""
+        running = lease_record(getattr(current_task, "request", None))
+        record = running if running is not None and running.holder == self.holder \
+            else self._record
+        return [one.name for one in record.records()]
+
     def __repr__(self) -> str:
         return f"<TaskLease {self.name!r} token={self.token} limit={self.limit}>"
 

@@ -55,9 +55,19 @@ def rows_of(before: Optional[Snapshot], after: Snapshot, by_template: bool = Fal
             grants = round(max(acquired, 0) / elapsed, 2) if acquired >= 0 else None
             waited = row.stats.wait - previous.stats.wait
             p50, p99 = waited.quantile(0.5), waited.quantile(0.99)
+        now = time.time()
         rows.append({
             "name": name, "template": row.template or None, "keys": row.keys,
             "limit": row.limit, "held": row.held,
+            "paused": row.paused,
+            "paused_until_in_s": None if row.paused_until is None else
+            round(max(0.0, row.paused_until - now), 3),
+            "pause_reason": row.pause_reason,
+            "quotas": [{"window": w.label, "count": w.count, "used": w.used,
+                        "ends_in_s": round(max(0.0, w.end - now), 3)} for w in row.quotas],
+            "adaptive": None if row.adaptive is None else {
+                "min": row.adaptive.min, "max": row.adaptive.max,
+                "current": round(row.adaptive.current, 3), "pinned": row.adaptive.pinned},
             "units": row.held if row.units is None else row.units,
             "next_start_in_s": None if row.next_start is None else
             round(max(0.0, row.next_start - time.time()), 3),
@@ -90,6 +100,31 @@ def _cell(value: Any, seconds: bool = False) -> str:
     return str(value)
 
 
+def _limit_cell(row: Dict[str, Any]) -> str:
+    """The limit in force, marked ``~`` when learned (``=`` when learned but pinned)."""
+    adaptive = row.get("adaptive")
+    if not adaptive:
+        return str(row["limit"])
+    return f"{row['limit']}{'=' if adaptive['pinned'] else '~'}"
+
+
+def _paused_cell(row: Dict[str, Any]) -> str:
+    """Time left of the pause (a template: of its latest key, and how many keys)."""
+    if not row.get("paused"):
+        return "-"
+    left = _cell(row["paused_until_in_s"], True)
+    return f"{left} ({row['paused']} keys)" if row["keys"] > 1 else left
+
+
+def _quota_cell(row: Dict[str, Any]) -> str:
+    """The quota window nearest its count: ``812 of 1000/h``."""
+    quotas = row.get("quotas") or []
+    if not quotas:
+        return "-"
+    tightest = max(quotas, key=lambda q: q["used"] / q["count"])
+    return f"{tightest['used']} of {tightest['count']}/{tightest['window']}"
+
+
 def render(rows: List[Dict[str, Any]], snap: Snapshot, where: str, sort: str,
            reverse: bool = False, interval: Optional[float] = None,
            height: Optional[int] = None, width: Optional[int] = None) -> List[str]:
@@ -110,12 +145,18 @@ def render(rows: List[Dict[str, Any]], snap: Snapshot, where: str, sort: str,
                  f"sorted by {sort}{' (reversed)' if reverse else ''}; "
                  "keys: s sort, r reverse, q quit")
     lines.append("")
-    headers = ("NAME", "LIMIT", "HELD", "UNITS", "WAITING", "PARKED", "WAIT P50", "WAIT P99",
-               "GRANTS/S", "NEXT START", "EXPIRED", "LOST")
-    table = [[r["name"] + (f" ({r['keys']} keys)" if r["keys"] > 1 else ""), r["limit"],
+    headers: Tuple[str, ...] = (
+        "NAME", "LIMIT", "HELD", "UNITS", "WAITING", "PARKED", "WAIT P50", "WAIT P99",
+        "GRANTS/S", "NEXT START", "EXPIRED", "LOST")
+    # Pauses and quotas get columns only when a semaphore shown has one.
+    show_paused = any(r.get("paused") for r in rows)
+    show_quota = any(r.get("quotas") for r in rows)
+    headers += ("PAUSED",) * show_paused + ("QUOTA",) * show_quota
+    table = [[r["name"] + (f" ({r['keys']} keys)" if r["keys"] > 1 else ""), _limit_cell(r),
               r["held"], r["units"], r["waiting"], _cell(r["parked"]), _cell(r["wait_p50_s"], True),
               _cell(r["wait_p99_s"], True), _cell(r["grants_per_s"]),
               _cell(r["next_start_in_s"], True), r["expired"], r["lost"]]
+             + [_paused_cell(r)] * show_paused + [_quota_cell(r)] * show_quota
              for r in sort_rows(rows, sort, reverse)]
     if height is not None:
         table = table[:max(0, height - len(lines) - 1)]
@@ -127,6 +168,8 @@ def render(rows: List[Dict[str, Any]], snap: Snapshot, where: str, sort: str,
         lines.append(line.rstrip())
     if not rows and not snap.backend_error:
         lines.append("no semaphores")
+    if any(r.get("adaptive") for r in rows):
+        lines.append("~: a learned (adaptive) limit; =: learned, pinned by resize")
     if width is not None:
         lines = [line[:width] for line in lines]
     return lines

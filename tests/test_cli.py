@@ -96,7 +96,8 @@ def test_resize_status_list_release(cli):
 
     assert json.loads(listed.stdout) == [
         {"name": "thumbs", "limit": 2, "pinned": True, "declared": [2], "held": 2,
-         "units": 2, "waiting": 1, "parked": 0}]
+         "units": 2, "waiting": 1, "parked": 0, "paused_until": None, "pause_reason": "",
+         "quotas": [], "adaptive": None}]
     # release by holder id, and by task id; a holder that holds nothing is an error
     by_holder, by_task, nobody = parallel(cli, ("release", "thumbs", first.holder, "--json"),
                                           ("release", "thumbs", "t-43"),
