@@ -87,9 +87,10 @@ def acquire_for_eager(task: Any) -> None:
     if guard is None:
         return
     settings = guard.settings
-    semaphores = [Semaphore(name, limit, url, ttl=settings.lease_ttl,
-                            poll_interval=settings.poll_interval, auto_renew=True,
-                            key_prefix=settings.key_prefix) for name, limit in guard.pairs]
+    semaphores = [Semaphore(name, guard.adaptive if i == 0 and guard.adaptive else limit, url,
+                            ttl=settings.lease_ttl, poll_interval=settings.poll_interval,
+                            auto_renew=True, key_prefix=settings.key_prefix)
+                  for i, (name, limit) in enumerate(guard.pairs)]
     meta = {"task_id": request.id, "task": task.name, **guard.traffic_meta()}
     lease: Any
     if settings.on_full == "wait":

@@ -41,7 +41,9 @@ from celery import shared_task
 
 from . import traffic
 from .backends.base import Meta
+from .backoff import Adaptive
 from .exceptions import ConfigurationError
+from .limit_sources import LimitFunctions, limit_source, matching, patterns_of
 from .names import MAX_LIMIT, validate_limit, validate_name, validate_template
 from .settings import Settings
 from .settings import validate as validate_setting
@@ -69,10 +71,24 @@ class Guard:
     rate: Optional[Tuple[float, int]] = None
     #: Its fair-share weight.
     weight: int = 1
+    #: Further rates (``semaphore_rate="10/s; 500/m"``: each must allow the start).
+    rates: Tuple[Tuple[float, int], ...] = ()
+    #: Its quotas in calendar windows (``semaphore_quota``), and the time zone of their days.
+    quota: Optional[Tuple[traffic.Quota, ...]] = None
+    quota_tz: Optional[str] = None
+    #: Units of the rates and quotas its start spends, as estimated at admission.
+    units: int = 1
+    #: Its (first) semaphore's limit is learned (``limit=Adaptive(...)``).
+    adaptive: Optional[Adaptive] = None
 
-    def traffic_meta(self) -> Meta:
-        """The acquire ``meta`` entries for these options (empty when it uses none)."""
-        return traffic.traffic_meta(self.cost, self.priority, self.rate, self.weight)
+    def traffic_meta(self, front: bool = False) -> Meta:
+        """The acquire ``meta`` entries for these options (empty when it uses none);
+        ``front``: it queues ahead of every waiter of its priority (a call a Backoff gave
+        back)."""
+        return traffic.traffic_meta(self.cost, self.priority, self.rate, self.weight,
+                                    rates=self.rates, quota=self.quota,
+                                    quota_tz=self.quota_tz, units=self.units,
+                                    adaptive=self.adaptive, front=front)
 
     @property
     def multi(self) -> bool:
@@ -111,9 +127,9 @@ def check_semaphore_option(option: Any, limit: Any = None, what: str = "semaphor
             if key not in templates:
                 raise ConfigurationError(
                     f"limit names {key!r}, which {what} does not list ({templates!r})")
-            validate_limit(value, f"limit of {key!r}")
+            limit_source(value, f"limit of {key!r}")
     elif limit is not None:
-        validate_limit(limit)
+        limit_source(limit)
 
 
 def task(*args: Any, **options: Any) -> Any:
@@ -152,7 +168,7 @@ def check_options(options: Dict[str, Any], task_name: str = "") -> None:
             raise ConfigurationError("a dict limit needs the semaphore option that lists "
                                      "its semaphores")
         elif options.get("limit") is not None:
-            validate_limit(options["limit"])
+            limit_source(options["limit"])
         cost, limit = options.get("semaphore_cost"), options.get("limit")
         if isinstance(cost, int) and not isinstance(cost, bool):
             limits = list(limit.values()) if isinstance(limit, dict) else [limit]
@@ -311,6 +327,8 @@ class Guards:
         #: task name -> its guard, for a task whose guard no call can change (one plain name,
         #: nothing filled from the arguments)
         self._fixed: Dict[str, Optional[Guard]] = {}
+        self._functions = LimitFunctions()
+        self._patterns: Dict[str, Any] = {}  # task name -> its settings' pattern entries
 
     def task_settings(self, task: Any) -> Settings:
         cached = self._settings.get(task.name)
@@ -348,29 +366,80 @@ class Guards:
         header_limit = headers.get("semaphore_limit")
         if header_limit is not None:
             header_limit = validate_limit(header_limit, "header 'semaphore_limit'")
-        task_limit = getattr(task, "limit", None)
-        # a rate with no limit of its own limits starts only
-        unlimited = MAX_LIMIT if settings.rate is not None else settings.default_limit
+        # (a function given as ``limit=`` is a class attribute: not the bound method)
+        task_limit = inspect.getattr_static(task, "limit", None)
+        # a rate or a quota with no limit of its own limits starts only
+        unlimited = (MAX_LIMIT if settings.rate is not None or settings.quota is not None
+                     else settings.default_limit)
         pairs: Dict[str, int] = {}  # name -> limit, in the order listed
+        adaptive: Optional[Adaptive] = None
+        called = False  # a limit came from a function of the call's arguments
         for template in templates_of(option):
             name = validate_name(self.fill(template, task, args, kwargs))
             if name in pairs:  # two templates filled in to one name: one semaphore
                 continue
-            limit = header_limit or (
-                settings.limits.get(name)
-                or settings.limits.get(template)
-                or (task_limit.get(template) if isinstance(task_limit, dict) else task_limit)
-                or unlimited
-            )
-            pairs[name] = validate_limit(limit, f"limit of semaphore {name!r}")
+            source = header_limit or self._limit_source(task, settings, name, template,
+                                                        task_limit) or unlimited
+            if callable(source) and not isinstance(source, Adaptive):
+                called = True
+                source = self._functions.value(
+                    source, task.name, name,
+                    self.arguments(task, args, kwargs, f"the limit of {name!r}"),
+                    settings.limit_ttl)
+            if isinstance(source, Adaptive):
+                if pairs:
+                    raise ConfigurationError(
+                        f"task {task.name}: semaphore {name!r}: an Adaptive limit is for the "
+                        "first semaphore a task lists only")
+                adaptive = source
+            pairs[name] = validate_limit(traffic.limit_number(source),
+                                         f"limit of semaphore {name!r}")
         (name, limit), *also = pairs.items()
-        guard = Guard(name, limit, settings, fair, tuple(also),
+        guard = Guard(name, limit, settings, fair, tuple(also), adaptive=adaptive,
                       **self.traffic(task, args, kwargs, headers, settings, fair, pairs))
         if (not _CALL_HEADERS.intersection(headers) and "{" not in str(option)
-                and settings.fair_by is None and not isinstance(settings.cost, str)
+                and not called and settings.fair_by is None
+                and not isinstance(settings.cost, str) and not isinstance(settings.units, str)
                 and not isinstance(settings.fair_weights, str)):
             self._fixed[task.name] = guard  # the same for every call of this task
         return guard
+
+    def _limit_source(self, task: Any, settings: Settings, name: str, template: str,
+                      task_limit: Any) -> Any:
+        """The limit of semaphore ``name`` (filled from ``template``) as configured: in
+        ``semaphore_limits`` the name, else the first pattern it matches, else the template;
+        else the task's ``limit`` (its entry for the template, when a dict); None when
+        nothing says (the default limit then)."""
+        limits = settings.limits
+        found = limits.get(name)
+        if found is None and limits:
+            patterns = self._patterns.get(task.name)
+            if patterns is None:
+                patterns = self._patterns[task.name] = patterns_of(limits)
+            found = matching(patterns, name) if patterns else None
+        if found is None:
+            found = limits.get(template)
+        if found is None:
+            found = task_limit.get(template) if isinstance(task_limit, dict) else task_limit
+        return found
+
+    def arguments(self, task: Any, args: Any, kwargs: Any,
+                  what: str = "its semaphore") -> Dict[str, Any]:
+        """The call's arguments by parameter name, defaults applied (``**kwargs`` spread);
+        ConfigurationError saying it cannot fill ``what`` when they do not bind."""
+        signature = self._signatures.get(task.name)
+        if signature is None:
+            signature = self._signatures[task.name] = inspect.signature(task.run)
+        try:
+            bound = signature.bind_partial(*(args or ()), **(kwargs or {}))
+        except TypeError as exc:
+            raise ConfigurationError(f"task {task.name}: cannot fill {what}: {exc}") from None
+        bound.apply_defaults()
+        arguments = dict(bound.arguments)
+        for parameter in signature.parameters.values():
+            if parameter.kind is inspect.Parameter.VAR_KEYWORD:  # the names **kwargs took
+                arguments.update(arguments.pop(parameter.name, {}))
+        return arguments
 
     def traffic(self, task: Any, args: Any, kwargs: Any, headers: Dict[str, Any],
                 settings: Settings, fair: Optional[str], pairs: Dict[str, int]
@@ -396,7 +465,21 @@ class Guards:
         if priority:
             out["priority"] = priority
         if settings.rate is not None:
-            out["rate"] = (traffic.parse_rate(settings.rate), settings.burst)
+            first, *more = traffic.parse_rates(settings.rate) or ()
+            out["rate"] = (first, settings.burst)
+            if more:
+                out["rates"] = tuple((interval, settings.burst) for interval in more)
+        if settings.quota is not None:
+            out["quota"] = traffic.parse_quota(settings.quota)
+            if settings.quota_tz != "UTC":
+                out["quota_tz"] = settings.quota_tz
+        units = settings.units
+        if isinstance(units, str):
+            units = traffic.filled_units(
+                self.fill(units, task, args, kwargs, "semaphore_units"),
+                f"task {task.name}: semaphore_units {settings.units!r}", out.get("quota"))
+        if units != 1:
+            out["units"] = units
         weights = settings.fair_weights
         if weights is not None and fair is not None:
             filled = (self.fill(weights, task, args, kwargs, "semaphore_fair_weights")
@@ -411,7 +494,8 @@ class Guards:
                         ) -> Sequence[Tuple[str, Any]]:
         """``(template, limit)`` of each template a task's ``semaphore`` option lists, the
         limit as far as the templates alone tell (for the worker's start-up line)."""
-        unlimited = MAX_LIMIT if settings.rate is not None else settings.default_limit
+        unlimited = (MAX_LIMIT if settings.rate is not None or settings.quota is not None
+                     else settings.default_limit)
         return [(template, settings.limits.get(template)
                  or (task_limit.get(template) if isinstance(task_limit, dict) else task_limit)
                  or unlimited) for template in templates_of(option)]
@@ -420,19 +504,7 @@ class Guards:
              what: str = "semaphore template") -> str:
         if "{" not in template:
             return template
-        signature = self._signatures.get(task.name)
-        if signature is None:
-            signature = self._signatures[task.name] = inspect.signature(task.run)
-        try:
-            bound = signature.bind_partial(*(args or ()), **(kwargs or {}))
-        except TypeError as exc:
-            raise ConfigurationError(f"task {task.name}: cannot fill {what} "
-                                     f"{template!r}: {exc}") from None
-        bound.apply_defaults()
-        arguments = dict(bound.arguments)
-        for parameter in signature.parameters.values():
-            if parameter.kind is inspect.Parameter.VAR_KEYWORD:  # the names **kwargs took
-                arguments.update(arguments.pop(parameter.name, {}))
+        arguments = self.arguments(task, args, kwargs, f"{what} {template!r}")
         try:
             return template.format_map(arguments)
         except KeyError as exc:

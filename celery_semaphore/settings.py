@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from urllib.parse import quote, urlencode, urlsplit
 
 from .exceptions import ConfigurationError, InvalidLimit, InvalidName
-from .names import validate_limit, validate_template, validate_ttl
+from .names import validate_limit, validate_ttl
 
 LOST_LEASE_POLICIES = ("log", "terminate")
 #: ``semaphore_on_full``: what a request does when its semaphore has no free slot for it.
@@ -68,6 +68,9 @@ class Settings:
     burst: int = 1
     #: Units started per calendar window (``"1000/h; 20000/d"``), per semaphore; None: none.
     quota: Optional[str] = None
+    #: Seconds the limit a function of the task's arguments gives a key is used before the
+    #: function is called again for that key (``limit=plan_limit``).
+    limit_ttl: float = 60.0
     #: The IANA time zone whose midnight starts a quota's days, weeks and months (its UTC
     #: offset when the call is made).
     quota_tz: str = "UTC"
@@ -307,10 +310,11 @@ def validate(key: str, field_name: str, value: Any) -> Any:
     if field_name == "limits":
         if not isinstance(value, dict):
             raise ConfigurationError(f"{key} must be a dict of name -> limit, not {value!r}")
+        from .limit_sources import validate_limits_key
         from .traffic import validate_limit_value
 
         try:
-            return {validate_template(k, "name"): validate_limit_value(v, f"limit of {k!r}")
+            return {validate_limits_key(k): validate_limit_value(v, f"limit of {k!r}")
                     for k, v in value.items()}
         except (InvalidName, InvalidLimit) as exc:
             raise ConfigurationError(f"{key}: {exc}") from None

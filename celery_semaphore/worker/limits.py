@@ -50,7 +50,8 @@ class LimitWatch:
         for task_name, task in sorted(guarded_tasks(app).items()):
             for name, limit in Guards.declared_limits(task.semaphore,
                                                       getattr(task, "limit", None), settings):
-                if "{" not in name:
+                # (an adaptive limit is learned, one from a function varies: nothing to see)
+                if "{" not in name and isinstance(limit, int):
                     declared.setdefault(name, {}).setdefault(limit, []).append(task_name)
         for name, by_limit in declared.items():
             if len(by_limit) > 1:
@@ -74,6 +75,8 @@ class LimitWatch:
             logger.debug("celery-semaphore: comparing limits failed", exc_info=True)
 
     def _saw(self, guard: Guard, attempt: Union[Attempt, MultiAttempt]) -> None:
+        if guard.adaptive is not None:  # its limit in force is learned
+            return
         for name, declared in guard.pairs:
             if isinstance(attempt, MultiAttempt):
                 in_force = attempt.limits.get(name) if attempt.grants is not None else (

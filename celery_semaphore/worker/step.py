@@ -12,8 +12,8 @@ from ..backends import get_backend
 from ..backends.base import Backend
 from ..exceptions import ConfigurationError
 from ..guards import Guards, check_options, guarded_tasks
+from ..limit_sources import describe_limit
 from ..settings import Settings, lookup
-from ..traffic import options_used
 from . import celery_internals
 from .gate import Gate
 
@@ -79,8 +79,7 @@ def check_tasks(app: Any, settings: Settings, backend: Backend) -> None:
         try:
             own = settings.for_task(task)
             _check_lease_ttl("semaphore_lease_ttl", own.lease_ttl, backend)
-            backend.check_traffic(options_used(own.cost, own.rate, own.priority,
-                                               own.fair_weights))
+            backend.check_traffic(own.options_used(getattr(task, "limit", None)))
         except ConfigurationError as exc:
             raise ConfigurationError(f"task {name}: {exc}") from None
 
@@ -102,7 +101,7 @@ def describe_guarded(app: Any) -> str:
         for template, limit in Guards.declared_limits(task.semaphore,
                                                       getattr(task, "limit", None), own):
             kind = "template" if "{" in template else "semaphore"
-            described.append(f"{kind} {template!r}, limit {limit}")
+            described.append(f"{kind} {template!r}, limit {describe_limit(limit)}")
         traffic = [f"{what} {value}" for what, value, default in (
             ("cost", own.cost, 1), ("rate", own.rate, None), ("priority", own.priority, 0))
             if value != default]
