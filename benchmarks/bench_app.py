@@ -127,3 +127,85 @@ def wide(key, hold):
 def unguarded(key, hold):
     """W9's baseline: the same task with no semaphore, on the same workers."""
     body(key, hold)
+
+
+# -- W10: an API behind the task (benchmarks/upstream.py) -----------------------------------
+API = os.environ.get("BENCH_API", "http://127.0.0.1:9")
+
+
+class TooManyRequests(Exception):
+    """The API answered 429 (Celery's own way retries on it)."""
+
+
+def api_call(key, settle=False):
+    """One call to the partner API, recorded by the probe; 429: :class:`.Backoff` from its
+    ``Retry-After``."""
+    from benchmarks.partner_api import call
+
+    probe.mark("start", key)
+    try:
+        answer = call(API)
+    finally:
+        probe.mark("end", key)
+    if answer.status == 429:
+        raise celery_semaphore.Backoff.from_response(answer, reason="429 from the partner API")
+    if settle:
+        celery_semaphore.current_lease().settle(answer.tokens)
+    return answer.tokens
+
+
+@app.task(semaphore="api", limit=64, shared=False)
+def api_backoff(key):
+    """W10a: Backoff(retry_after=...) from the 429's header; no rate, no quota."""
+    return api_call(key)
+
+
+@app.task(autoretry_for=(TooManyRequests,), retry_backoff=True, retry_backoff_max=30,
+          max_retries=None, shared=False)
+def api_celery(key):
+    """W10, Celery's own way: no semaphore; a 429 is retried with exponential backoff."""
+    from benchmarks.partner_api import call
+
+    probe.mark("start", key)
+    try:
+        answer = call(API)
+    finally:
+        probe.mark("end", key)
+    if answer.status == 429:
+        raise TooManyRequests()
+    return answer.tokens
+
+
+@app.task(semaphore="apiq", limit=64, semaphore_quota=os.environ.get("BENCH_QUOTA") or None,
+          shared=False)
+def api_quota(key):
+    """W10a's oracle: the API's window quota as semaphore_quota."""
+    return api_call(key)
+
+
+@app.task(semaphore="apia", limit=celery_semaphore.Adaptive(min=1, max=64), shared=False)
+def api_adaptive(key):
+    """W10b: the limit learned; a 429 gives the call back and signals overload."""
+    from benchmarks.partner_api import call
+
+    probe.mark("start", key)
+    try:
+        answer = call(API)
+    finally:
+        probe.mark("end", key)
+    if answer.status == 429:
+        raise celery_semaphore.Backoff(reason="429 from the partner API")
+    return answer.tokens
+
+
+@app.task(semaphore="apic", limit=int(os.environ.get("BENCH_CAPACITY", "8")), shared=False)
+def api_capacity(key):
+    """W10b's oracle: limit = the API's concurrency (resized when it halves)."""
+    return api_call(key)
+
+
+@app.task(semaphore="apit", limit=64, semaphore_quota=os.environ.get("BENCH_TOKENS") or None,
+          semaphore_units=50, shared=False)
+def api_tokens(key):
+    """W10c: a quota in tokens, 50 estimated at admission, the actual tokens settled."""
+    return api_call(key, settle=True)

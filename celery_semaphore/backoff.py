@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any, Dict, Optional, Tuple, Type, Union
 
+from celery.exceptions import Ignore
+
 from .exceptions import ConfigurationError
 from .names import MAX_LIMIT
 
@@ -160,12 +162,15 @@ def check_reason(reason: Any, what: str = "reason") -> str:
     return text if len(text) <= MAX_REASON else text[:MAX_REASON - 3] + "..."
 
 
-class Backoff(Exception):
+class Backoff(Ignore):
     """Raised by a guarded task whose API asked it to slow down (an HTTP 429, a 503 with
     ``Retry-After``): closes the semaphore (that key) everywhere for ``seconds`` and gives
     the call back to wait, ahead of later arrivals, without a Celery retry; with no time
     (``Backoff()``), gives the call back and reports overload (an :class:`Adaptive` limit
     goes down) without closing anything.
+
+    It is a Celery ``Ignore``: the pool child that ran the task stores no FAILURE and counts
+    no retry; the worker's gate gives the call back.
 
     :param retry_after: seconds, a datetime, a timedelta, or a ``Retry-After`` header's
         value (:func:`retry_after_seconds`); None: no time.

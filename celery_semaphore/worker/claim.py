@@ -81,6 +81,9 @@ class Claim:
     pulled: bool = False
     entered: float = field(default_factory=time.monotonic)
     entered_wall: float = field(default_factory=time.time)
+    #: Given back by a Backoff of its own earlier run: it queues ahead of every waiter of
+    #: its priority (:data:`.base.FRONT_KEY`).
+    front: bool = False
 
     # -- waiting ------------------------------------------------------------------------------
     #: Acquire answers that were "wait"; > 0 means WAITING was reported.
@@ -134,6 +137,10 @@ class Claim:
     #: ENDING: monotonic time its task ended (the slot is released at the latest
     #: :data:`.core.CHILD_EXIT_WAIT` later).
     ended: Optional[float] = None
+    #: Monotonic time it went to the pool (its call's latency is counted from there), and
+    #: what the call came to: "ok", "overload", "error" (None: it did not run).
+    started: Optional[float] = None
+    outcome: Optional[str] = None
 
     def move(self, to: State) -> None:
         if to not in TRANSITIONS[self.state]:

@@ -129,6 +129,7 @@ class Arrived:
     guard: Optional[Guard]
     holder: str = ""
     pulled: bool = False
+    front: bool = False
 
 
 @dataclass(frozen=True)
@@ -189,10 +190,23 @@ class LetGo:
 class Ended:
     """``claim``'s task ended (a pool callback; or Celery revoked it before it ran).
     ``killed``: the pool child that ran it was killed or is being terminated (its pid), and the
-    body may run until it exits."""
+    body may run until it exits. ``outcome``: ``"ok"``, ``"overload"`` or ``"error"`` (an
+    adaptive limit learns from it), None when it did not run."""
 
     claim: Claim
     killed: Optional[int] = None
+    outcome: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class BackedOff:
+    """``claim``'s task raised a :class:`.Backoff`: close its semaphore for ``seconds`` (None:
+    do not close it), release its slot reporting overload, and give the call back to wait
+    ahead of later arrivals."""
+
+    claim: Claim
+    seconds: Optional[float]
+    reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -233,7 +247,7 @@ class Tick:
 
 
 Event = Union[Arrived, Answered, Woken, Pushed, GrantReturned, Revoked, Stop, LetGo, Ended,
-              ChildExited, Renewed, PoolFlushed, CapacityChanged, Tick]
+              BackedOff, ChildExited, Renewed, PoolFlushed, CapacityChanged, Tick]
 
 
 # -- commands ---------------------------------------------------------------------------------
@@ -312,6 +326,28 @@ class Release:
     holder: str
     until: float
     delay: float = 0.0
+    #: what the call came to (an adaptive limit learns from it), and how long it ran
+    outcome: Optional[str] = None
+    latency: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class Pause:
+    """Close semaphore ``name`` for ``seconds``, never shortening a pause in force."""
+
+    name: str
+    seconds: float
+    reason: str
+
+
+@dataclass(frozen=True)
+class Redeliver:
+    """Hand ``claim``'s message to Celery's task strategy again, as a new request that
+    queues ahead of later arrivals (a Backoff gave it back; ``seconds``: the time it asked
+    for, None: none)."""
+
+    claim: Claim
+    seconds: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -394,9 +430,9 @@ class Refill:
     name: str
 
 
-Command = Union[Start, Exit, SendAttempt, StopAttempts, Cancel, Release, GiveBackGrant, Renew,
-                LeaseLost, WatchChild, Dropped, Settle, RaisePrefetch, LowerPrefetch,
-                ReportWaiting, Refill]
+Command = Union[Start, Exit, SendAttempt, StopAttempts, Cancel, Release, Pause, Redeliver,
+                GiveBackGrant, Renew, LeaseLost, WatchChild, Dropped, Settle, RaisePrefetch,
+                LowerPrefetch, ReportWaiting, Refill]
 
 
 # -- the core ---------------------------------------------------------------------------------
@@ -531,7 +567,7 @@ class WorkerCore:
     def _arrived(self, event: Arrived) -> None:
         guard = event.guard
         claim = Claim(event.request, guard, event.holder, pulled=event.pulled,
-                      entered=self.clock(), entered_wall=self.wall_clock())
+                      entered=self.clock(), entered_wall=self.wall_clock(), front=event.front)
         if guard is None:  # unguarded: straight to the pool
             self._to_pool(claim)
             self._out.append(Start(claim))
@@ -601,7 +637,7 @@ class WorkerCore:
                                                                waits_for)
             self._out.append(ReportWaiting(claim, attempt.position, attempt.limit))
         pause = answer.pause
-        if getattr(attempt, "rate_due", None) is not None:
+        if _due(attempt) is not None:
             # Due counts from when the backend decided, which was after the attempt was sent:
             # count from the send, so the next try reaches it as its start falls due rather
             # than a round trip later (each late start delays every later one).
@@ -720,6 +756,7 @@ class WorkerCore:
         if claim.state is not State.POOL:
             return
         self._from_pool(claim)
+        claim.outcome = event.outcome
         if event.killed is not None and claim.grants is not None and self.running:
             # Celery reports these before the pool child has died; the body may still run
             # (a finally block, a handler): keep the slot until it exits.
@@ -730,6 +767,21 @@ class WorkerCore:
             self._out.append(WatchChild(event.killed))
         else:
             self._done(claim)
+        self._pump()
+
+    def _backed_off(self, event: BackedOff) -> None:
+        """The call raised a Backoff: its semaphore closes (before the release, which would
+        otherwise hand the slot on), its slot goes, reporting overload, and the call comes
+        back as a new request that queues ahead of later arrivals."""
+        claim = event.claim
+        if claim.state is not State.POOL or not claim.guarded:
+            return
+        self._from_pool(claim)
+        if event.seconds is not None and event.seconds > 0:
+            self._out.append(Pause(claim.guard.name, event.seconds, event.reason))
+        claim.outcome = "overload"
+        self._done(claim)
+        self._out.append(Redeliver(claim, event.seconds))
         self._pump()
 
     def _child_exited(self, event: ChildExited) -> None:
@@ -794,7 +846,7 @@ class WorkerCore:
     _handlers: Dict[type, Callable[["WorkerCore", Any], None]] = {
         Arrived: _arrived, Answered: _answered, Woken: _woken, Pushed: _pushed,
         GrantReturned: _grant_returned, Revoked: _revoked, Stop: _stop, LetGo: _let_go,
-        Ended: _ended, ChildExited: _child_exited, Renewed: _renewed,
+        Ended: _ended, BackedOff: _backed_off, ChildExited: _child_exited, Renewed: _renewed,
         PoolFlushed: _pool_flushed, CapacityChanged: _capacity_changed, Tick: _tick,
     }
 
@@ -1032,6 +1084,7 @@ class WorkerCore:
 
     def _to_pool(self, claim: Claim) -> None:
         self._move(claim, State.POOL)
+        claim.started = self.clock()
         self.in_pool[id(claim.request)] = claim
         self.busy += 1
 
@@ -1046,7 +1099,9 @@ class WorkerCore:
         self.in_pool.pop(id(claim.request), None)
         claim.move(State.DONE)
         if claim.grants is not None and self.held.pop(claim.holder, None) is not None:
-            self._out.append(Release(tuple(claim.grants), claim.holder, claim.deadline))
+            latency = None if claim.started is None else self.clock() - claim.started
+            self._out.append(Release(tuple(claim.grants), claim.holder, claim.deadline,
+                                     outcome=claim.outcome, latency=latency))
 
     def _orphan(self, claim: Claim, now: float) -> None:
         """Settle an orphan once its child has moved on or exited. A child that is up runs the
@@ -1099,6 +1154,12 @@ class WorkerCore:
             claim.lost = True
             self._out.append(LeaseLost(claim))
 
+
+
+def _due(attempt: Union[Attempt, MultiAttempt]) -> Optional[float]:
+    """Seconds until time alone lets the caller start (a rate, a quota window, a pause)."""
+    due = getattr(attempt, "due", None)
+    return due if due is not None else getattr(attempt, "rate_due", None)
 
 
 def _grants_of(claim: Claim, attempt: Union[Attempt, MultiAttempt]) -> Dict[str, Grant]:

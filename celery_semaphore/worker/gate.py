@@ -53,13 +53,14 @@ from ..backends.base import (
     Renew,
     new_holder_id,
 )
+from ..backoff import Backoff, outcome_of
 from ..exceptions import ConfigurationError, SemaphoreError
 from ..guards import Guards
 from ..settings import Settings
 from ..stats import FIRST_WAIT_META
 from ..task_lease import LEASE_KEY, lease_record_of_grants
 from ..urls import mask_url
-from ..waiting_room import PARKED_HEADER
+from ..waiting_room import FIRST_WAIT_HEADER, PARKED_HEADER
 from . import celery_internals, core
 from .claim import Claim, State
 from .context import GateContext, GateState
@@ -89,6 +90,9 @@ logger = logging.getLogger(__name__)
 
 #: The attribute of a request that holds its claim.
 CLAIM = "semaphore_claim"
+#: The attribute of a message this worker hands to Celery again after a Backoff: its request
+#: queues ahead of later arrivals (an attribute, never a header: any producer can forge one).
+FRONT = "_celery_semaphore_front"
 
 
 class Gate:
@@ -139,6 +143,9 @@ class Gate:
         self.acked: Optional[Dict[int, int]] = None
         self._connected_at_stop = False
         self._flushing = False
+        #: the backend closes a semaphore for a Backoff's time (else: a countdown)
+        self._pauses = "pause" in backend.traffic_options
+        self._warned_pause = False
         self._rejects: List[Callable[[], Any]] = []
         self._tick_timer: Any = None
         self._children: Dict[int, Any] = {}  # pid -> what watches its exit
@@ -146,6 +153,7 @@ class Gate:
             core.Start: self._start, core.Exit: self._exit,
             core.SendAttempt: self._send_attempt, core.StopAttempts: self._stop_attempts,
             core.Cancel: self._cancel, core.Release: self._release,
+            core.Pause: self._pause, core.Redeliver: self._redeliver,
             core.GiveBackGrant: self._give_back_grant, core.Renew: self._renew,
             core.LeaseLost: self._lease_lost, core.WatchChild: self._watch_child,
             core.Dropped: self._dropped, core.Settle: self._settle,
@@ -193,7 +201,10 @@ class Gate:
             self.handle(Arrived(request, None))
             return
         pulled = PARKED_HEADER in (request.message.headers or {})
-        self.handle(Arrived(request, guard, new_holder_id(request.id), pulled))
+        # (only this worker marks a message to queue in front, never a header: it can be
+        # forged by any producer)
+        front = getattr(request.message, FRONT, False) is True
+        self.handle(Arrived(request, guard, new_holder_id(request.id), pulled, front))
 
     def _track(self, request: Any) -> None:
         """Wrap the request's pool callbacks: each ending goes to the core (on the loop
@@ -208,10 +219,18 @@ class Gate:
                 self.ended(request)
 
         def failure(exc_info: Any, *args: Any, **kwargs: Any) -> Any:
+            exc = getattr(exc_info, "exception", None)
+            exc = getattr(exc, "exc", exc)  # billiard's ExceptionWithTraceback
+            if isinstance(exc, Backoff) and getattr(request, CLAIM, None) is not None \
+                    and getattr(request, CLAIM).guarded:
+                # not a failure (it is a Celery Ignore: the child stored nothing): the call
+                # goes back to wait, without Celery settling its message
+                self.backed_off(request, exc)
+                return None
             try:
                 return on_failure(exc_info, *args, **kwargs)
             finally:
-                self.ended(request, getattr(exc_info, "exception", None))
+                self.ended(request, exc, failed=True)
 
         def time_limit(soft: bool, timeout: float) -> Any:  # billiard passes timeout=...
             try:
@@ -394,7 +413,7 @@ class Gate:
                 "worker": self.consumer.hostname, "pid": os.getpid()}
         if guard.fair is not None:
             meta[FAIR_KEY] = guard.fair
-        meta.update(guard.traffic_meta())
+        meta.update(guard.traffic_meta(front=claim.front))
         return meta
 
     def _later(self, delay: float, fn: Callable[..., Any], *args: Any) -> Any:
@@ -450,10 +469,11 @@ class Gate:
 
     # -- 4. ended: the release ---------------------------------------------------------------
 
-    def ended(self, request: Any, exc: Optional[BaseException] = None) -> None:
+    def ended(self, request: Any, exc: Optional[BaseException] = None,
+              failed: bool = False) -> None:
         """``request`` ended (a pool callback, any thread)."""
         if self.ctx.loop.owned and not self.ctx.loop.on_loop():
-            self.ctx.loop.post(self.ended, request, exc)
+            self.ctx.loop.post(self.ended, request, exc, failed)
             return
         with self.ctx.loop.entered():
             claim = getattr(request, CLAIM, None)
@@ -464,7 +484,84 @@ class Gate:
             exc = getattr(exc, "exc", exc)  # billiard's ExceptionWithTraceback
             killed = (pid if isinstance(exc, celery_internals.CHILD_KILLED) and pid
                       and celery_internals.pool_forks(self.consumer.pool) else None)
-            self.handle(core.Ended(claim, killed))
+            outcome = None
+            if claim.guarded:
+                outcome = outcome_of(exc if failed else None, claim.guard.adaptive)
+            self.handle(core.Ended(claim, killed, outcome))
+
+    def backed_off(self, request: Any, exc: Backoff) -> None:
+        """``request``'s task raised ``exc`` (a pool callback, any thread)."""
+        if self.ctx.loop.owned and not self.ctx.loop.on_loop():
+            self.ctx.loop.post(self.backed_off, request, exc)
+            return
+        with self.ctx.loop.entered():
+            self.jobs.pop(id(request), None)
+            claim = getattr(request, CLAIM, None)
+            if claim is not None:
+                self.handle(core.BackedOff(claim, exc.remaining(), exc.reason))
+
+    def _pause(self, command: core.Pause) -> None:
+        """Close a semaphore cluster-wide (a Backoff's time): made before the release that
+        follows it (the same pipeline), so that no grant is pushed meanwhile. A backend that
+        cannot pause: the call waits out its time in the broker (:meth:`_redeliver`)."""
+        if not self._pauses:
+            if not self._warned_pause:
+                self._warned_pause = True
+                logger.warning("celery-semaphore: the %s backend cannot pause a semaphore "
+                               "cluster-wide: a call given back by a Backoff is requeued "
+                               "with its time as a countdown, and other calls go on",
+                               type(self.backend).__name__)
+            return
+
+        def done(until: Any, error: Optional[BaseException]) -> None:
+            if error is not None:
+                logger.warning("celery-semaphore: pausing %r for %.1fs failed: %s",
+                               command.name, command.seconds, error)
+            else:
+                logger.info("celery-semaphore: semaphore %r paused for %.1fs%s",
+                            command.name, command.seconds,
+                            f" ({command.reason})" if command.reason else "")
+
+        self.link.submit(PauseOp(command.name, command.seconds, command.reason), done)
+
+    def _redeliver(self, command: core.Redeliver) -> None:
+        """Hand the message of a call a Backoff gave back to its task's strategy again: a new
+        request of it reaches the gate and queues ahead of later arrivals, its first wait
+        kept (``semaphore_max_wait`` bounds the whole). Its message is settled by the new
+        request as it would have been by the old one (acknowledged already, unless the task
+        acknowledges late)."""
+        claim = command.claim
+        old = claim.request
+        if not self._pauses and command.seconds:
+            self.requeue.requeue(claim, command.seconds)
+            return
+        message = old.message
+        celery_internals.task_ready(old)
+        strategy = self.consumer.strategies.get(old.name)
+        if strategy is None:  # (the task went away with a reload?) it cannot run here
+            logger.error("celery-semaphore: %s[%s] backed off and cannot be given back: its "
+                         "task is not registered here", old.name, old.id)
+            return
+        headers = message.headers
+        if isinstance(headers, dict):
+            headers[FIRST_WAIT_HEADER] = claim.first_wait
+        setattr(message, FRONT, True)
+        settled = old.acknowledged
+
+        def ack(*args: Any, **kwargs: Any) -> None:
+            if not settled:
+                old._on_ack(*args, **kwargs)
+
+        def reject(*args: Any, **kwargs: Any) -> None:
+            if not settled:
+                old._on_reject(*args, **kwargs)
+
+        logger.info("celery-semaphore: %s[%s] backed off: it waits again, ahead of later "
+                    "arrivals", old.name, old.id)
+        try:
+            strategy(message, None, ack, reject, self.consumer.on_task_message)
+        except Exception:
+            logger.exception("celery-semaphore: giving back %s[%s] failed", old.name, old.id)
 
     def _watch_child(self, command: core.WatchChild) -> None:
         """Tell the core when pool child ``pid`` has exited: a pidfd the hub watches (Linux),

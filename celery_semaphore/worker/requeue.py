@@ -55,12 +55,13 @@ class Requeue:
         self.ctx = ctx
         self.tally = tally
 
-    def requeue(self, claim: Claim) -> None:
+    def requeue(self, claim: Claim, countdown: Optional[float] = None) -> None:
         """Publish a copy of the message of ``claim`` (which left the core) with a backoff
         ETA, then ack the original (loop). Only for what the waiting room cannot take (the
         broker refused the parked copy, no lane for its queue, a priority request held past
         ``semaphore_worker_max_hold``)."""
-        countdown = backoff(claim)
+        if countdown is None:
+            countdown = backoff(claim)
         self.ctx.in_transit.add(claim.request.message.delivery_tag)
         logger.warning("celery-semaphore: requeueing %s with a backoff of %.2fs: the waiting "
                        "room could not take it", claim.request.id, countdown)
