@@ -51,18 +51,114 @@ needs more units than are free blocks every waiter behind it (nobody overtakes a
 is admitted, and woken, as soon as its units are free. Each holder still takes one slot number
 (its fencing token), below the limit.
 
-Rate: a caller's ``meta`` may carry :data:`RATE_KEY` ``[interval, burst]``: the semaphore then
-allows a start (a grant) at time ``now`` only when ``now >= tat - (burst - 1) * interval``
-(GCRA; ``tat``, the theoretical arrival time, becomes ``max(tat, now) + interval`` at each
-start), on the backend's clock. So any window of ``n * interval`` seconds holds at most
-``n + burst - 1`` starts. The rate is the semaphore's, like its limit: the latest call that
-declares one sets it, and it applies to every caller of the semaphore (a call that declares
-none leaves it). Because it is one rule for the whole queue, a head the rate holds back holds
-back everyone behind it too: no slot is kept idle for it that someone behind could use, and the
-rate holds no slot (units are taken at the start only). A caller the rate alone holds back gets
-:attr:`Attempt.rate_due`, when its own start is due (``tat`` plus an interval per waiter ahead
-of it), and tries again then; no wake-up is sent for the rate. Backends that cannot apply these
+Rate: a caller's ``meta`` may carry :data:`RATE_KEY` ``[interval, burst]``, or a list of them
+``[[interval, burst], ...]`` (several rates, each of which must allow every start): each rate
+is a GCRA with its own ``tat`` (theoretical arrival time). A start that spends ``u`` units
+(:data:`UNITS_KEY`, default 1, see "Units") is allowed at time ``now`` when, for every rate,
+``now >= tat - max(0, burst - u) * interval``, and moves each rate's ``tat`` to ``max(tat, now)
++ u * interval``, on the backend's clock. So with 1 unit per start any window of ``n *
+interval`` seconds holds at most ``n + burst - 1`` starts; a start of more units than the
+burst starts only when that rate owes nothing (``tat <= now``) and its units are then paid
+for before the next start (a debt, as a settled overdraft below). The rates are the
+semaphore's, like its limit: the latest call that declares rates sets them all (a rate in the
+same place of the new list keeps its ``tat``; a call that declares none leaves them), and they
+apply to every caller of the semaphore. Because they are one rule for the whole queue, a head
+a rate holds back holds back everyone behind it too: no slot is kept idle for it that someone
+behind could use, and a rate holds no slot (units are spent at the start only). A caller the
+rates alone hold back gets :attr:`Attempt.rate_due` (and :attr:`Attempt.due`), when its own
+start is due with the units of the waiters ahead of it counted (``max(tat, now) + (ahead -
+max(0, burst - u)) * interval`` for the slowest rate, ``ahead`` the units of the waiters ahead
+of it), and tries again then; no wake-up is sent for a rate. Backends that cannot apply these
 rules atomically refuse them (:meth:`Backend.check_traffic`).
+
+Units: a caller's ``meta`` may carry :data:`UNITS_KEY` ``u`` (an int >= 1, default 1): the units
+of the rates and quotas its start spends, as estimated at admission (an LLM call's maximum
+tokens), settled later with the actual amount (:meth:`Backend.settle`). Distinct from costs
+(:data:`COST_KEY`: units of the concurrency limit held while it runs).
+
+Quotas (calendar windows): a caller's ``meta`` may carry :data:`QUOTA_KEY` ``[[count, period,
+offset], ...]`` (seconds): at most ``count`` units started per window of each. ``period > 0``:
+a window starts at ``floor((t + offset) / period) * period - offset`` (aligned to the UTC
+epoch: a 5 s window starts at a multiple of 5 s; ``offset`` moves a day's boundary to another
+zone's midnight, +3600 for UTC+1); ``period == 0``: one calendar month (UTC, shifted by
+``offset``) (:func:`window_of`). Declared like the rates: the latest call that declares quotas
+sets the semaphore's (a call declaring none leaves them). Each (period, offset) has a counter
+of the units started in its current window; it counts from 0 again when its window turns, and
+is forgotten once its window is over (a counter outlives changes of ``count``: the new count
+applies to what the window already used). Admission, in the same atomic step as the limit,
+costs, rates and the queue order: a caller is admitted only when for every quota ``used +
+ahead + u <= count`` (``ahead``: the units of the waiters ahead of it, so nobody overtakes a
+waiter the quota holds back); its start adds ``u`` to every quota's counter, and its holder
+remembers the windows it counted in (for :meth:`Backend.settle`). A caller that needs more
+units than a quota's count could never be admitted: refused with ConfigurationError before
+anything changes. A caller only a quota holds back waits (``waits_for == "quota"``; ``due``:
+seconds until the last of the windows that hold it back turns, or until its rate allows it if
+that is later); like a rate, a quota holds back everyone behind the head it holds back, and
+nobody is woken when a window turns (waiters try again at ``due``). The state of a semaphore
+is kept at least until the end of every window that counted a start (a month's, too).
+
+Settling (:meth:`Backend.settle`): ``settle(name, holder, units)`` says that ``holder`` (holding
+now) actually spent ``units`` (an int >= 0) instead of what its admission counted. The
+difference from what was counted so far adjusts every quota window its admission counted in
+that has not turned yet (a refund frees room at once, waking, or pushing grants to, the waiters
+it makes admissible; an overdraft leaves ``used > count``: later admissions wait for the window
+to turn; a counter never goes below 0), and every rate's ``tat``: a refund moves it back by
+``difference * interval`` but never before the backend's now; an overdraft moves it to
+``max(tat, now) + difference * interval`` (the units are spent now). Absolute and idempotent:
+settling again with another value adjusts by the change only; the holder's record keeps what
+has been counted. False, changing nothing, when ``holder`` does not hold; True otherwise (also
+when nothing changed).
+
+Pauses (:meth:`Backend.pause`, :meth:`Backend.resume`): a pause closes the semaphore until a
+time of the backend's clock (``paused_until``). While it is in force (``now <
+paused_until``) no acquire is admitted and no grant is pushed: holders keep their slots and
+renew, releases and cancels work, a caller that waits queues as usual (at its place in the
+order) and is told ``waits_for == "pause"`` with ``due`` the seconds until the pause ends,
+whatever else holds it back. Pauses only extend: a pause asked for that ends before the one in
+force changes nothing (the reason stays that of the pause in force); one that ends later
+replaces it, reason included. A pause works on a name with no state (a template key never
+used): the semaphore then exists with limit 0 and no declaration until a caller declares one,
+and its state is kept at least until the pause ends (beyond ``idle_ttl`` if need be). Nobody
+is woken when a pause ends: waiters try again at their ``due``. :meth:`Backend.resume` ends
+the pause in force at once and wakes (or pushes grants to) the waiters that are admissible
+then.
+
+Front of the queue: a waiter whose ``meta`` carries a truthy :data:`FRONT_KEY` queues ahead of
+every waiter of its priority that does not, whatever the fair rounds, FIFO among such waiters
+(its ticket); it takes no fair round (round 0) and admitting it moves no round on. The queue
+order is thus ``(-priority, not front, round, ticket)``. (A call a pause gave back re-queues
+this way: ahead of later arrivals.)
+
+Adaptive limits: a caller's ``meta`` may carry :data:`ADAPTIVE_KEY` ``{"min": m, "max": M,
+"decrease": d, "increase": i}`` (``1 <= m <= M``, ``0 < d < 1``, ``i > 0``; defaults d = 0.9, i =
+1.0): the limit of the semaphore is then learned. Adaptation is part of the limit's
+declaration (see "Limits"): the newest declaration says whether the semaphore is adaptive and
+with which bounds (the caller's ``limit`` is ``M`` then); an older process cannot change it,
+and a newest declaration without it makes the limit fixed again (the learned value is
+dropped). The semaphore keeps a learned ``current`` (a float): ``m`` when a declaration first
+makes it adaptive, moved into ``[m, M]`` when a newer declaration changes the bounds. Unless
+the limit is pinned, the limit in force is ``floor(current)``. :meth:`Backend.release` takes the
+outcome of the holder's call, applied in the same atomic step, only when that holder held and
+only while the semaphore is adaptive and not pinned:
+
+* ``"ok"``: ``current = min(M, current + i / current)`` (about +1 per limit's worth of
+  successes), only when the limit was in use: the units held before this release (its own
+  included) are at least ``current / 2``;
+* ``"overload"``: ``current = max(m, current * d)``, at most once per round trip of work: only
+  when the holder was granted at or after the last decrease (its grant time >= the time of
+  the last decrease), which then becomes now;
+* ``"error"`` or None: nothing.
+
+A change of the limit in force takes effect at once, as any (growing wakes or pushes to the
+waiters that fit). ``resize`` pins the limit (no adaptation while pinned; the learned value
+stays); ``unpin`` resumes adaptation from the learned value. A cost is checked against ``M``,
+not against the learned limit (a big call waits until the limit grows enough). The state of an
+adaptive semaphore is kept for ``idle_ttl`` even when empty (as a pinned one), so the learned
+limit survives a quiet spell.
+
+Where several rules hold a caller back it is told, in this order: ``"pause"`` (a pause is in
+force), ``"slots"`` or ``"units"`` (the limit: no ``due``, a release will wake it), ``"quota"``,
+``"rate"``.
 
 One holder per task: a holder id of the form ``<task id>:<random>`` (:func:`new_holder_id`
 with a task id) names its task, and a caller is not admitted while another holder of the same
@@ -90,7 +186,8 @@ declaration is then in force again). A change of limit takes effect in the same 
 the call that makes it: growing admits waiters at once; shrinking admits nobody until the
 holders drop below the new limit (running holders keep their slots).
 
-Wake-ups: whenever an operation can make a waiter admissible (release, cancel, resize, pruning),
+Wake-ups: whenever an operation can make a waiter admissible (release, cancel, resize, pruning,
+resume, a settle that refunds, an adaptive limit that grows),
 the backend notifies the waiters whose rank is now below ``limit - len(holders)`` (and whose
 task no other holder holds), addressed to
 the process that queued them (its ``client_id``). A notification is only a hint: waiters also
@@ -99,8 +196,9 @@ expiring lease notifies nobody.
 
 Pushed grants (backends with :attr:`Backend.pushes_grants`): a waiter that queued with
 ``push`` (:attr:`Acquire.push`) is not woken to try again: the operation that makes it
-admissible (a release, a cancel, a resize, pruning) grants it the slot there and then, under
-the same rules and in the same order as its own acquire would have been granted, for the lease
+admissible (a release, a cancel, a resize, pruning, a resume, a refund) grants it the slot
+there and then, under the same rules and in the same order as its own acquire would have been
+granted (the pause, the quotas and the rates decide as for an acquire), for the lease
 TTL it asked for, and its wake-up carries the grant (:class:`PushedGrant`). So a slot freed by
 a release goes to the next waiter in that one operation, with no round trip of the waiter's
 own. Nothing else changes for it: its next acquire returns that grant, a cancel (``abandon``)
@@ -115,6 +213,7 @@ from __future__ import annotations
 import abc
 import functools
 import logging
+import math
 import os
 import socket
 import threading
@@ -130,6 +229,7 @@ from typing import (
     List,
     Mapping,
     NamedTuple,
+    NoReturn,
     Optional,
     Protocol,
     Sequence,
@@ -206,12 +306,17 @@ class Attempt:
     #: Not admitted because of the semaphore's rate only: seconds until this caller's start
     #: is due (its turn in line counted), by the backend's clock. None otherwise.
     rate_due: Optional[float] = None
-    #: What the caller waits for: ``"slots"`` (plain count), ``"units"`` (costs are in play)
-    #: or ``"rate"``; None when admitted.
+    #: What the caller waits for: ``"pause"``, ``"slots"`` (plain count), ``"units"`` (costs
+    #: are in play), ``"quota"`` or ``"rate"`` (module docs: the first that applies); None when
+    #: admitted.
     waits_for: Optional[str] = None
     #: Admitted: the units of the limit still free after this grant that nobody waits for
     #: (None: the backend does not say). A hint, as of the grant.
     free: Optional[int] = None
+    #: Not admitted, and time alone can let this caller start (a pause ending, a quota window
+    #: turning, a rate): seconds until then, by the backend's clock. None otherwise. Equal to
+    #: :attr:`rate_due` when ``waits_for == "rate"``.
+    due: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -233,6 +338,7 @@ class MultiAttempt:
     limits: Dict[str, int] = field(default_factory=dict)
     rate_due: Optional[float] = None
     waits_for: Optional[str] = None
+    due: Optional[float] = None
 
     @property
     def grant(self) -> Optional[Grant]:
@@ -279,10 +385,12 @@ class AcquireAll:
 
 @dataclass(frozen=True)
 class Release:
-    """:meth:`Backend.release`."""
+    """:meth:`Backend.release` (``outcome``, ``latency``: the call's, for an adaptive limit)."""
 
     name: str
     holder: str
+    outcome: Optional[str] = None
+    latency: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -303,7 +411,32 @@ class Abandon:
     holder: str
 
 
-Operation = Union[Acquire, AcquireAll, Release, Renew, Abandon]
+@dataclass(frozen=True)
+class Pause:
+    """:meth:`Backend.pause`."""
+
+    name: str
+    seconds: float
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Resume:
+    """:meth:`Backend.resume`."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class Settle:
+    """:meth:`Backend.settle`."""
+
+    name: str
+    holder: str
+    units: int
+
+
+Operation = Union[Acquire, AcquireAll, Release, Renew, Abandon, Pause, Resume, Settle]
 #: What one operation of a batch came to: ``(result, None)``, or ``(None, the exception it
 #: raised)``.
 Outcome = Tuple[Any, Optional[BaseException]]
@@ -361,6 +494,32 @@ class WaiterInfo:
 
 
 @dataclass(frozen=True)
+class QuotaUsage:
+    """One quota of a semaphore and its current window (module docs, "Quotas")."""
+
+    count: int
+    #: Seconds; 0: a calendar month.
+    period: float
+    offset: float
+    #: The current window, in backend epoch seconds.
+    window_start: float
+    window_end: float
+    #: Units started in the current window (may exceed ``count``: a debt).
+    used: int
+
+
+@dataclass(frozen=True)
+class AdaptiveState:
+    """An adaptive limit (module docs, "Adaptive limits"): its bounds and learned value; the
+    limit in force is ``floor(current)`` unless ``pinned``."""
+
+    min: int
+    max: int
+    current: float
+    pinned: bool
+
+
+@dataclass(frozen=True)
 class SemaphoreStatus:
     """A consistent snapshot of one semaphore, taken in one atomic read."""
 
@@ -379,9 +538,19 @@ class SemaphoreStatus:
     newest_declared: Optional[int] = None
     #: The semaphore's rate ``(interval seconds, burst)``, None when it has none.
     rate: Optional[Tuple[float, int]] = None
-    #: With a rate: the backend time (seconds) from which the next start is allowed (in the
-    #: past: one may start now).
+    #: With a rate: the backend time (seconds) from which the next start (of one unit) is
+    #: allowed by every rate (in the past: one may start now).
     next_start: Optional[float] = None
+    #: The end of the pause in force (backend epoch seconds), None when not paused.
+    paused_until: Optional[float] = None
+    #: Why it is paused ("" when not, or when no reason was given).
+    pause_reason: str = ""
+    #: The quotas and their current windows.
+    quotas: Tuple[QuotaUsage, ...] = ()
+    #: Every rate ``(interval seconds, burst)`` (``rate`` is the first).
+    rates: Tuple[Tuple[float, int], ...] = ()
+    #: The adaptive limit, None when the limit is not adaptive.
+    adaptive: Optional[AdaptiveState] = None
 
     @property
     def held(self) -> int:
@@ -410,6 +579,15 @@ class SemaphoreStatus:
             "rate": None if self.rate is None else {"interval": self.rate[0],
                                                     "burst": self.rate[1]},
             "next_start": self.next_start,
+            "rates": [{"interval": i, "burst": b} for i, b in self.rates],
+            "paused_until": self.paused_until,
+            "pause_reason": self.pause_reason,
+            "quotas": [{"count": q.count, "period": q.period, "offset": q.offset,
+                        "window_start": q.window_start, "window_end": q.window_end,
+                        "used": q.used} for q in self.quotas],
+            "adaptive": None if self.adaptive is None else {
+                "min": self.adaptive.min, "max": self.adaptive.max,
+                "current": self.adaptive.current, "pinned": self.adaptive.pinned},
             "holders": [
                 {
                     "holder": h.holder,
@@ -447,6 +625,31 @@ WEIGHT_KEY = "fair_weight"
 #: Priorities are ints in ``[-MAX_PRIORITY, MAX_PRIORITY]`` (the Redis queue keeps them in its
 #: scores beside the ticket).
 MAX_PRIORITY = 10_000
+#: The ``meta`` key whose value is the quotas the caller declares for the semaphore:
+#: ``[[count, period, offset], ...]`` (seconds; period 0: a calendar month) (module docs,
+#: "Quotas"); an empty list removes the semaphore's quotas.
+QUOTA_KEY = "quota"
+#: The ``meta`` key whose value is the units of the rates and quotas the caller's start spends,
+#: as estimated at admission (module docs, "Units"); absent: 1.
+UNITS_KEY = "units"
+#: The ``meta`` key whose truthy value queues the caller ahead of every waiter of its priority
+#: (module docs, "Front of the queue").
+FRONT_KEY = "front"
+#: The ``meta`` key whose value makes the semaphore's limit adaptive: ``{"min", "max",
+#: "decrease", "increase"}`` (module docs, "Adaptive limits").
+ADAPTIVE_KEY = "adaptive"
+#: The outcomes :meth:`Backend.release` takes (module docs, "Adaptive limits").
+OUTCOMES = ("ok", "overload", "error")
+#: The longest pause (seconds, about 31 years): beyond, a time is surely a mistake.
+MAX_PAUSE = 1e9
+#: Defaults of an adaptive limit's factors.
+ADAPTIVE_DECREASE = 0.9
+ADAPTIVE_INCREASE = 1.0
+#: Every traffic option (:attr:`Backend.traffic_options`), and those of a backend that has
+#: only costs, rates and orderings.
+ALL_TRAFFIC: FrozenSet[str] = frozenset({"cost", "rate", "priority", "fair_weight", "front",
+                                         "quota", "units", "adaptive", "pause"})
+BASIC_TRAFFIC: FrozenSet[str] = frozenset({"cost", "rate", "priority", "fair_weight", "front"})
 
 
 def _int_of(meta: Optional[Meta], key: str, default: int) -> int:
@@ -469,12 +672,164 @@ def weight_of(meta: Optional[Meta]) -> int:
     return max(1, _int_of(meta, WEIGHT_KEY, 1))
 
 
-def rate_of(meta: Optional[Meta]) -> Optional[Tuple[float, int]]:
-    """``(interval seconds, burst)`` of the rate ``meta`` declares, or None."""
-    rate = (meta or {}).get(RATE_KEY)
-    if not isinstance(rate, (list, tuple)) or len(rate) != 2:
+def _bad(what: str, value: Any, should: str) -> Exception:
+    from ..exceptions import ConfigurationError
+
+    return ConfigurationError(f"meta {what!r} must be {should}, not {value!r}")
+
+
+def _number(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
+def units_of(meta: Optional[Meta]) -> int:
+    """The units of the rates and quotas ``meta`` says its caller's start spends (at least
+    1)."""
+    return max(1, _int_of(meta, UNITS_KEY, 1))
+
+
+def rates_of(meta: Optional[Meta]) -> Optional[List[Tuple[float, int]]]:
+    """``[(interval seconds, burst), ...]`` of the rates ``meta`` declares (one ``[interval,
+    burst]`` or a list of them; ``[]``: it declares that there are none), or None when it
+    declares none. ConfigurationError when malformed."""
+    rates = (meta or {}).get(RATE_KEY)
+    if rates is None:
         return None
-    return float(rate[0]), int(rate[1])
+    if isinstance(rates, (list, tuple)) and len(rates) == 2 and _number(rates[0]):
+        rates = [rates]
+    should = "[interval, burst] or a list of them (interval > 0, burst an int >= 1)"
+    if not isinstance(rates, (list, tuple)):
+        raise _bad(RATE_KEY, rates, should)
+    out = []
+    for rate in rates:
+        if not (isinstance(rate, (list, tuple)) and len(rate) == 2 and _number(rate[0])
+                and rate[0] > 0 and isinstance(rate[1], int) and not isinstance(rate[1], bool)
+                and rate[1] >= 1):
+            raise _bad(RATE_KEY, rates, should)
+        out.append((float(rate[0]), int(rate[1])))
+    return out
+
+
+def rate_of(meta: Optional[Meta]) -> Optional[Tuple[float, int]]:
+    """``(interval seconds, burst)`` of the first rate ``meta`` declares, or None."""
+    rates = rates_of(meta)
+    return rates[0] if rates else None
+
+
+def quotas_of(meta: Optional[Meta]) -> Optional[List[Tuple[int, float, float]]]:
+    """``[(count, period seconds, offset seconds), ...]`` of the quotas ``meta`` declares
+    (``[]``: it declares that there are none), or None when it declares none.
+    ConfigurationError when malformed (period 0 is a calendar month, else at least 1 ms)."""
+    quotas = (meta or {}).get(QUOTA_KEY)
+    if quotas is None:
+        return None
+    should = ("a list of [count, period, offset] (count an int >= 1, period 0 or >= 0.001 "
+              "seconds, a finite offset)")
+    if not isinstance(quotas, (list, tuple)):
+        raise _bad(QUOTA_KEY, quotas, should)
+    out = []
+    for quota in quotas:
+        if not (isinstance(quota, (list, tuple)) and len(quota) == 3
+                and isinstance(quota[0], int) and not isinstance(quota[0], bool)
+                and quota[0] >= 1 and _number(quota[1]) and _number(quota[2])
+                and (quota[1] == 0 or quota[1] >= 0.001) and abs(quota[2]) < 1e9):
+            raise _bad(QUOTA_KEY, quotas, should)
+        out.append((int(quota[0]), float(quota[1]), float(quota[2])))
+    return out
+
+
+def front_of(meta: Optional[Meta]) -> bool:
+    """``meta`` queues its caller at the front of its priority (module docs)."""
+    return bool((meta or {}).get(FRONT_KEY))
+
+
+def adaptive_of(meta: Optional[Meta]) -> Optional[Tuple[int, int, float, float]]:
+    """``(min, max, decrease, increase)`` of the adaptive limit ``meta`` declares, or None.
+    ConfigurationError when malformed."""
+    spec = (meta or {}).get(ADAPTIVE_KEY)
+    if spec is None:
+        return None
+    should = ('{"min": int >= 1, "max": int >= min, "decrease": a number in (0, 1), '
+              '"increase": a number > 0}')
+    if not isinstance(spec, dict) or set(spec) - {"min", "max", "decrease", "increase"}:
+        raise _bad(ADAPTIVE_KEY, spec, should)
+    low, high = spec.get("min", 1), spec.get("max")
+    decrease = spec.get("decrease", ADAPTIVE_DECREASE)
+    increase = spec.get("increase", ADAPTIVE_INCREASE)
+    if not (isinstance(low, int) and isinstance(high, int) and not isinstance(low, bool)
+            and not isinstance(high, bool) and 1 <= low <= high and _number(decrease)
+            and 0 < decrease < 1 and _number(increase) and increase > 0):
+        raise _bad(ADAPTIVE_KEY, spec, should)
+    return low, high, float(decrease), float(increase)
+
+
+def check_outcome(outcome: Optional[str]) -> None:
+    """ConfigurationError unless ``outcome`` is None or one of :data:`OUTCOMES`."""
+    if outcome is not None and outcome not in OUTCOMES:
+        from ..exceptions import ConfigurationError
+
+        raise ConfigurationError(f"release outcome must be one of {', '.join(OUTCOMES)} or "
+                                 f"None, not {outcome!r}")
+
+
+def check_units(units: Any) -> int:
+    """The units a :meth:`Backend.settle` takes: an int >= 0, else ConfigurationError."""
+    if isinstance(units, bool) or not isinstance(units, int) or units < 0:
+        from ..exceptions import ConfigurationError
+
+        raise ConfigurationError(f"settled units must be an integer >= 0, not {units!r}")
+    return units
+
+
+def check_pause(seconds: Any) -> float:
+    """The seconds a :meth:`Backend.pause` takes: a finite number >= 0, else
+    ConfigurationError."""
+    if not _number(seconds) or not 0 <= seconds <= MAX_PAUSE:
+        from ..exceptions import ConfigurationError
+
+        raise ConfigurationError(f"a pause must last from 0 to {MAX_PAUSE:g} seconds, not "
+                                 f"{seconds!r}")
+    return float(seconds)
+
+
+#: Days from 0000-03-01 to 1970-01-01 (the civil calendar's algorithms, as in the Redis scripts).
+_EPOCH_DAYS = 719468
+
+
+def _civil(days: int) -> Tuple[int, int]:
+    """(year, month) of the day ``days`` after 1970-01-01 (proleptic Gregorian)."""
+    z = days + _EPOCH_DAYS
+    era = z // 146097
+    doe = z - era * 146097
+    yoe = (doe - doe // 1460 + doe // 36524 - doe // 146096) // 365
+    doy = doe - (365 * yoe + yoe // 4 - yoe // 100)
+    mp = (5 * doy + 2) // 153
+    month = mp + 3 if mp < 10 else mp - 9
+    return yoe + era * 400 + (1 if month <= 2 else 0), month
+
+
+def _days(year: int, month: int) -> int:
+    """Days from 1970-01-01 to the first of ``month`` of ``year``."""
+    year -= 1 if month <= 2 else 0
+    era = year // 400
+    yoe = year - era * 400
+    doy = (153 * (month + (-3 if month > 2 else 9)) + 2) // 5
+    doe = yoe * 365 + yoe // 4 - yoe // 100 + doy
+    return era * 146097 + doe - _EPOCH_DAYS
+
+
+def window_of(t: float, period: float, offset: float) -> Tuple[float, float]:
+    """``(start, end)`` of the quota window holding time ``t`` (seconds; module docs,
+    "Quotas"): ``period > 0``: aligned to the UTC epoch shifted by ``offset``; ``period ==
+    0``: the calendar month (UTC shifted by ``offset``)."""
+    if period > 0:
+        start = math.floor((t + offset) / period) * period - offset
+        return start, start + period
+    year, month = _civil(math.floor((t + offset) / 86400))
+    following = (year + 1, 1) if month == 12 else (year, month + 1)
+    return (_days(year, month) * 86400.0 - offset,
+            _days(*following) * 86400.0 - offset)
 
 
 def fair_key_of(meta: Optional[Meta]) -> Optional[str]:
@@ -573,21 +928,26 @@ class Backend(abc.ABC):
         poll interval, at most a third of ``waiter_ttl`` (each try keeps its place in line),
         and no later than just after the earliest holder's lease can expire."""
         pause = min(poll_interval, self.waiter_ttl / 3)
-        rate_due: Optional[float] = getattr(attempt, "rate_due", None)
-        if rate_due is not None:
-            # Held back by the rate alone: nothing but time frees it, so the next try is
-            # when the start is due (a wake-up cannot come earlier), not the poll interval;
-            # 0.2 ms after it: a try that reaches the backend early is told to wait again (a
-            # round trip lost), and with a burst of 1 each late start delays every later one
-            # by as much (a 1 ms margin cost W7 5 % of its rate, 0.2 ms about 1 %).
-            return min(rate_due + 0.0002, self.waiter_ttl / 3)
+        due: Optional[float] = getattr(attempt, "due", None)
+        if due is None:
+            due = getattr(attempt, "rate_due", None)
+        if due is not None:
+            # Held back by time alone (a rate, a quota window, a pause): nothing but time
+            # frees it, so the next try is when the start is due (no wake-up is sent for
+            # it), not the poll interval; 0.2 ms after it: a try that reaches the backend
+            # early is told to wait again (a round trip lost), and with a burst of 1 each
+            # late start delays every later one by as much (a 1 ms margin cost W7 5 % of its
+            # rate, 0.2 ms about 1 %).
+            return min(due + 0.0002, self.waiter_ttl / 3)
         if attempt.retry_after is not None:
             pause = min(pause, attempt.retry_after + 0.001)
         return pause
 
-    #: Which of ``"cost"``, ``"rate"``, ``"priority"``, ``"fair_weight"`` this backend
-    #: implements (module docs); :meth:`check_traffic` refuses the others.
-    traffic_options: FrozenSet[str] = frozenset({"cost", "rate", "priority", "fair_weight"})
+    #: Which of :data:`ALL_TRAFFIC` (``"cost"``, ``"rate"``, ``"priority"``,
+    #: ``"fair_weight"``, ``"front"``, ``"quota"``, ``"units"``, ``"adaptive"``, and
+    #: ``"pause"``: :meth:`pause`, :meth:`resume` and :meth:`settle`) this backend implements
+    #: (module docs); :meth:`check_traffic` refuses the others.
+    traffic_options: FrozenSet[str] = BASIC_TRAFFIC
 
     def check_traffic(self, options: Sequence[str], where: str = "") -> None:
         """Raise :class:`~celery_semaphore.exceptions.ConfigurationError` naming this backend
@@ -602,17 +962,33 @@ class Backend(abc.ABC):
                 f"{where}{', '.join('semaphore_' + m for m in missing)}: the "
                 f"{type(self).__name__} backend ({mask_url(self.url)}) cannot apply "
                 f"{'it' if len(missing) == 1 else 'them'} atomically; use Redis, PostgreSQL, "
-                "SQLite, Consul or memory")
+                f"SQLite{', Consul' if BASIC_TRAFFIC.issuperset(missing) else ''} or memory")
 
     def check_meta(self, meta: Optional[Meta]) -> None:
         """:meth:`check_traffic` for what an acquire's ``meta`` asks for."""
         if not meta:
             return
         used = [o for o, key in (("cost", COST_KEY), ("rate", RATE_KEY),
-                                 ("priority", PRIORITY_KEY), ("fair_weight", WEIGHT_KEY))
-                if key in meta and not (o == "cost" and meta[key] == 1)]
+                                 ("priority", PRIORITY_KEY), ("fair_weight", WEIGHT_KEY),
+                                 ("front", FRONT_KEY), ("quota", QUOTA_KEY),
+                                 ("units", UNITS_KEY), ("adaptive", ADAPTIVE_KEY))
+                if key in meta and not (o in ("cost", "units") and meta[key] == 1)
+                and not (o == "front" and not meta[key])]
         if used:
             self.check_traffic(used)
+
+    def _refuse(self, operation: str) -> NoReturn:
+        """Raise ConfigurationError naming this backend, which cannot :meth:`pause` (nor
+        resume nor settle): ``operation`` names what was asked."""
+        if "pause" in self.traffic_options:
+            raise NotImplementedError(f"{type(self).__name__}: {operation}")
+        from ..exceptions import ConfigurationError
+        from ..urls import mask_url
+
+        raise ConfigurationError(
+            f"{operation}: the {type(self).__name__} backend ({mask_url(self.url)}) cannot "
+            "pause, resume or settle semaphores atomically; use Redis, PostgreSQL, SQLite "
+            "or memory")
 
     def abandon(self, name: str, holder: str) -> None:
         """Leave the waiter queue of ``name`` for good, and release in case a grant was made
@@ -639,11 +1015,19 @@ class Backend(abc.ABC):
             return self.acquire_all(op.requests, op.holder, ttl=op.ttl, meta=op.meta,
                                     wait=op.wait)
         if isinstance(op, Release):
-            return self.release(op.name, op.holder)
+            if op.outcome is None and op.latency is None:
+                return self.release(op.name, op.holder)
+            return self.release(op.name, op.holder, op.outcome, op.latency)
         if isinstance(op, Renew):
             return self.renew(op.name, op.holder, op.ttl)
         if isinstance(op, Abandon):
             return self.abandon_all(op.names, op.holder)
+        if isinstance(op, Pause):
+            return self.pause(op.name, op.seconds, op.reason)
+        if isinstance(op, Resume):
+            return self.resume(op.name)
+        if isinstance(op, Settle):
+            return self.settle(op.name, op.holder, op.units)
         raise TypeError(f"not a backend operation: {op!r}")
 
     def perform_all(self, ops: Sequence[Operation]) -> List[Outcome]:
@@ -718,7 +1102,8 @@ class Backend(abc.ABC):
         for name in later:  # queued there by an earlier try, maybe: not any more
             self.cancel(name, holder)
         return MultiAttempt(None, blocking, attempt.position, attempt.retry_after,
-                            attempt.limit)
+                            attempt.limit, rate_due=attempt.rate_due,
+                            waits_for=attempt.waits_for, due=attempt.due)
 
     def _give_back(self, grants: Mapping[str, Grant], holder: str) -> None:
         for name in grants:
@@ -739,8 +1124,35 @@ class Backend(abc.ABC):
         """
 
     @abc.abstractmethod
-    def release(self, name: str, holder: str) -> bool:
-        """Free the holder's slot. False when it was not held (expired, released, reset)."""
+    def release(self, name: str, holder: str, outcome: Optional[str] = None,
+                latency: Optional[float] = None) -> bool:
+        """Free the holder's slot. False when it was not held (expired, released, reset).
+
+        ``outcome`` (one of :data:`OUTCOMES`, or None) is the outcome of the holder's call:
+        it moves an adaptive limit, in the same atomic step (module docs, "Adaptive
+        limits"); ``latency`` (seconds) is accepted for a later rule and ignored for now.
+        Backends without adaptive limits ignore both.
+        """
+
+    # -- pauses and settling (backends with "pause" in traffic_options) ----------------------
+
+    def pause(self, name: str, seconds: float, reason: str = "") -> float:
+        """Close ``name`` until the backend's now + ``seconds`` (>= 0), unless a pause in force
+        ends later (pauses only extend), creating the semaphore if needed; returns the end of
+        the pause in force (backend epoch seconds). Module docs, "Pauses". ConfigurationError
+        on a backend that cannot."""
+        self._refuse(f"pause {name!r}")
+
+    def resume(self, name: str) -> bool:
+        """End the pause of ``name`` now; True when one was in force. Wakes (or pushes grants
+        to) the waiters admissible then. ConfigurationError on a backend that cannot."""
+        self._refuse(f"resume {name!r}")
+
+    def settle(self, name: str, holder: str, units: int) -> bool:
+        """``holder`` actually spent ``units`` (an int >= 0) of the rates and quotas of
+        ``name`` (module docs, "Settling"); False, changing nothing, when it does not hold.
+        ConfigurationError on a backend that cannot."""
+        self._refuse(f"settle {name!r}")
 
     @abc.abstractmethod
     def renew(self, name: str, holder: str, ttl: float) -> Optional[float]:

@@ -211,7 +211,8 @@ class DocumentBackend(Backend):
         txn.state.declare(limit, self.declared_at, txn.now)
         return txn.state
 
-    def release(self, name: str, holder: str) -> bool:
+    def release(self, name: str, holder: str, outcome: Optional[str] = None,
+                latency: Optional[float] = None) -> bool:
         return self._transact(
             name, lambda txn: txn.state is not None and txn.state.release(holder, txn.now)
         )

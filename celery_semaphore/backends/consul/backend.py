@@ -370,7 +370,10 @@ class ConsulBackend(DocumentBackend):
             self.sessions.give_spare(name, session)
         return attempt
 
-    def release(self, name: str, holder: str) -> bool:
+    def release(self, name: str, holder: str, outcome: Optional[str] = None,
+                latency: Optional[float] = None) -> bool:
+        """(``outcome`` and ``latency``: no adaptive limit here, ignored.)"""
+
         def release(txn: Transaction) -> bool:
             assert isinstance(txn, ConsulTransaction)
             if txn.state is None or not txn.state.release(holder, txn.now):

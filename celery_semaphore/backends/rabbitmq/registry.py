@@ -551,7 +551,9 @@ class RabbitBackend(DocumentBackend, Generic[HandT]):
             self._acquire_here, name, holder, limit, ttl, meta, wait, time.monotonic()
         )
 
-    def release(self, name: str, holder: str) -> bool:
+    def release(self, name: str, holder: str, outcome: Optional[str] = None,
+                latency: Optional[float] = None) -> bool:
+        """(``outcome`` and ``latency``: no adaptive limit here, ignored.)"""
         return self.link.call(self._release_here, name, holder)
 
     def renew(self, name: str, holder: str, ttl: float) -> Optional[float]:

@@ -374,7 +374,8 @@ class RedisBackend(Backend):
         result: MultiAttempt = self._run(AcquireAll(tuple(requests), holder, ttl, meta, wait))
         return result
 
-    def release(self, name: str, holder: str) -> bool:
+    def release(self, name: str, holder: str, outcome: Optional[str] = None,
+                latency: Optional[float] = None) -> bool:
         done: bool = self._run(Release(name, holder))
         return done
 
