@@ -162,7 +162,7 @@ def check_reason(reason: Any, what: str = "reason") -> str:
     return text if len(text) <= MAX_REASON else text[:MAX_REASON - 3] + "..."
 
 
-class Backoff(Ignore):
+class Backoff(Ignore):  # type: ignore[misc]
     """Raised by a guarded task whose API asked it to slow down (an HTTP 429, a 503 with
     ``Retry-After``): closes the semaphore (that key) everywhere for ``seconds`` and gives
     the call back to wait, ahead of later arrivals, without a Celery retry; with no time

@@ -818,3 +818,36 @@ def test_a_grant_with_every_process_busy_waits_in_the_pools_queue_within_the_loo
     assert started(core.handle(pushed(first))) == [first]  # waits in the pool's queue
     commands = core.handle(pushed(second, name="b"))
     assert kinds(commands) == ["StopAttempts", "GiveBackGrant"]  # the queue is full
+
+
+def test_a_backoff_pauses_before_the_release_reports_overload_and_gives_the_call_back():
+    from celery_semaphore.worker.core import BackedOff
+
+    core, world = make()
+    claim, _, _ = arrive(core)
+    run(core, claim)
+    world.advance(0.25)
+    commands = core.handle(BackedOff(claim, 30.0, "429"))
+    assert kinds(commands) == ["Pause", "Release", "Redeliver"]  # in this order
+    pause, release, redeliver = commands
+    assert (pause.name, pause.seconds, pause.reason) == ("s", 30.0, "429")
+    assert release.outcome == "overload" and release.latency == pytest.approx(0.25)
+    assert redeliver.claim is claim and redeliver.seconds == 30.0
+    assert core.free_processes() == 4 and core.handle(Ended(claim)) == []
+    other, _, _ = arrive(core)
+    run(core, other)
+    # no time given: nothing closes, the call still goes back reporting overload
+    assert kinds(core.handle(BackedOff(other, None))) == ["Release", "Redeliver"]
+
+
+def test_a_claim_given_back_queues_in_front_and_every_release_says_how_the_call_went():
+    core, _ = make()
+    request = SimpleNamespace(id="f1", name="tasks.t", request_dict={})
+    commands = core.handle(Arrived(request, guard(), "f1:h", front=True))
+    assert commands[0].claim.front  # the shell asks the backend with FRONT_KEY
+    ok, _, _ = arrive(core)
+    run(core, ok)
+    assert [c.outcome for c in core.handle(Ended(ok, outcome="ok"))] == ["ok"]
+    failed, _, _ = arrive(core)
+    run(core, failed)
+    assert [c.outcome for c in core.handle(Ended(failed, outcome="error"))] == ["error"]

@@ -48,6 +48,7 @@ from ..backends.base import (
     Attempt,
     Backend,
     MultiAttempt,
+    Pause,
     PushedGrant,
     Release,
     Renew,
@@ -334,11 +335,12 @@ class Gate:
     def _release(self, command: core.Release) -> None:
         if command.delay > 0:
             self._later(command.delay, self._release, core.Release(
-                command.names, command.holder, command.until))
+                command.names, command.holder, command.until, outcome=command.outcome,
+                latency=command.latency))
             return
         for name in command.names:
-            self._perform_until(Release(name, command.holder), command.until,
-                                f"releasing {name!r} ({command.holder})")
+            self._perform_until(Release(name, command.holder, command.outcome, command.latency),
+                                command.until, f"releasing {name!r} ({command.holder})")
 
     def _perform_until(self, op: Any, until: float, what: str,
                        retry: float = 0.0) -> None:
@@ -522,7 +524,7 @@ class Gate:
                             command.name, command.seconds,
                             f" ({command.reason})" if command.reason else "")
 
-        self.link.submit(PauseOp(command.name, command.seconds, command.reason), done)
+        self.link.submit(Pause(command.name, command.seconds, command.reason), done)
 
     def _redeliver(self, command: core.Redeliver) -> None:
         """Hand the message of a call a Backoff gave back to its task's strategy again: a new
