@@ -16,16 +16,26 @@ the body runs without a slot. Call ``super().before_start(...)`` from such a met
 ``semaphore_on_full`` ``skip`` or ``fail``: one try instead of a wait; a full semaphore raises
 ``SemaphoreFull`` (``fail``) or ``celery.exceptions.Ignore`` (``skip``: the call's state is
 ``IGNORED``, its body does not run).
+
+A body that raises :class:`.Backoff` closes its semaphore for the Backoff's time (before the
+release), releases reporting overload, and runs again once the semaphore reopens, its acquire
+queued ahead of later arrivals, within ``semaphore_max_wait`` counted from the first wait
+(``Task.apply``, which :func:`guard_eager_calls` wraps, calls it again). Every release reports
+the call's outcome (``ok``, ``overload``, ``error``): an adaptive limit learns from it.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 import weakref
-from typing import Any, Tuple
+from typing import Any, Optional, Tuple
 
+from celery import states
 from celery.exceptions import Ignore
 
+from .backoff import Backoff, outcome_of
 from .exceptions import SemaphoreFull
 from .guards import Guards
 from .semaphore import Semaphore, acquire_all, try_acquire_all
@@ -55,8 +65,13 @@ def _guards_for(app: Any) -> Tuple[Guards, str]:
     return cached[1], cached[2]
 
 
+#: The eager call this thread runs again after a Backoff: (when it first waited, Unix time).
+_again = threading.local()
+
+
 def guard_eager_calls(app: Any) -> None:
-    """Give ``app.Task`` a ``before_start`` that acquires for eager calls (idempotent)."""
+    """Give ``app.Task`` a ``before_start`` that acquires for eager calls, and an ``apply``
+    that runs a call again after a Backoff (idempotent)."""
     base = app.Task
     if getattr(base.__dict__.get("before_start"), _GUARD_ATTR, False):
         return
@@ -65,8 +80,26 @@ def guard_eager_calls(app: Any) -> None:
         acquire_for_eager(self)
         super(base, self).before_start(task_id, args, kwargs)
 
+    original_apply = base.apply
+
+    def apply(self: Any, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
+        result = original_apply(self, args, kwargs, **options)
+        if not getattr(self, "semaphore", None):
+            return result
+        first_wait = time.time()
+        while result.state == states.IGNORED and isinstance(result.result, Backoff):
+            # given back: it waits for its semaphore to reopen, ahead of later arrivals
+            options["task_id"] = result.id
+            _again.first_wait = first_wait
+            try:
+                result = original_apply(self, args, kwargs, **options)
+            finally:
+                _again.first_wait = None
+        return result
+
     setattr(before_start, _GUARD_ATTR, True)
     base.before_start = before_start
+    base.apply = apply
 
 
 def acquires_in_before_start(task: Any) -> bool:
@@ -91,15 +124,18 @@ def acquire_for_eager(task: Any) -> None:
                             ttl=settings.lease_ttl, poll_interval=settings.poll_interval,
                             auto_renew=True, key_prefix=settings.key_prefix)
                   for i, (name, limit) in enumerate(guard.pairs)]
-    meta = {"task_id": request.id, "task": task.name, **guard.traffic_meta()}
+    first_wait: Optional[float] = getattr(_again, "first_wait", None)
+    meta = {"task_id": request.id, "task": task.name,
+            **guard.traffic_meta(front=first_wait is not None)}
+    timeout = settings.max_wait
+    if timeout is not None and first_wait is not None:  # bounds the whole wait
+        timeout = max(0.0, timeout - (time.time() - first_wait))
     lease: Any
     if settings.on_full == "wait":
         if guard.multi:
-            lease = acquire_all(semaphores, timeout=settings.max_wait, meta=meta,
-                                fair_key=guard.fair)
+            lease = acquire_all(semaphores, timeout=timeout, meta=meta, fair_key=guard.fair)
         else:
-            lease = semaphores[0].acquire(timeout=settings.max_wait, meta=meta,
-                                          fair_key=guard.fair)
+            lease = semaphores[0].acquire(timeout=timeout, meta=meta, fair_key=guard.fair)
     else:
         if guard.multi:
             lease = try_acquire_all(semaphores, meta=meta, fair_key=guard.fair)
@@ -130,9 +166,24 @@ def _full(task: Any, request: Any, name: str, limit: int, policy: str) -> None:
     raise Ignore(f"{SKIPPED_REASON}: {why}")
 
 
-def release_for_eager(task: Any) -> None:
+def release_for_eager(task: Any, retval: Any = None, state: Optional[str] = None) -> None:
+    """Release an eager call's lease as it ends (``task_postrun``: its return value or the
+    exception it raised, and its state), reporting the call's outcome; a :class:`.Backoff`
+    closes the semaphore for its time first."""
     request = getattr(task, "request", None)
     lease = getattr(request, _LEASE_ATTR, None)
-    if lease is not None:
-        setattr(request, _LEASE_ATTR, None)
-        lease.release()
+    if lease is None:
+        return
+    setattr(request, _LEASE_ATTR, None)
+    exc = retval if isinstance(retval, BaseException) and state != states.SUCCESS else None
+    if isinstance(exc, Backoff):
+        seconds = exc.remaining()
+        if seconds:
+            try:
+                lease.backend.pause(lease.name, seconds, exc.reason)
+            except Exception as error:  # the call still goes back: it tries again at once
+                logger.warning("celery-semaphore: pausing %r after a Backoff failed: %s",
+                               lease.name, error)
+        lease.release(outcome="overload")
+        return
+    lease.release(outcome=outcome_of(exc, getattr(lease, "adaptive", None)))

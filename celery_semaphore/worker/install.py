@@ -103,5 +103,6 @@ def _strip_gate_headers(headers: Optional[Dict[str, Any]] = None, **kwargs: Any)
                 headers.pop(key, None)
 
 
-def _eager_release(sender: Any = None, task: Any = None, **kwargs: Any) -> None:
-    release_for_eager(task)
+def _eager_release(sender: Any = None, task: Any = None, retval: Any = None,
+                   state: Any = None, **kwargs: Any) -> None:
+    release_for_eager(task, retval, state)
