@@ -697,8 +697,9 @@ class RedisBackend(Backend):
         waiter_infos = []
         for holder, ticket, info in zip(waiters[0::3], waiters[1::3], waiters[2::3]):
             _, since, meta = info.split("\n", 2)
-            # the queue's score is ticket - priority * 2**36 (scripts/prelude.lua)
-            waiter_infos.append(WaiterInfo(holder, int(float(ticket)) % 2 ** 36,
+            # the queue's score is ticket - priority * 2**36, less 2**35 at the front
+            # (scripts/prelude.lua)
+            waiter_infos.append(WaiterInfo(holder, int(float(ticket)) % 2 ** 35,
                                            int(since) / 1e6, json.loads(meta)))
         rate, next_start = None, None
         if more and more[0][0]:
