@@ -591,6 +591,7 @@ def test_the_newest_declaration_says_whether_a_limit_adapts_and_within_what(spec
 
 @pytest.mark.parametrize("bad", [
     {"quota": [[0, 60.0, 0.0]]}, {"quota": [[5, -1.0, 0.0]]}, {"quota": "5/m"},
+    {"quota": [[5, 401 * 86400.0, 0.0]]}, {"quota": [[5, 60.0, 1e9]]},
     {"rate": [[0.0, 1]]}, {"rate": [[1.0, 0]]},
     {"adaptive": {"min": 4, "max": 2}}, {"adaptive": {"min": 1, "max": 4, "decrease": 1.0}},
     {"adaptive": {"min": 1}}, {"adaptive": {"min": 1, "max": 4, "extra": 1}},

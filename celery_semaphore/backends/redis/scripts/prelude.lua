@@ -183,7 +183,8 @@ local function days_of(y, m)
   local yoe = y - era * 400
   local mp = m + 9
   if m > 2 then mp = m - 3 end
-  local doe = yoe * 365 + math.floor(yoe / 4) - math.floor(yoe / 100) + math.floor((153 * mp + 2) / 5)
+  local doe = yoe * 365 + math.floor(yoe / 4) - math.floor(yoe / 100)
+    + math.floor((153 * mp + 2) / 5)
   return era * 146097 + doe - 719468
 end
 local function civil(days)
