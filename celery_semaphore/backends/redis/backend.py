@@ -68,6 +68,7 @@ from typing import (
     NoReturn,
     Optional,
     Sequence,
+    Set,
     Tuple,
     TypeVar,
 )
@@ -254,6 +255,9 @@ class RedisBackend(Backend):
         self._idle_ms = max(1, int(self.idle_ttl * 1000))
         self._channel_prefix = f"{self.key_prefix}wake:"
         self._key_cache: Dict[str, List[str]] = {}
+        #: Scripts loaded on the server (SCRIPT LOAD) before a pipeline used them: a pipeline
+        #: cannot fall back to EVAL in order (:meth:`perform_all`).
+        self._loaded: Set[str] = set()
         self._listen_lock = threading.Lock()
         self._closed = threading.Event()
         self._listener: Optional[threading.Thread] = None
@@ -536,12 +540,19 @@ class RedisBackend(Backend):
         sources = _sources()
 
         def run() -> List[Any]:
+            # A script the server does not have would be run after the pipeline, out of order:
+            # each is loaded before the first pipeline that uses it (once per process, and
+            # again after a reply said the server lost it).
+            for script in {call[0] for call in calls} - self._loaded:
+                self.client.script_load(sources[script][0])
+                self._loaded.add(script)
             pipe = self.client.pipeline(transaction=False)
             for script, keys, argv in calls:
                 pipe.evalsha(sources[script][1], len(keys), *keys, *argv)
             replies: List[Any] = pipe.execute(raise_on_error=False)
             for i, reply in enumerate(replies):  # a server without the script: run it once
                 if isinstance(reply, redis.exceptions.NoScriptError):
+                    self._loaded.clear()  # flushed, or restarted: load them again next time
                     try:
                         replies[i] = self._script(*calls[i])
                     except redis.RedisError as exc:
