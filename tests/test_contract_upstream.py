@@ -771,3 +771,38 @@ def test_an_sqlite_database_of_an_older_version_takes_the_new_operations(tmp_pat
     assert backend.settle("legacy", "b:1", 1)
     assert backend.status("legacy").quotas[0].used == 1
     backend.close()
+
+
+def test_the_new_operations_run_in_a_batch_each_on_its_own(spec):
+    """:meth:`Backend.perform_all` (one pipeline on Redis) with pause, resume, settle and a
+    release with an outcome among the other operations."""
+    from celery_semaphore.backends.base import Acquire
+
+    backend = spec.backend()
+    period, offset = far_hour()
+    meta = {"quota": [[10, period, offset]], "units": 4}
+    if spec.kind in REFUSE:
+        outcomes = backend.perform_all([Pause("batched", 30.0, "429"), Resume("batched"),
+                                        Settle("batched", "a:1", 2)])
+        assert all(result is None and isinstance(exc, ConfigurationError)
+                   for result, exc in outcomes)
+        return
+    outcomes = backend.perform_all([
+        Pause("batched", 30.0, "429"),
+        Acquire("batched", "a:1", 2, 30.0, meta, True),
+        Resume("batched"),
+        Acquire("batched", "a:1", 2, 30.0, meta, True),
+        Settle("batched", "a:1", 2),
+        Settle("batched", "a:1", -1),  # refused alone
+        Release("batched", "a:1", "ok", 0.25),
+    ])
+    (paused, e1), (waiting, e2), (resumed, e3), (granted, e4), (settled, e5), \
+        (bad, e6), (released, e7) = outcomes
+    assert e1 is None and paused > time.time() + 20
+    assert e2 is None and waiting.waits_for == "pause" and waiting.due > 20
+    assert e3 is None and resumed is True
+    assert e4 is None and granted.grant is not None
+    assert e5 is None and settled is True
+    assert bad is None and isinstance(e6, ConfigurationError)
+    assert e7 is None and released is True
+    assert backend.status("batched").quotas[0].used == 2

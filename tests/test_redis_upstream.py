@@ -249,3 +249,34 @@ def test_redis_scripts_and_model_agree_on_the_new_rules(redis_url):
             if adaptive:
                 assert mine.adaptive.current == pytest.approx(theirs.adaptive.current)
         redis_backend.reset(name)
+
+
+def test_the_new_operations_on_the_event_loop_link(private_redis):
+    """Pause, resume, settle and a release with an outcome through the worker's hub link (its
+    scripts loaded on connect: no EVAL), a pushed grant announced by the resume."""
+    from celery_semaphore.backends.base import Acquire, Pause, Resume, Settle
+    from tests.test_hublink import Loop
+
+    url, client = private_redis
+    loop = Loop(url)
+    meta = {**META, "quota": [[10, 3600.0, 1800.0 - time.time() % 3600.0]], "units": 3,
+            "adaptive": {"min": 1, "max": 4, "decrease": 0.5, "increase": 1.0}}
+    try:
+        assert loop.backend.status("hub") is None  # (the status script: run once as EVAL)
+        evals = commands(client).get("eval", 0)
+        assert loop.turn_until(lambda: loop.link._listening)
+        paused, error = loop.call(Pause("hub", 60.0, "429"))
+        assert error is None and paused > time.time() + 50
+        assert loop.call(Acquire("hub", "h:1", 4, 30.0, meta, True, push=True))[0].waits_for \
+            == "pause"
+        assert loop.call(Resume("hub")) == (True, None)
+        assert loop.turn_until(lambda: loop.wakes)
+        ((name, holder, pushed),) = loop.wakes
+        assert (name, holder) == ("hub", "h:1") and pushed is not None
+        assert loop.call(Settle("hub", "h:1", 1)) == (True, None)
+        assert loop.backend.status("hub").quotas[0].used == 1
+        assert loop.call(Release("hub", "h:1", "ok", 0.5)) == (True, None)
+        assert loop.backend.status("hub").adaptive.current == 2.0
+        assert commands(client).get("eval", 0) == evals  # the link never fell back to EVAL
+    finally:
+        loop.close()
