@@ -224,7 +224,7 @@ class State:
             windows=[list(w) for w in raw.get("windows", ())],
             paused_until=raw.get("paused_until", 0.0),
             pause_reason=raw.get("pause_reason", ""),
-            adaptive=raw.get("adaptive"),
+            adaptive=None if raw.get("adaptive") is None else list(raw["adaptive"]),
             current=raw.get("current", 0.0),
             decreased_at=raw.get("decreased_at", 0.0),
         )
