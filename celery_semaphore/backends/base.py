@@ -61,15 +61,16 @@ interval`` seconds holds at most ``n + burst - 1`` starts; a start of more units
 burst starts only when that rate owes nothing (``tat <= now``) and its units are then paid
 for before the next start (a debt, as a settled overdraft below). The rates are the
 semaphore's, like its limit: the latest call that declares rates sets them all (a rate in the
-same place of the new list keeps its ``tat``; a call that declares none leaves them), and they
-apply to every caller of the semaphore. Because they are one rule for the whole queue, a head
-a rate holds back holds back everyone behind it too: no slot is kept idle for it that someone
-behind could use, and a rate holds no slot (units are spent at the start only). A caller the
-rates alone hold back gets :attr:`Attempt.rate_due` (and :attr:`Attempt.due`), when its own
-start is due with the units of the waiters ahead of it counted (``max(tat, now) + (ahead -
-max(0, burst - u)) * interval`` for the slowest rate, ``ahead`` the units of the waiters ahead
-of it), and tries again then; no wake-up is sent for a rate. Backends that cannot apply these
-rules atomically refuse them (:meth:`Backend.check_traffic`).
+same place of the new list keeps its ``tat``; a call that declares none leaves them; an empty
+list removes them), and they apply to every caller of the semaphore. Because they are one rule
+for the whole queue, a head a rate holds back holds back everyone behind it too: no slot is
+kept idle for it that someone behind could use, and a rate holds no slot (units are spent at
+the start only). A caller the rates alone hold back gets :attr:`Attempt.rate_due` (and
+:attr:`Attempt.due`), when its own start is due with the units of the waiters ahead of it
+counted (``max(tat, now) + (ahead - max(0, burst - u)) * interval`` for the slowest rate,
+``ahead`` the units of the waiters ahead of it), and tries again then; no wake-up is sent for
+a rate. Backends that cannot apply these rules atomically refuse them
+(:meth:`Backend.check_traffic`).
 
 Units: a caller's ``meta`` may carry :data:`UNITS_KEY` ``u`` (an int >= 1, default 1): the units
 of the rates and quotas its start spends, as estimated at admission (an LLM call's maximum
@@ -82,20 +83,21 @@ a window starts at ``floor((t + offset) / period) * period - offset`` (aligned t
 epoch: a 5 s window starts at a multiple of 5 s; ``offset`` moves a day's boundary to another
 zone's midnight, +3600 for UTC+1); ``period == 0``: one calendar month (UTC, shifted by
 ``offset``) (:func:`window_of`). Declared like the rates: the latest call that declares quotas
-sets the semaphore's (a call declaring none leaves them). Each (period, offset) has a counter
-of the units started in its current window; it counts from 0 again when its window turns, and
-is forgotten once its window is over (a counter outlives changes of ``count``: the new count
-applies to what the window already used). Admission, in the same atomic step as the limit,
-costs, rates and the queue order: a caller is admitted only when for every quota ``used +
-ahead + u <= count`` (``ahead``: the units of the waiters ahead of it, so nobody overtakes a
-waiter the quota holds back); its start adds ``u`` to every quota's counter, and its holder
-remembers the windows it counted in (for :meth:`Backend.settle`). A caller that needs more
-units than a quota's count could never be admitted: refused with ConfigurationError before
-anything changes. A caller only a quota holds back waits (``waits_for == "quota"``; ``due``:
-seconds until the last of the windows that hold it back turns, or until its rate allows it if
-that is later); like a rate, a quota holds back everyone behind the head it holds back, and
-nobody is woken when a window turns (waiters try again at ``due``). The state of a semaphore
-is kept at least until the end of every window that counted a start (a month's, too).
+sets the semaphore's (a call declaring none leaves them; an empty list removes them). Each
+(period, offset) has a counter of the units started in its current window; it counts from 0
+again when its window turns, and is forgotten once its window is over (a counter outlives
+changes of ``count``: the new count applies to what the window already used). Admission, in the
+same atomic step as the limit, costs, rates and the queue order: a caller is admitted only when
+for every quota ``used + ahead + u <= count`` (``ahead``: the units of the waiters ahead of it,
+so nobody overtakes a waiter the quota holds back); its start adds ``u`` to every quota's
+counter, and its holder remembers the windows it counted in (for :meth:`Backend.settle`). A
+caller that needs more units than a quota's count could never be admitted: refused with
+ConfigurationError before anything changes. A caller only a quota holds back waits (``waits_for
+== "quota"``; ``due``: seconds until the last of the windows that hold it back turns, or until
+its rate allows it if that is later); like a rate, a quota holds back everyone behind the head
+it holds back, and nobody is woken when a window turns (waiters try again at ``due``). The
+state of a semaphore is kept at least until the end of every window that counted a start (a
+month's, too).
 
 Settling (:meth:`Backend.settle`): ``settle(name, holder, units)`` says that ``holder`` (holding
 now) actually spent ``units`` (an int >= 0) instead of what its admission counted. The
@@ -171,7 +173,9 @@ holds none of them and waits in the queue of one of them only, the one that refu
 first listed that does), so it never keeps a slot, or a place ahead of others, in a semaphore
 that would admit it while it waits for another. Backends that can decide over several
 semaphores atomically do so in one step; the others use the generic protocol of the base
-class (tries in sorted name order, give-back on refusal).
+class (tries in sorted name order, give-back on refusal). The caller's traffic options apply in
+each semaphore: its cost is held, and its units spent, in each, and a pause of any one of them
+holds it back (``blocking`` names the one that refuses, with what it waits for).
 
 Limits (they follow the code): every ``acquire`` declares the caller's limit, dated by the
 start of the caller's process (:attr:`Backend.declared_at`, clamped to the server's clock).
@@ -642,6 +646,8 @@ ADAPTIVE_KEY = "adaptive"
 OUTCOMES = ("ok", "overload", "error")
 #: The longest pause (seconds, about 31 years): beyond, a time is surely a mistake.
 MAX_PAUSE = 1e9
+#: The longest quota period (and offset), seconds: 400 days (a year's window fits).
+MAX_PERIOD = 400 * 86400.0
 #: Defaults of an adaptive limit's factors.
 ADAPTIVE_DECREASE = 0.9
 ADAPTIVE_INCREASE = 1.0
@@ -720,12 +726,14 @@ def rate_of(meta: Optional[Meta]) -> Optional[Tuple[float, int]]:
 def quotas_of(meta: Optional[Meta]) -> Optional[List[Tuple[int, float, float]]]:
     """``[(count, period seconds, offset seconds), ...]`` of the quotas ``meta`` declares
     (``[]``: it declares that there are none), or None when it declares none.
-    ConfigurationError when malformed (period 0 is a calendar month, else at least 1 ms)."""
+    ConfigurationError when malformed (period 0 is a calendar month, else from 1 ms to
+    :data:`MAX_PERIOD`; an offset within ``MAX_PERIOD`` either way)."""
     quotas = (meta or {}).get(QUOTA_KEY)
     if quotas is None:
         return None
-    should = ("a list of [count, period, offset] (count an int >= 1, period 0 or >= 0.001 "
-              "seconds, a finite offset)")
+    should = (f"a list of [count, period, offset] (count an int >= 1, period 0 or from 0.001 "
+              f"to {MAX_PERIOD:g} seconds, an offset of at most {MAX_PERIOD:g} seconds either "
+              "way)")
     if not isinstance(quotas, (list, tuple)):
         raise _bad(QUOTA_KEY, quotas, should)
     out = []
@@ -733,7 +741,8 @@ def quotas_of(meta: Optional[Meta]) -> Optional[List[Tuple[int, float, float]]]:
         if not (isinstance(quota, (list, tuple)) and len(quota) == 3
                 and isinstance(quota[0], int) and not isinstance(quota[0], bool)
                 and quota[0] >= 1 and _number(quota[1]) and _number(quota[2])
-                and (quota[1] == 0 or quota[1] >= 0.001) and abs(quota[2]) < 1e9):
+                and (quota[1] == 0 or 0.001 <= quota[1] <= MAX_PERIOD)
+                and abs(quota[2]) <= MAX_PERIOD):
             raise _bad(QUOTA_KEY, quotas, should)
         out.append((int(quota[0]), float(quota[1]), float(quota[2])))
     return out

@@ -32,7 +32,19 @@ from __future__ import annotations
 from typing import Any, Callable, ContextManager, Dict, List, Mapping, Optional, Sequence, TypeVar
 
 from ..exceptions import BackendUnavailable
-from .base import Attempt, Backend, Meta, MultiAttempt, Requests, SemaphoreStatus
+from .base import (
+    ALL_TRAFFIC,
+    Attempt,
+    Backend,
+    Meta,
+    MultiAttempt,
+    Requests,
+    SemaphoreStatus,
+    adaptive_of,
+    check_outcome,
+    check_pause,
+    check_units,
+)
 from .model import State, acquire_all, as_json
 
 Result = TypeVar("Result")
@@ -67,6 +79,10 @@ class DocumentBackend(Backend):
 
     #: Loads and commits an operation may lose to concurrent writers before it gives up.
     max_attempts = 10
+
+    #: The rules of :mod:`.model` apply every traffic option; a storage that cannot keep
+    #: some (a clock it cannot trust) narrows this.
+    traffic_options = ALL_TRAFFIC
 
     # -- storage primitives ----------------------------------------------------------------
 
@@ -174,12 +190,13 @@ class DocumentBackend(Backend):
         if not self.multi_document:
             return super().acquire_all(requests, holder, ttl=ttl, meta=meta, wait=wait)
         meta = as_json(meta)
+        self.check_meta(meta)
         requests = list(requests)
 
         def rule(txns: Dict[str, Transaction]) -> MultiAttempt:
             declared: Dict[str, State] = {}
             for name, limit in requests:
-                declared[name] = self._declare(txns[name], limit)
+                declared[name] = self._declare(txns[name], limit, meta)
             return acquire_all(
                 {name: declared[name] for name in txns}, requests, holder, ttl=ttl,
                 meta=meta, wait=wait, client=self.client_id, now=min(t.now for t in
@@ -192,30 +209,59 @@ class DocumentBackend(Backend):
         self, name: str, holder: str, *, limit: int, ttl: float, meta: Meta, wait: bool
     ) -> Attempt:
         meta = as_json(meta)
+        self.check_meta(meta)
         return self._transact(name, lambda txn: self._admit(txn, holder, limit, ttl, meta, wait))
 
     def _admit(self, txn: Transaction, holder: str, limit: int, ttl: float, meta: Meta,
                wait: bool, slots: Optional[List[int]] = None) -> Attempt:
         """The acquire rule (``slots``: the slots this caller can take; default any)."""
-        state = self._declare(txn, limit)
+        state = self._declare(txn, limit, meta)
         return state.acquire(
             holder, declared=limit, ttl=ttl, meta=meta, wait=wait, client=self.client_id,
             now=txn.now, waiter_ttl=self.waiter_ttl, slots=slots,
         )
 
-    def _declare(self, txn: Transaction, limit: int) -> State:
-        """This client declares ``limit`` (:meth:`.model.State.declare`), creating the state;
-        a rule may call it before it looks at the limit, and again: it is idempotent."""
+    def _declare(self, txn: Transaction, limit: int, meta: Optional[Meta] = None) -> State:
+        """This client declares ``limit`` (and the adaptive limit ``meta`` declares, if any:
+        :meth:`.model.State.declare`), creating the state; a rule may call it before it looks
+        at the limit, and again: it is idempotent."""
         if txn.state is None:
             txn.state = txn.new_state(limit)
-        txn.state.declare(limit, self.declared_at, txn.now)
+        txn.state.declare(limit, self.declared_at, txn.now, adaptive_of(meta))
         return txn.state
 
     def release(self, name: str, holder: str, outcome: Optional[str] = None,
                 latency: Optional[float] = None) -> bool:
+        check_outcome(outcome)
         return self._transact(
-            name, lambda txn: txn.state is not None and txn.state.release(holder, txn.now)
+            name,
+            lambda txn: txn.state is not None and txn.state.release(holder, txn.now, outcome)
         )
+
+    def pause(self, name: str, seconds: float, reason: str = "") -> float:
+        if "pause" not in self.traffic_options:
+            self._refuse(f"pause {name!r}")
+        seconds, reason = check_pause(seconds), str(reason or "")
+
+        def pause(txn: Transaction) -> float:
+            if txn.state is None:  # a name nobody used: limit 0 until a caller declares one
+                txn.state = txn.new_state(0)
+            return txn.state.pause(seconds, reason, txn.now)
+
+        return self._transact(name, pause)
+
+    def resume(self, name: str) -> bool:
+        if "pause" not in self.traffic_options:
+            self._refuse(f"resume {name!r}")
+        return self._transact(
+            name, lambda txn: txn.state is not None and txn.state.resume(txn.now))
+
+    def settle(self, name: str, holder: str, units: int) -> bool:
+        if "pause" not in self.traffic_options:
+            self._refuse(f"settle {name!r}")
+        units = check_units(units)
+        return self._transact(
+            name, lambda txn: txn.state is not None and txn.state.settle(holder, units, txn.now))
 
     def renew(self, name: str, holder: str, ttl: float) -> Optional[float]:
         return self._transact(

@@ -75,7 +75,7 @@ import consul.base
 
 from ...exceptions import BackendUnavailable
 from ...urls import mask_url
-from ..base import Attempt, Meta
+from ..base import BASIC_TRAFFIC, Attempt, Meta
 from ..engine import DocumentBackend, Transaction
 from ..model import State, as_json
 from .http import UNAVAILABLE, ConsulConfig
@@ -200,6 +200,10 @@ class ConsulBackend(DocumentBackend):
     """Semaphores in Consul KV with sessions, per the Consul semaphore guide (module docs)."""
 
     max_attempts = MAX_ATTEMPTS
+    #: Consul has no clock: quotas, units, adaptive limits and pauses (and settling) would
+    #: run on every client's own clock, so they are refused (:meth:`.base.Backend.
+    #: check_traffic`); costs, rates and orderings work as elsewhere.
+    traffic_options = BASIC_TRAFFIC
 
     def __init__(
         self,
@@ -341,6 +345,7 @@ class ConsulBackend(DocumentBackend):
         self, name: str, holder: str, *, limit: int, ttl: float, meta: Meta, wait: bool
     ) -> Attempt:
         meta = as_json(meta)
+        self.check_meta(meta)
         ttl_s = session_ttl(ttl)
         session = self.sessions.take_ready(name, holder)
         if session is not None and not self.sessions.usable_or_destroyed(session, ttl_s):

@@ -157,11 +157,12 @@ class RabbitBackend(DocumentBackend, Generic[HandT]):
     """
 
     hand_class: Type[Hand] = Hand
-    #: Priorities and fair weights are orderings of the registry's queue and work as
-    #: elsewhere; a cost would need several tokens (slot queues) claimed at once, and a rate
-    #: a start that a slot handed back (a token that cannot be claimed) would not undo: both
-    #: are refused (:meth:`.base.Backend.check_traffic`).
-    traffic_options = frozenset({"priority", "fair_weight"})
+    #: Priorities, fair weights and the front of the queue are orderings of the registry's
+    #: queue and work as elsewhere; a cost would need several tokens (slot queues) claimed at
+    #: once, and a rate a start that a slot handed back (a token that cannot be claimed)
+    #: would not undo: both are refused (:meth:`.base.Backend.check_traffic`), and so are
+    #: quotas, units, adaptive limits and pauses (a clock of each client's own).
+    traffic_options = frozenset({"priority", "fair_weight", "front"})
 
     def __init__(
         self,

@@ -68,6 +68,7 @@ from typing import (
     NoReturn,
     Optional,
     Sequence,
+    Set,
     Tuple,
     TypeVar,
 )
@@ -81,17 +82,23 @@ from ... import stats
 from ...exceptions import BackendUnavailable, ConfigurationError
 from ...urls import check_url, mask_url
 from ..base import (
+    ADAPTIVE_KEY,
+    ALL_TRAFFIC,
     COST_KEY,
     DEFAULT_IDLE_TTL,
     DEFAULT_WAITER_TTL,
     EMPTY_TTL,
+    FRONT_KEY,
     LISTENER_RETRY_FIRST,
     PRIORITY_KEY,
+    QUOTA_KEY,
     RATE_KEY,
+    UNITS_KEY,
     WEIGHT_KEY,
     Abandon,
     Acquire,
     AcquireAll,
+    AdaptiveState,
     Attempt,
     Backend,
     EventLoopLink,
@@ -101,16 +108,27 @@ from ..base import (
     MultiAttempt,
     Operation,
     Outcome,
+    Pause,
     PushedGrant,
+    QuotaUsage,
     Release,
     Renew,
     Requests,
+    Resume,
     SemaphoreStatus,
+    Settle,
     WaiterInfo,
+    adaptive_of,
+    check_outcome,
+    check_pause,
+    check_units,
     cost_of,
     fair_key_of,
+    front_of,
     priority_of,
-    rate_of,
+    quotas_of,
+    rates_of,
+    units_of,
     weight_of,
 )
 from . import deployments
@@ -123,7 +141,7 @@ _SCRIPTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts
 #: The keys of one semaphore, in the order the scripts receive them (see scripts/prelude.lua).
 KEY_SUFFIXES = ("config", "holders", "hinfo", "queue", "wexp", "winfo", "wfair")
 _SCRIPTS = ("acquire", "release", "renew", "cancel", "resize", "status", "reset", "verify",
-            "count", "acquire_all", "unpin")
+            "count", "acquire_all", "unpin", "pause", "resume", "settle")
 #: Errors that mean "Redis cannot serve us now". ReadOnlyError: a failover left us on a replica;
 #: OutOfMemoryError: maxmemory reached with a no-eviction policy; NoPermissionError: an ACL
 #: that does not allow our commands. A ``BUSY`` reply (another client's script overran) too.
@@ -140,7 +158,14 @@ _FAILOVER = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ReadOnl
 
 
 #: The meta keys of the traffic options (their absence: every default).
-_TRAFFIC_KEYS = frozenset({COST_KEY, PRIORITY_KEY, WEIGHT_KEY, RATE_KEY})
+_TRAFFIC_KEYS = frozenset({COST_KEY, PRIORITY_KEY, WEIGHT_KEY, RATE_KEY, QUOTA_KEY, UNITS_KEY,
+                           FRONT_KEY, ADAPTIVE_KEY})
+#: The traffic ARGV of a call that uses none (scripts/acquire.lua's [12] to [21]).
+_DEFAULT_TRAFFIC: Tuple[Any, ...] = (1, 0, 1, "", "", 1, "", "", "", "")
+
+
+def _us(seconds: float) -> int:
+    return int(round(seconds * 1e6))
 
 
 def _busy(exc: Exception) -> bool:
@@ -230,6 +255,9 @@ class RedisBackend(Backend):
         self._idle_ms = max(1, int(self.idle_ttl * 1000))
         self._channel_prefix = f"{self.key_prefix}wake:"
         self._key_cache: Dict[str, List[str]] = {}
+        #: Scripts loaded on the server (SCRIPT LOAD) before a pipeline used them: a pipeline
+        #: cannot fall back to EVAL in order (:meth:`perform_all`).
+        self._loaded: Set[str] = set()
         self._listen_lock = threading.Lock()
         self._closed = threading.Event()
         self._listener: Optional[threading.Thread] = None
@@ -282,6 +310,11 @@ class RedisBackend(Backend):
             cost, limit = str(exc).split()[1:3]  # scripts/acquire.lua refused the cost
             raise ConfigurationError(f"cost {cost} is above the semaphore's limit ({limit}): "
                                      "it could never be admitted") from None
+        if isinstance(exc, redis.ResponseError) and str(exc).startswith("UNITS "):
+            units, count, period = str(exc).split()[1:4]  # prelude's traffic() refused them
+            per = "month" if int(period) == 0 else f"{int(period) / 1e6:g} s"
+            raise ConfigurationError(f"units {units} are above the semaphore's quota of {count} "
+                                     f"per {per}: it could never be admitted") from None
         if not (isinstance(exc, _UNAVAILABLE) or _busy(exc)):
             raise exc
         raise BackendUnavailable(f"semaphore backend {url} unavailable: {exc}") from exc
@@ -321,30 +354,48 @@ class RedisBackend(Backend):
 
     @staticmethod
     def _traffic_argv(meta: Optional[Meta]) -> Tuple[str, List[Any]]:
-        """The meta JSON (a cost above 1 first: the scripts read it there) and the traffic
-        ARGV of the acquire scripts (scripts/acquire.lua's [12] to [16])."""
+        """The meta JSON (a cost above 1 first, then units above 1: the scripts read them
+        there) and the traffic ARGV of the acquire scripts (scripts/acquire.lua's [12] to
+        [21]). ConfigurationError for a malformed option, before anything is sent."""
         if not meta or not _TRAFFIC_KEYS.intersection(meta):  # (most calls: the defaults)
-            return json.dumps(meta or {}, separators=(",", ":")), [1, 0, 1, "", ""]
+            return json.dumps(meta or {}, separators=(",", ":")), list(_DEFAULT_TRAFFIC)
         meta = dict(meta)
-        cost = cost_of(meta)
+        cost, units = cost_of(meta), units_of(meta)
         meta.pop(COST_KEY, None)
+        meta.pop(UNITS_KEY, None)
+        first: Dict[str, Any] = {}
         if cost > 1:
-            meta = {COST_KEY: cost, **meta}
-        rate = rate_of(meta)
-        argv: List[Any] = [cost, priority_of(meta), weight_of(meta),
-                           "" if rate is None else max(1, int(rate[0] * 1e6)),
-                           "" if rate is None else rate[1]]
+            first[COST_KEY] = cost
+        if units > 1:
+            first[UNITS_KEY] = units
+        meta = {**first, **meta}
+        rates, quotas, adaptive = rates_of(meta), quotas_of(meta), adaptive_of(meta)
+        argv: List[Any] = [
+            cost, priority_of(meta), weight_of(meta),
+            "" if rates is None else max(1, _us(rates[0][0])) if rates else "-",
+            rates[0][1] if rates else "",
+            units,
+            ";".join(f"{max(1, _us(i))} {b}" for i, b in (rates or [])[1:]),
+            "" if quotas is None else ";".join(f"{c} {_us(p)} {_us(o)}" for c, p, o in quotas)
+            or "-",
+            "1" if front_of(meta) else "",
+            "" if adaptive is None else " ".join(repr(v) for v in adaptive),
+        ]
         return json.dumps(meta, separators=(",", ":")), argv
 
-    @staticmethod
-    def _refused(position: int, retry_after: int, rest: Sequence[Any]) -> Dict[str, Any]:
-        """Attempt fields of a refusal: position, retry_after, and what the caller waits for
-        (scripts/acquire.lua's reply)."""
+    #: What a refused caller waits for, by the scripts' code.
+    _WAITS = ("slots", "units", "rate", "pause", "quota")
+
+    @classmethod
+    def _refused(cls, position: int, retry_after: int, rest: Sequence[Any]) -> Dict[str, Any]:
+        """Attempt fields of a refusal: position, retry_after, what the caller waits for and
+        when time alone can admit it (scripts/acquire.lua's reply)."""
         waits, due = (rest[0], rest[1]) if len(rest) >= 2 else (0, -1)
         return dict(position=None if position < 0 else position,
                     retry_after=None if retry_after < 0 else retry_after / 1e6,
-                    rate_due=None if due < 0 else due / 1e6,
-                    waits_for=("slots", "units", "rate")[waits])
+                    rate_due=None if due < 0 or waits != 2 else due / 1e6,
+                    waits_for=cls._WAITS[waits],
+                    due=None if due < 0 else due / 1e6)
 
     def _call(self, script: str, name: str, *args: Any) -> Any:
         argv = [self._idle_ms, self._channel_prefix, name, *args]
@@ -376,7 +427,21 @@ class RedisBackend(Backend):
 
     def release(self, name: str, holder: str, outcome: Optional[str] = None,
                 latency: Optional[float] = None) -> bool:
-        done: bool = self._run(Release(name, holder))
+        done: bool = self._run(Release(name, holder, outcome, latency))
+        return done
+
+    traffic_options = ALL_TRAFFIC
+
+    def pause(self, name: str, seconds: float, reason: str = "") -> float:
+        until: float = self._run(Pause(name, seconds, reason))
+        return until
+
+    def resume(self, name: str) -> bool:
+        done: bool = self._run(Resume(name))
+        return done
+
+    def settle(self, name: str, holder: str, units: int) -> bool:
+        done: bool = self._run(Settle(name, holder, units))
         return done
 
     def renew(self, name: str, holder: str, ttl: float) -> Optional[float]:
@@ -422,8 +487,20 @@ class RedisBackend(Backend):
             return ([("acquire_all", keys, argv)],
                     lambda r: self._multi_attempt(requests, r[0]))
         if isinstance(op, Release):
-            return ([("release", self._keys(op.name), [*head, op.name, op.holder])],
+            argv = [*head, op.name, op.holder]
+            if op.outcome is not None or op.latency is not None:  # (the fast path: neither)
+                check_outcome(op.outcome)
+                argv += [op.outcome or "", "" if op.latency is None else _us(op.latency)]
+            return [("release", self._keys(op.name), argv)], lambda r: r[0] == 1
+        if isinstance(op, Pause):
+            argv = [*head, op.name, _us(check_pause(op.seconds)), str(op.reason or "")]
+            return [("pause", self._keys(op.name), argv)], lambda r: r[0] / 1e6
+        if isinstance(op, Resume):
+            return ([("resume", self._keys(op.name), [*head, op.name])],
                     lambda r: r[0] == 1)
+        if isinstance(op, Settle):
+            argv = [*head, op.name, op.holder, check_units(op.units)]
+            return [("settle", self._keys(op.name), argv)], lambda r: r[0] == 1
         if isinstance(op, Renew):
             return ([("renew", self._keys(op.name),
                       [*head, op.name, op.holder, int(op.ttl * 1e6)])],
@@ -463,12 +540,19 @@ class RedisBackend(Backend):
         sources = _sources()
 
         def run() -> List[Any]:
+            # A script the server does not have would be run after the pipeline, out of order:
+            # each is loaded before the first pipeline that uses it (once per process, and
+            # again after a reply said the server lost it).
+            for script in {call[0] for call in calls} - self._loaded:
+                self.client.script_load(sources[script][0])
+                self._loaded.add(script)
             pipe = self.client.pipeline(transaction=False)
             for script, keys, argv in calls:
                 pipe.evalsha(sources[script][1], len(keys), *keys, *argv)
             replies: List[Any] = pipe.execute(raise_on_error=False)
             for i, reply in enumerate(replies):  # a server without the script: run it once
                 if isinstance(reply, redis.exceptions.NoScriptError):
+                    self._loaded.clear()  # flushed, or restarted: load them again next time
                     try:
                         replies[i] = self._script(*calls[i])
                     except redis.RedisError as exc:
@@ -615,6 +699,8 @@ class RedisBackend(Backend):
         holder_infos = []
         for holder, expires, info in zip(holders[0::3], holders[1::3], holders[2::3]):
             slot, epoch, since, meta = info.split("\n", 3)
+            if meta.startswith("@"):  # what its admission counted (scripts/prelude.lua)
+                meta = meta.split("\n", 1)[1]
             holder_infos.append(HolderInfo(
                 holder, int(slot), int(epoch), int(since) / 1e6, int(expires) / 1e6,
                 json.loads(meta),
@@ -622,14 +708,21 @@ class RedisBackend(Backend):
         waiter_infos = []
         for holder, ticket, info in zip(waiters[0::3], waiters[1::3], waiters[2::3]):
             _, since, meta = info.split("\n", 2)
-            # the queue's score is ticket - priority * 2**36 (scripts/prelude.lua)
-            waiter_infos.append(WaiterInfo(holder, int(float(ticket)) % 2 ** 36,
+            # the queue's score is ticket - priority * 2**36, less 2**35 at the front
+            # (scripts/prelude.lua)
+            waiter_infos.append(WaiterInfo(holder, int(float(ticket)) % 2 ** 35,
                                            int(since) / 1e6, json.loads(meta)))
         rate, next_start = None, None
         if more and more[0][0]:
             interval, burst, tat = int(more[0][0]), int(more[0][1]), int(more[0][2] or 0)
             rate = (interval / 1e6, burst)
             next_start = (max(tat, int(now)) - (burst - 1) * interval) / 1e6
+        paused, reason, rates, quotas, adaptive = (
+            more[1] if len(more) > 1 else ("", "", [], [], []))
+        every = [(int(i), int(b), int(t)) for i, b, t in zip(rates[0::3], rates[1::3],
+                                                             rates[2::3])]
+        if every:
+            next_start = max(max(t, int(now)) - (b - 1) * i for i, b, t in every) / 1e6
         return SemaphoreStatus(
             name=name,
             limit=int(limit),
@@ -641,6 +734,14 @@ class RedisBackend(Backend):
             newest_declared=None if wanted < 0 else wanted,
             rate=rate,
             next_start=next_start,
+            paused_until=int(paused) / 1e6 if paused else None,
+            pause_reason=reason if paused else "",
+            quotas=tuple(QuotaUsage(int(q[0]), int(q[1]) / 1e6, int(q[2]) / 1e6,
+                                    int(q[3]) / 1e6, int(q[4]) / 1e6, int(q[5]))
+                         for q in zip(*[iter(quotas)] * 6)),
+            rates=tuple((i / 1e6, b) for i, b, _ in every),
+            adaptive=None if not adaptive else AdaptiveState(
+                int(adaptive[0]), int(adaptive[1]), float(adaptive[2]), pinned == 1),
         )
 
     def names(self) -> List[str]:

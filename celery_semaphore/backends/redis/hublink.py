@@ -52,7 +52,7 @@ except ImportError:  # pragma: no cover - the test environment has it
 logger = logging.getLogger(__name__)
 
 #: The scripts a link calls, loaded on each new connection.
-SCRIPTS = ("acquire", "acquire_all", "release", "renew", "cancel")
+SCRIPTS = ("acquire", "acquire_all", "release", "renew", "cancel", "pause", "resume", "settle")
 #: Seconds between two looks for calls that got no reply in time.
 CHECK_EVERY = 0.25
 #: Bytes read from a socket at once.

@@ -1,12 +1,14 @@
 -- ARGV[4] holder, [5] declared limit, [6] ttl (us), [7] meta JSON, [8] wait (0/1),
 -- [9] client id, [10] waiter ttl (us), [11] fair-share key ('' for none), [12] cost, [13] priority,
--- [14] fair weight, [15] rate interval (us, '' for none), [16] burst (prelude's traffic()); the
--- last: the start of the caller's process (us), which dates its declared limit (prelude's
--- declare).
+-- [14] fair weight, [15] rate interval (us, '' for none, '-': no rates), [16] burst, [17] units,
+-- [18] the other rates, [19] quotas, [20] front, [21] adaptive limit (prelude's traffic() and
+-- declare()); the last: the start of the caller's process (us), which dates its declared limit
+-- (prelude's declare).
 -- Returns {1, slot, epoch, expires, now, limit[, units still free nobody waits for]} when
 -- admitted (or already holding), else
 -- {0, position (-1: not queued), retry_after (us, -1: nobody holds), now, limit,
--- waits for (0 slots, 1 units, 2 rate), rate due (us, -1: not held back by the rate)}.
+-- waits for (0 slots, 1 units, 2 rate, 3 pause, 4 quota), due (us, -1: time alone cannot
+-- admit it)}.
 local holder, declared_limit, ttl = ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6])
 local meta, wait, client, waiter_ttl = ARGV[7], ARGV[8] == '1', ARGV[9], tonumber(ARGV[10])
 local fair_key = ARGV[11] or ''
@@ -27,27 +29,30 @@ local slot = 0
 while used[slot] do slot = slot + 1 end
 
 -- The limit in force (the newest declaration's unless pinned); a new semaphore's is ours.
-local limit = declare(declared_limit, tonumber(ARGV[#ARGV])) or declared_limit
-local cfg = redis.call('HMGET', config, 'touched', 'e:' .. slot, 'xh', 'xw', 'ri', 'rb', 'tat')
+local limit, ceiling = declare(declared_limit, tonumber(ARGV[#ARGV]), ARGV[21])
+local cfg = redis.call('HMGET', config, 'touched', 'e:' .. slot, 'xh', 'xw', 'ri', 'rb', 'tat',
+  'pu', 'xu', 'rn', 'qd', 'ku')
 local touched = cfg[1]
 -- a cost the limit could never admit: refused before anything but the declaration is stored
-if (tonumber(ARGV[12]) or 1) > limit then
-  return redis.error_reply('COST ' .. ARGV[12] .. ' ' .. limit)
+if (tonumber(ARGV[12]) or 1) > ceiling then
+  return redis.error_reply('COST ' .. ARGV[12] .. ' ' .. ceiling)
 end
-local tr = traffic(12, {cfg[3], cfg[4], cfg[5], cfg[6], cfg[7]})
+local tr, refused = traffic(12, {cfg[3], cfg[4], cfg[5], cfg[6], cfg[7], cfg[8], cfg[9], cfg[10],
+  cfg[11], cfg[12]})
+if not tr then return redis.error_reply(refused) end
 
 if mine then  -- a current holder gets its grant back unchanged
   local held_slot, epoch = string.match(mine, '^(%d+)\n(%d+)\n')
   local expires = tonumber(redis.call('ZSCORE', holders, holder))
   -- the limit too: a config that expired on its own must not come back without one
   redis.call('HSET', config, 'limit', limit, 'd:' .. declared_limit, int(now))
-  keep(touched)
+  keep(touched, tr.ku)
   wake(before)
   return {1, tonumber(held_slot), tonumber(epoch), expires, now, limit}
 end
 
-local rank, queued, round, ahead = place(holder, fair_key, before, tr)
-local admitted, waits, due = verdict(tr, count, rank, ahead, limit, twin)
+local rank, queued, round, ahead, spend = place(holder, fair_key, before, tr)
+local admitted, waits, due = verdict(tr, count, rank, ahead, limit, twin, spend)
 
 if admitted then
   -- count < limit, so the lowest free slot is below the limit.
@@ -66,7 +71,11 @@ if wait then
   position = rank
 end
 -- A waiter added to an empty queue created the queue's keys.
-if wait and not queued and rank == 0 then keep(touched, queue, wexp, winfo) else keep(touched) end
+if wait and not queued and rank == 0 then
+  keep(touched, tr.ku, queue, wexp, winfo)
+else
+  keep(touched, tr.ku)
+end
 local retry = retry_after()
 wake(before)
 return {0, position, retry, now, limit, waits, due}

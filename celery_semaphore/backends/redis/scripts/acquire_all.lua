@@ -6,7 +6,7 @@
 -- ARGV[4] holder, [5] ttl (us), [6] meta JSON, [7] wait (0/1), [8] client id,
 -- [9] waiter ttl (us), [10] fair-share key ('' for none), [11] n; then for semaphore i:
 -- ARGV[10 + 2i] its name, ARGV[11 + 2i] its declared limit; then from ARGV[12 + 2n] the
--- caller's traffic options as acquire.lua's [12] to [16]; the last: the start of the caller's
+-- caller's traffic options as acquire.lua's [12] to [21]; the last: the start of the caller's
 -- process (us), which dates its declared limits (prelude's declare).
 -- Returns {1, now, {slot, epoch, expires, limit} for each} when admitted (or holding all),
 -- else {0, index of the refusing semaphore, position (-1: not queued),
@@ -24,12 +24,18 @@ local function use(i)
   name = ARGV[10 + 2 * i]
 end
 
--- A cost some limit could never admit: refused before anything is stored.
+-- A cost some limit could never admit: refused before anything is stored (an adaptive
+-- limit's max counts).
 local cost = tonumber(ARGV[12 + 2 * n]) or 1
+local adaptive = ARGV[12 + 2 * n + 9]
 if cost > 1 then
   for i = 1, n do
     use(i)
-    local limit = tonumber(redis.call('HGET', config, 'limit')) or tonumber(ARGV[11 + 2 * i])
+    local c = redis.call('HMGET', config, 'limit', 'ac', 'aM', 'pinned')
+    local limit = tonumber(c[1]) or tonumber(ARGV[11 + 2 * i])
+    if c[2] and c[4] ~= '1' then limit = tonumber(c[3]) end
+    local high = string.match(adaptive or '', '^%S+ (%S+) ')
+    if high and not c[1] then limit = tonumber(high) end
     if cost > limit then return redis.error_reply('COST ' .. cost .. ' ' .. limit) end
   end
 end
@@ -52,15 +58,19 @@ for i = 1, n do
   local slot = 0
   while used[slot] do slot = slot + 1 end
   st.slot = slot
-  st.limit = declare(st.declared, tonumber(ARGV[#ARGV])) or st.declared
-  local cfg = redis.call('HMGET', config, 'touched', 'e:' .. slot, 'xh', 'xw', 'ri', 'rb', 'tat')
+  st.limit = declare(st.declared, tonumber(ARGV[#ARGV]), adaptive)
+  local cfg = redis.call('HMGET', config, 'touched', 'e:' .. slot, 'xh', 'xw', 'ri', 'rb', 'tat',
+    'pu', 'xu', 'rn', 'qd', 'ku')
   st.touched = cfg[1]
   st.last_epoch = tonumber(cfg[2]) or 0
-  st.tr = traffic(12 + 2 * n, {cfg[3], cfg[4], cfg[5], cfg[6], cfg[7]})
-  local rank, queued, round, ahead = place(holder, fair_key, st.before, st.tr)
+  local refused
+  st.tr, refused = traffic(12 + 2 * n, {cfg[3], cfg[4], cfg[5], cfg[6], cfg[7], cfg[8], cfg[9],
+    cfg[10], cfg[11], cfg[12]})
+  if not st.tr then return redis.error_reply(refused) end
+  local rank, queued, round, ahead, spend = place(holder, fair_key, st.before, st.tr)
   st.rank, st.queued, st.round = rank, queued, round
   local admitted
-  admitted, st.waits, st.due = verdict(st.tr, st.count, rank, ahead, st.limit, twin)
+  admitted, st.waits, st.due = verdict(st.tr, st.count, rank, ahead, st.limit, twin, spend)
   st.ok = st.mine ~= nil or admitted
   if not st.ok and not blocking then blocking = i end
   s[i] = st
@@ -75,7 +85,7 @@ if not blocking then  -- admitted to every one: grant them all
       local held_slot, epoch = string.match(st.mine, '^(%d+)\n(%d+)\n')
       local expires = tonumber(redis.call('ZSCORE', holders, holder))
       redis.call('HSET', config, 'limit', st.limit, 'd:' .. st.declared, int(now))
-      keep(st.touched)
+      keep(st.touched, st.tr.ku)
       out[i + 2] = {tonumber(held_slot), tonumber(epoch), expires, st.limit}
     else
       local epoch = grant(holder, st.slot, st.last_epoch, st.limit, st.declared, ttl, meta,
@@ -106,16 +116,16 @@ for i = 1, n do
       position = st.rank
     end
     if wait and not st.queued and st.rank == 0 then
-      keep(st.touched, queue, wexp, winfo)
+      keep(st.touched, st.tr.ku, queue, wexp, winfo)
     else
-      keep(st.touched)
+      keep(st.touched, st.tr.ku)
     end
     retry = retry_after()
   else
     if wait and st.queued then  -- waits elsewhere now: out of this queue
-      unqueue(holder, st.tr.xw)
+      unqueue(holder, st.tr.xw, st.tr.xu)
     end
-    keep(st.touched)
+    keep(st.touched, st.tr.ku)
   end
   wake(st.before)
 end

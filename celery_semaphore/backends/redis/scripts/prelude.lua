@@ -9,11 +9,24 @@
 --   winfo   hash  holder -> client\nsince\nmeta
 --   wfair   hash  holder -> round\nfair key, for waiters queued while the semaphore is fair
 --                 (base.py, "Fair shares"); config's 'round' is the highest round admitted
--- Costs, priorities and rates (base.py): a queue score is ticket - priority * PRIO, so the queue
--- is in (-priority, ticket) order; a caller's cost k > 1 is the first field of its meta JSON
--- ('{"cost":k,...'); config's 'xh' and 'xw' are the sum of (cost - 1) over holders, resp.
--- waiters (absent: every cost is 1, and nothing below looks at a cost); 'ri' (interval, us),
--- 'rb' (burst) and 'tat' (theoretical arrival time, us) are the rate's GCRA, when it has one.
+-- Costs, priorities and rates (base.py): a queue score is ticket - priority * PRIO (- HALF for a
+-- waiter at the front of its priority), so the queue is in (-priority, not front, ticket)
+-- order; a caller's cost k > 1 is the first field of its meta JSON ('{"cost":k,...'), its units
+-- u > 1 the next ('{"cost":k,"units":u,...' or '{"units":u,...'); config's 'xh' and 'xw' are
+-- the sum of (cost - 1) over holders, resp. waiters, and 'xu' the sum of (units - 1) over
+-- waiters (absent: every cost, resp. every waiter's units, is 1, and nothing below looks at
+-- them); 'ri' (interval, us), 'rb' (burst) and 'tat' (theoretical arrival time, us) are the
+-- first rate's GCRA, when it has one, 'rn' the number of rates when above 1 and 'ri<i>',
+-- 'rb<i>', 'tat<i>' (i >= 2) the others'.
+-- Quotas (base.py, "Quotas"): 'qd' the declared ones ('count period offset;...', us; period 0:
+-- a calendar month); per (period, offset) the window of its last start 'qs:<p>:<o>' (us) and
+-- the units started in it 'qu:<p>:<o>'. A holder whose admission counted in quota windows (or
+-- that settled) has a line '@counted;p:o:start;...' before its meta in hinfo.
+-- Pauses: 'pu' (end, us) and 'pr' (reason). 'ku': config is kept at least until then (us: the
+-- end of the last pause and of every window that counted a start).
+-- Adaptive limits (base.py): 'ac' (the learned value; its presence: adaptive), 'am', 'aM',
+-- 'ad', 'ai' (min, max, decrease, increase of the newest declaration), 'at' (the last
+-- decrease, us); the limit in force, 'limit', is floor(ac) unless pinned.
 -- ARGV[1] idle TTL (ms), ARGV[2] wake channel prefix, ARGV[3] semaphore name; then per script.
 -- (acquire_all.lua gets the keys of several semaphores and points these locals at each in turn.)
 -- Time is the server's, in microseconds; every score of holders and wexp is an absolute expiry.
@@ -26,13 +39,24 @@ local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 -- Lua formats numbers with 14 significant digits; microsecond times need 16.
 local function int(x) return string.format('%d', x) end
 
--- Priorities live in the queue's scores: ticket - priority * PRIO (tickets stay below PRIO).
+-- Priorities live in the queue's scores: ticket - priority * PRIO, less HALF for a waiter at the
+-- front of its priority (tickets stay below HALF).
 local PRIO = 68719476736
-local function prio_of(score) return math.ceil(-tonumber(score) / PRIO) end
+local HALF = 34359738368
+local function prio_of(score) return math.floor(-tonumber(score) / PRIO + 0.5) end
+local function front_score(score)
+  return -tonumber(score) - prio_of(score) * PRIO > 0
+end
 -- The cost a hinfo or winfo entry's meta carries (1 when none; false: a missing entry).
 local function cost_in(info)
   if not info then return 1 end
   return tonumber(string.match(info, '\n{"cost":(%d+)') or 1)
+end
+-- The units (of the rates and quotas) a hinfo or winfo entry's meta carries (1 when none).
+local function units_in(info)
+  if not info then return 1 end
+  return tonumber(string.match(info, '\n{"cost":%d+,"units":(%d+)')
+    or string.match(info, '\n{"units":(%d+)') or 1)
 end
 -- Sum of (cost - 1) over the hinfo or winfo entries `infos`.
 local function extra_in(infos)
@@ -82,9 +106,15 @@ local function prune_waiters()
   local gone = redis.call('ZRANGEBYSCORE', wexp, '-inf', int(now))
   if #gone > 0 then
     each_chunk('ZREM', wexp, gone)
-    if tonumber(redis.call('HGET', config, 'xw') or 0) > 0 then
-      local extra = extra_in(each_chunk('HMGET', winfo, gone, {}))
+    local x = redis.call('HMGET', config, 'xw', 'xu')
+    if tonumber(x[1] or 0) > 0 or tonumber(x[2] or 0) > 0 then
+      local infos = each_chunk('HMGET', winfo, gone, {})
+      local extra, more = 0, 0
+      for _, info in ipairs(infos) do
+        extra, more = extra + cost_in(info) - 1, more + units_in(info) - 1
+      end
       if extra > 0 then redis.call('HINCRBY', config, 'xw', -extra) end
+      if more > 0 then redis.call('HINCRBY', config, 'xu', -more) end
     end
     each_chunk('ZREM', queue, gone)
     each_chunk('HDEL', winfo, gone)
@@ -99,7 +129,8 @@ local function fair_entry(info)
   return tonumber(r), k
 end
 
--- The queue's members with their priority and round, in the queue's (score) order.
+-- The queue's members with their priority, round, place and front flag, in the queue's (score)
+-- order.
 local function entries()
   local scored = redis.call('ZRANGE', queue, 0, -1, 'WITHSCORES')
   local members = {}
@@ -107,13 +138,14 @@ local function entries()
   local infos = each_chunk('HMGET', wfair, members, {})
   local out = {}
   for i, h in ipairs(members) do
-    out[i] = {prio_of(scored[2 * i]), (fair_entry(infos[i])), i, h}
+    out[i] = {prio_of(scored[2 * i]), (fair_entry(infos[i])), i, h, front_score(scored[2 * i])}
   end
   return out
 end
 
--- The waiters in admission order: by (-priority, ticket) (the queue's order), or by
--- (-priority, round, ticket) while wfair exists.
+-- The waiters in admission order: by (-priority, not front, ticket) (the queue's order), or by
+-- (-priority, not front, round, ticket) while wfair exists (a front waiter's round is 0, and it
+-- comes before the others of its priority in the queue's order).
 local function in_order()
   if redis.call('EXISTS', wfair) == 0 then return redis.call('ZRANGE', queue, 0, -1) end
   local ranked = entries()
@@ -142,39 +174,142 @@ local function next_round(key, weight)
   return math.max(r, last) + 1
 end
 
--- Seconds (us) until the rate allows the start of a caller with `ahead` waiters before it
--- (<= 0: now). ri nil: no rate.
-local function rate_wait(ri, rb, tat, ahead)
-  if not ri then return 0 end
-  return math.max(tat or 0, now) + (ahead - (rb - 1)) * ri - now
+-- Calendar windows (base.py's window_of): days from 1970-01-01 to the first of a month, and the
+-- year and month of a day.
+local DAY = 86400000000
+local function days_of(y, m)
+  if m <= 2 then y = y - 1 end
+  local era = math.floor(y / 400)
+  local yoe = y - era * 400
+  local mp = m + 9
+  if m > 2 then mp = m - 3 end
+  local doe = yoe * 365 + math.floor(yoe / 4) - math.floor(yoe / 100)
+    + math.floor((153 * mp + 2) / 5)
+  return era * 146097 + doe - 719468
+end
+local function civil(days)
+  local z = days + 719468
+  local era = math.floor(z / 146097)
+  local doe = z - era * 146097
+  local yoe = math.floor((doe - math.floor(doe / 1460) + math.floor(doe / 36524)
+    - math.floor(doe / 146096)) / 365)
+  local doy = doe - (365 * yoe + math.floor(yoe / 4) - math.floor(yoe / 100))
+  local mp = math.floor((5 * doy + 2) / 153)
+  local m = mp + 3
+  if mp >= 10 then m = mp - 9 end
+  local y = yoe + era * 400
+  if m <= 2 then y = y + 1 end
+  return y, m
+end
+-- The window of quota (period p, offset o; us) holding now: start, end.
+local function window_of(p, o)
+  if p > 0 then
+    local s = math.floor((now + o) / p) * p - o
+    return s, s + p
+  end
+  local y, m = civil(math.floor((now + o) / DAY))
+  local ny, nm = y, m + 1
+  if nm == 13 then ny, nm = y + 1, 1 end
+  return days_of(y, m) * DAY - o, days_of(ny, nm) * DAY - o
+end
+
+-- The rates and quotas of the semaphore (tr.rates: {interval, burst, tat} each; tr.quotas:
+-- {count, period, offset, start, end, used in the current window} each) from config's fields
+-- ri, rb, tat, rn and qd (the values given: read already), or nil for none.
+local function rates_of(ri, rb, tat, rn)
+  if not ri then return nil end
+  local rates = {{tonumber(ri), tonumber(rb), tonumber(tat) or 0}}
+  rn = tonumber(rn) or 1
+  if rn > 1 then
+    local fields = {}
+    for i = 2, rn do
+      table.insert(fields, 'ri' .. i) table.insert(fields, 'rb' .. i)
+      table.insert(fields, 'tat' .. i)
+    end
+    local v = redis.call('HMGET', config, unpack(fields))
+    for i = 2, rn do
+      local k = (i - 2) * 3
+      rates[i] = {tonumber(v[k + 1]), tonumber(v[k + 2]), tonumber(v[k + 3]) or 0}
+    end
+  end
+  return rates
+end
+local function quotas_of(qd)
+  if not qd or qd == '' then return nil end
+  local quotas, fields = {}, {}
+  for c, p, o in string.gmatch(qd, '(%d+) (%d+) (%-?%d+)') do
+    local q = {tonumber(c), tonumber(p), tonumber(o)}
+    q[4], q[5] = window_of(q[2], q[3])
+    table.insert(quotas, q)
+    table.insert(fields, 'qs:' .. p .. ':' .. o) table.insert(fields, 'qu:' .. p .. ':' .. o)
+  end
+  local v = redis.call('HMGET', config, unpack(fields))
+  for i, q in ipairs(quotas) do
+    q[6] = 0
+    if tonumber(v[2 * i - 1]) == q[4] then q[6] = tonumber(v[2 * i]) or 0 end
+  end
+  return quotas
+end
+
+-- Seconds (us) until every rate allows the start of `units` units by a caller with `ahead`
+-- units of waiters before it (<= 0: now); rates nil: no rate.
+local function rates_wait(rates, ahead, units)
+  local wait = 0
+  for _, r in ipairs(rates or {}) do
+    wait = math.max(wait, math.max(r[3], now) + (ahead - math.max(0, r[2] - units)) * r[1] - now)
+  end
+  return wait
+end
+-- Seconds (us) until the last quota window without room for `units` units after `ahead` turns
+-- (0: room in every one).
+local function quota_wait(quotas, ahead, units)
+  local wait = 0
+  for _, q in ipairs(quotas or {}) do
+    if q[6] + ahead + units > q[1] then wait = math.max(wait, q[5] - now) end
+  end
+  return wait
 end
 
 -- The task a holder id names ('<task id>:<random>'), or nil.
 local function task_of(h) return string.match(h, '^(.*):') end
 
--- The waiters the FIFO rule admits now: the longest prefix of the queue whose costs fit in
--- the free units, but those whose task another holder holds (they keep their place until that
--- twin goes); none while the rate allows no start (a rate-held waiter is told when to try).
+-- The waiters the rules admit now (model.py's State.admissible): none while a pause is in
+-- force or while the rates allow the head no start (a waiter held back by time is told when to
+-- try); else the longest prefix of the queue whose costs fit in the free units and whose units
+-- fit in every quota, but those whose task another holder holds (they keep their place until
+-- that twin goes).
 local function admissible()
-  local c = redis.call('HMGET', config, 'limit', 'xh', 'xw', 'ri', 'rb', 'tat')
+  local c = redis.call('HMGET', config, 'limit', 'xh', 'xw', 'ri', 'rb', 'tat', 'pu', 'xu', 'rn',
+    'qd')
   local limit = tonumber(c[1])
   if not limit then return {} end
+  if c[7] and tonumber(c[7]) > now then return {} end
   local free = limit - redis.call('ZCARD', holders) - (tonumber(c[2]) or 0)
   if free <= 0 then return {} end
-  if c[4] and rate_wait(tonumber(c[4]), tonumber(c[5]), tonumber(c[6]), 0) > 0 then
-    return {}
-  end
+  local rates, quotas = rates_of(c[4], c[5], c[6], c[9]), quotas_of(c[10])
   local first, out, held = nil, {}, nil
   if redis.call('EXISTS', wfair) == 1 then
     first = {unpack(in_order(), 1, free)}
   else
     first = redis.call('ZRANGE', queue, 0, free - 1)
   end
-  if (tonumber(c[3]) or 0) > 0 and #first > 0 then  -- costs: as many as fit, in order
+  local costly, more = (tonumber(c[3]) or 0) > 0, (tonumber(c[8]) or 0) > 0
+  if (costly or ((rates or quotas) and more)) and #first > 0 then
+    -- costs: as many as fit, in order; units: as many as every quota has room for
     local infos = each_chunk('HMGET', winfo, first, {})
+    local ahead = 0
     for i = 1, #first do
-      free = free - cost_in(infos[i])
+      local units = more and units_in(infos[i]) or 1
+      free = free - (costly and cost_in(infos[i]) or 1)
       if free < 0 then first = {unpack(first, 1, i - 1)} break end
+      if i == 1 and rates_wait(rates, 0, units) > 0 then return {} end
+      if quota_wait(quotas, ahead, units) > 0 then first = {unpack(first, 1, i - 1)} break end
+      ahead = ahead + units
+    end
+  elseif (rates or quotas) and #first > 0 then  -- every waiter spends 1 unit
+    if rates_wait(rates, 0, 1) > 0 then return {} end
+    for i = 1, #first do
+      if quota_wait(quotas, i - 1, 1) > 0 then first = {unpack(first, 1, i - 1)} break end
     end
   end
   for _, h in ipairs(first) do
@@ -239,31 +374,41 @@ end
 -- once, and when config's 'touched' time is older than idle_ms / 16 (or unknown) the call
 -- refreshes every key. No key expires while the semaphore is used at least every 15/16 of
 -- idle_ms; an idle one is gone within idle_ms. Removing members never needs a TTL: a key keeps
--- its own, and an emptied key is deleted by Redis.
-local function keep(touched, ...)
+-- its own, and an emptied key is deleted by Redis. `ku` (config's, us; nil: none): config is
+-- kept at least until then (a pause, a quota window), even beyond idle_ms.
+local function keep(touched, ku, ...)
   if not touched or now - tonumber(touched) > idle_ms * 1000 / 16 then
     redis.call('HSET', config, 'touched', int(now))
     for _, key in ipairs({config, holders, hinfo, queue, wexp, winfo, wfair}) do
       redis.call('PEXPIRE', key, idle_ms)
+    end
+    ku = tonumber(ku)
+    if ku and ku - now > idle_ms * 1000 then
+      redis.call('PEXPIRE', config, math.ceil((ku - now) / 1000) + 1000)
     end
   else
     for _, key in ipairs({...}) do redis.call('PEXPIRE', key, idle_ms) end
   end
 end
 
--- An empty semaphore (nobody holds or waits, no pinned limit) keeps its config for EMPTY_MS
--- only (base.py's EMPTY_TTL), or until its rate's next start is due if later, at most idle_ms;
--- 'touched' goes, so that the next use gives every key idle_ms again (keep). The other keys are
--- empty, so Redis has deleted them, but wfair, which keeps its TTL.
+-- An empty semaphore (nobody holds or waits, no pinned limit, not adaptive) keeps its config
+-- for EMPTY_MS only (base.py's EMPTY_TTL), or until its rates' next start is due if later, at
+-- most idle_ms, and in any case until 'ku' (a pause's end, a quota window's); 'touched' goes,
+-- so that the next use gives every key idle_ms again (keep). The other keys are empty, so Redis
+-- has deleted them, but wfair, which keeps its TTL.
 local function forget_if_empty()
   if redis.call('ZCARD', holders) > 0 or redis.call('ZCARD', queue) > 0
       or redis.call('HGET', config, 'pinned') == '1' then
     return
   end
+  local c = redis.call('HMGET', config, 'tat', 'ku', 'ac', 'rn', 'ri', 'rb')
+  if c[3] then return end  -- adaptive: its learned limit is kept for idle_ms, as a pinned one
   local ms = EMPTY_MS
-  local tat = redis.call('HGET', config, 'tat')
-  if tat then ms = math.max(ms, math.ceil((tonumber(tat) - now) / 1000) + 1000) end
+  local tat = nil
+  for _, r in ipairs(rates_of(c[5], c[6], c[1], c[4]) or {}) do tat = math.max(tat or 0, r[3]) end
+  if tat then ms = math.max(ms, math.ceil((tat - now) / 1000) + 1000) end
   ms = math.min(ms, idle_ms)
+  if c[2] then ms = math.max(ms, math.ceil((tonumber(c[2]) - now) / 1000) + 1000) end
   redis.call('HDEL', config, 'touched')
   redis.call('PEXPIRE', config, ms)
   redis.call('PEXPIRE', wfair, ms)
@@ -281,12 +426,17 @@ end
 
 -- acquire.lua and acquire_all.lua (model.py's State.place, grant, queue_up) ------------------
 
--- Take `holder` out of the queue (`xw`: config's, nil: read it).
-local function unqueue(holder, xw)
-  xw = xw or tonumber(redis.call('HGET', config, 'xw') or 0)
-  if xw > 0 then
-    local cost = cost_in(redis.call('HGET', winfo, holder))
+-- Take `holder` out of the queue (`xw`, `xu`: config's, nil: read them).
+local function unqueue(holder, xw, xu)
+  if not xw then
+    local x = redis.call('HMGET', config, 'xw', 'xu')
+    xw, xu = tonumber(x[1] or 0), tonumber(x[2] or 0)
+  end
+  if xw > 0 or (xu or 0) > 0 then
+    local info = redis.call('HGET', winfo, holder)
+    local cost, units = cost_in(info), units_in(info)
     if cost > 1 then redis.call('HINCRBY', config, 'xw', 1 - cost) end
+    if units > 1 then redis.call('HINCRBY', config, 'xu', 1 - units) end
   end
   redis.call('ZREM', queue, holder)
   redis.call('ZREM', wexp, holder)
@@ -295,20 +445,24 @@ local function unqueue(holder, xw)
 end
 
 -- The place of a caller that does not hold: its rank in the queue (as queued, or where it
--- would queue), whether it is queued, its fair-share round, and the units the waiters ahead
--- of it need. `before` is begin()'s; `tr` the caller's traffic (priority, weight) and config's
--- xw.
+-- would queue), whether it is queued, its fair-share round, the units of the limit the waiters
+-- ahead of it need, and the units of the rates and quotas they spend. `before` is begin()'s;
+-- `tr` the caller's traffic (priority, weight, front) and config's xw and xu.
 local function place(holder, fair_key, before, tr)
   local rank, queued, round = 0, false, 0
   if before then
     rank = redis.call('ZRANK', queue, holder)
     queued = rank ~= false
-    -- a newcomer ranks behind every waiter of its priority or a higher one
+    -- a newcomer ranks behind every waiter of its priority or a higher one (a front one:
+    -- behind those of a higher priority and the front ones of its own)
     if not queued then
-      rank = redis.call('ZCOUNT', queue, '-inf', '(' .. int((1 - tr.priority) * PRIO))
+      local bound = -tr.priority * PRIO
+      if not tr.front then bound = bound + HALF end
+      rank = redis.call('ZCOUNT', queue, '-inf', '(' .. int(bound))
     end
   end
-  -- Fair shares (base.py): a queued waiter keeps its round; a newcomer gets one while fair.
+  -- Fair shares (base.py): a queued waiter keeps its round; a newcomer gets one while fair
+  -- (but at the front: round 0).
   local fair = redis.call('EXISTS', wfair) == 1
   if queued then
     if fair then
@@ -317,57 +471,122 @@ local function place(holder, fair_key, before, tr)
         if h == holder then rank = i - 1 break end
       end
     end
-  elseif fair or fair_key ~= '' then
+  elseif (fair or fair_key ~= '') and not tr.front then
     round = next_round(fair_key, tr.weight)
     if before then
       rank = 0
       for _, e in ipairs(entries()) do
-        if e[1] > tr.priority or (e[1] == tr.priority and e[2] <= round) then
+        if e[1] > tr.priority or (e[1] == tr.priority and (e[5] or e[2] <= round)) then
           rank = rank + 1
         end
       end
     end
   end
-  local ahead = rank
-  if tr.xw > 0 and rank > 0 then  -- costs: the units of the waiters ahead
+  local ahead, spend = rank, rank
+  if (tr.xw > 0 or (tr.xu > 0 and (tr.rates or tr.quotas))) and rank > 0 then
+    -- costs: the units of the waiters ahead; units: what they spend
     local first
     if fair then first = {unpack(in_order(), 1, rank)}
     else first = redis.call('ZRANGE', queue, 0, rank - 1) end
-    ahead = rank + extra_in(each_chunk('HMGET', winfo, first, {}))
+    local infos = each_chunk('HMGET', winfo, first, {})
+    ahead = rank + extra_in(infos)
+    if tr.xu > 0 then
+      for _, info in ipairs(infos) do spend = spend + units_in(info) - 1 end
+    end
   end
-  return rank, queued, round, ahead
+  return rank, queued, round, ahead, spend
 end
 
--- The traffic options of a call (ARGV from `at`: cost, priority, weight, rate interval (us,
--- '' for none), burst) and config's fields c = {xh, xw, ri, rb, tat}; a declared rate
--- becomes the semaphore's (base.py, "Rate").
+-- Rates and quotas as a call declares them (traffic()'s ARGV): rates 'interval burst;...' (us)
+-- from the first one's two ARGV and the others' one, quotas 'count period offset;...' (us);
+-- '-': it declares none (removes them); nil: it declares nothing.
+local function declared_rates(first, burst, more)
+  if first == '-' then return {} end
+  if not first or first == '' then return nil end
+  local rates = {{tonumber(first), tonumber(burst)}}
+  for i, b in string.gmatch(more or '', '(%d+) (%d+)') do
+    table.insert(rates, {tonumber(i), tonumber(b)})
+  end
+  return rates
+end
+
+-- The traffic options of a call (ARGV from `at`: cost, priority, weight, first rate's interval
+-- (us, '' for none, '-' to remove the rates) and burst, units, the other rates, quotas, front
+-- ('1'), adaptive (declare()'s)) and config's fields c = {xh, xw, ri, rb, tat, pu, xu, rn, qd,
+-- ku} as acquire.lua read them; declared rates and quotas become the semaphore's (base.py,
+-- "Rate", "Quotas": a rate keeps the tat of the rate in its place). Returns the table, or nil
+-- and the error of units a quota could never admit (then nothing is written).
 local function traffic(at, c)
   local tr = {cost = tonumber(ARGV[at]) or 1, priority = tonumber(ARGV[at + 1]) or 0,
-              weight = tonumber(ARGV[at + 2]) or 1, xh = tonumber(c[1]) or 0,
-              xw = tonumber(c[2]) or 0, ri = tonumber(c[3]), rb = tonumber(c[4]),
-              tat = tonumber(c[5])}
-  local ri, rb = tonumber(ARGV[at + 3] or ''), tonumber(ARGV[at + 4] or '')
-  if ri and (ri ~= tr.ri or rb ~= tr.rb) then
-    redis.call('HSET', config, 'ri', ri, 'rb', rb)
-    tr.ri, tr.rb = ri, rb
+              weight = tonumber(ARGV[at + 2]) or 1, units = tonumber(ARGV[at + 5]) or 1,
+              front = ARGV[at + 8] == '1', xh = tonumber(c[1]) or 0,
+              xw = tonumber(c[2]) or 0, xu = tonumber(c[7]) or 0, pu = tonumber(c[6]),
+              ku = c[10]}
+  local rates = declared_rates(ARGV[at + 3], ARGV[at + 4], ARGV[at + 6])
+  local qd = ARGV[at + 7] or ''
+  if qd == '' then qd = c[9] elseif qd == '-' then qd = nil end
+  tr.quotas = quotas_of(qd)
+  for _, q in ipairs(tr.quotas or {}) do
+    if tr.units > q[1] then
+      return nil, 'UNITS ' .. tr.units .. ' ' .. q[1] .. ' ' .. q[2]
+    end
+  end
+  if (ARGV[at + 7] or '') ~= '' and qd ~= c[9] then
+    if qd then redis.call('HSET', config, 'qd', qd) else redis.call('HDEL', config, 'qd') end
+  end
+  local stored = rates_of(c[3], c[4], c[5], c[8])
+  if rates then
+    local changed = #rates ~= #(stored or {})
+    local set, gone = {}, {}
+    for i, r in ipairs(rates) do
+      local old = (stored or {})[i]
+      if not old or old[1] ~= r[1] or old[2] ~= r[2] then
+        changed = true
+        local k = i == 1 and '' or i
+        table.insert(set, 'ri' .. k) table.insert(set, r[1])
+        table.insert(set, 'rb' .. k) table.insert(set, r[2])
+      end
+      r[3] = old and old[3] or 0
+    end
+    if changed then
+      for i = #rates + 1, #(stored or {}) do
+        local k = i == 1 and '' or i
+        table.insert(gone, 'ri' .. k) table.insert(gone, 'rb' .. k)
+        table.insert(gone, 'tat' .. k)
+      end
+      if #rates > 1 then table.insert(set, 'rn') table.insert(set, #rates)
+      else table.insert(gone, 'rn') end
+      if #set > 0 then redis.call('HSET', config, unpack(set)) end
+      if #gone > 0 then redis.call('HDEL', config, unpack(gone)) end
+    end
+    if #rates > 0 then tr.rates = rates end
+  else
+    tr.rates = stored
   end
   return tr
 end
 
--- The verdict for a caller at `rank` needing `ahead` units before its own, with `count`
--- holders: admitted (true), else what it waits for (0 slots, 1 units, 2 rate) and, for the
--- rate, when its start is due (us, else -1).
-local function verdict(tr, count, rank, ahead, limit, twin)
+-- The verdict for a caller at `rank` needing `ahead` units of the limit before its own and
+-- `spend` units of the rates and quotas before its own, with `count` holders: admitted (true),
+-- else what it waits for (0 slots, 1 units, 2 rate, 3 pause, 4 quota) and, when time alone can
+-- let it start, when (us, else -1).
+local function verdict(tr, count, rank, ahead, limit, twin, spend)
+  if tr.pu and tr.pu > now then return false, 3, tr.pu - now end
   local fits = count + tr.xh + ahead + tr.cost <= limit
-  local due = rate_wait(tr.ri, tr.rb, tr.tat, rank)
-  if fits and not twin and due <= 0 then return true, 0, -1 end
-  if fits and not twin then return false, 2, due end
+  if fits and not twin then
+    local quota = quota_wait(tr.quotas, spend, tr.units)
+    local rate = rates_wait(tr.rates, spend, tr.units)
+    if quota > 0 then return false, 4, math.max(quota, rate) end
+    if rate > 0 then return false, 2, rate end
+    return true, 0, -1
+  end
   if tr.cost > 1 or tr.xh > 0 or ahead > rank then return false, 1, -1 end
   return false, 0, -1
 end
 
 -- Give `holder` the lowest free `slot` (whose last epoch was `last_epoch`), leaving the queue;
--- `count` holders held before. Returns the new epoch.
+-- `count` holders held before. Its start spends its units of every rate and quota. Returns the
+-- new epoch.
 local function grant(holder, slot, last_epoch, limit, declared_limit, ttl, meta, queued, round,
                      count, touched, tr)
   local epoch = math.max(last_epoch + 1, now)
@@ -378,11 +597,37 @@ local function grant(holder, slot, last_epoch, limit, declared_limit, ttl, meta,
     redis.call('HSET', config, 'e:' .. slot, int(epoch))
   end
   if tr.cost > 1 then redis.call('HINCRBY', config, 'xh', tr.cost - 1) end
-  if tr.ri then  -- a start: the rate's next one is an interval later
-    redis.call('HSET', config, 'tat', int(math.max(tr.tat or 0, now) + tr.ri))
+  if tr.rates then  -- a start: each rate's next one is units * interval later
+    local set = {}
+    for i, r in ipairs(tr.rates) do
+      r[3] = math.max(r[3], now) + tr.units * r[1]
+      table.insert(set, i == 1 and 'tat' or 'tat' .. i) table.insert(set, int(r[3]))
+    end
+    redis.call('HSET', config, unpack(set))
+  end
+  local acct = ''
+  if tr.quotas then  -- and adds them to every quota's window, remembered for settle
+    local set, ku = {}, tonumber(tr.ku) or 0
+    acct = '@' .. tr.units
+    for _, q in ipairs(tr.quotas) do
+      local key = q[2] .. ':' .. q[3]
+      q[6] = q[6] + tr.units
+      table.insert(set, 'qs:' .. key) table.insert(set, int(q[4]))
+      table.insert(set, 'qu:' .. key) table.insert(set, int(q[6]))
+      ku = math.max(ku, q[5])
+      acct = acct .. ';' .. key .. ':' .. int(q[4])
+    end
+    acct = acct .. '\n'
+    table.insert(set, 'ku') table.insert(set, int(ku))
+    redis.call('HSET', config, unpack(set))
+    if ku > (tonumber(tr.ku) or 0) and ku - now > idle_ms * 1000 then  -- a long window's first
+      redis.call('PEXPIRE', config, math.ceil((ku - now) / 1000) + 1000)
+    end
+    tr.ku = int(ku)
   end
   redis.call('ZADD', holders, int(now + ttl), holder)
-  redis.call('HSET', hinfo, holder, slot .. '\n' .. int(epoch) .. '\n' .. int(now) .. '\n' .. meta)
+  redis.call('HSET', hinfo, holder,
+    slot .. '\n' .. int(epoch) .. '\n' .. int(now) .. '\n' .. acct .. meta)
   -- the wait: from the caller's first wait (meta), else from its entry in the queue
   local since = tonumber(string.match(meta, '"first_wait":([%d%.]+)') or '')
   if since then since = since * 1000000
@@ -390,11 +635,11 @@ local function grant(holder, slot, last_epoch, limit, declared_limit, ttl, meta,
   else since = now end
   stat('acquired', 1)
   observe('wait', now - since)
-  if queued then unqueue(holder, tr.xw) end
+  if queued then unqueue(holder, tr.xw, tr.xu) end
   if round > tonumber(redis.call('HGET', config, 'round') or 0) then
     redis.call('HSET', config, 'round', round)
   end
-  if count == 0 then keep(touched, holders, hinfo) else keep(touched) end
+  if count == 0 then keep(touched, tr.ku, holders, hinfo) else keep(touched, tr.ku) end
   return epoch
 end
 
@@ -409,9 +654,10 @@ push_grant = function(h, info, ttl, client)
   local slot = 0
   while used[slot] do slot = slot + 1 end
   local c = redis.call('HMGET', config, 'limit', 'touched', 'e:' .. slot, 'xh', 'xw', 'ri', 'rb',
-    'tat')
-  local tr = {cost = cost_in(info), xh = tonumber(c[4]) or 0, xw = tonumber(c[5]) or 0,
-              ri = tonumber(c[6]), rb = tonumber(c[7]), tat = tonumber(c[8])}
+    'tat', 'xu', 'rn', 'qd', 'ku')
+  local tr = {cost = cost_in(info), units = units_in(info), xh = tonumber(c[4]) or 0,
+              xw = tonumber(c[5]) or 0, xu = tonumber(c[9]) or 0,
+              rates = rates_of(c[6], c[7], c[8], c[10]), quotas = quotas_of(c[11]), ku = c[12]}
   local round = fair_entry(redis.call('HGET', wfair, h))
   local meta = string.match(info, '^[^\n]*\n[^\n]*\n(.*)$') or '{}'
   local epoch = grant(h, slot, tonumber(c[3]) or 0, tonumber(c[1]), nil, ttl, meta, true, round,
@@ -424,8 +670,11 @@ end
 local function queue_up(holder, queued, round, fair_key, meta, client, waiter_ttl, tr)
   if not queued then
     local ticket = redis.call('HINCRBY', config, 'ticket', 1)
-    redis.call('ZADD', queue, int(ticket - tr.priority * PRIO), holder)
+    local score = ticket - tr.priority * PRIO
+    if tr.front then score = score - HALF end
+    redis.call('ZADD', queue, int(score), holder)
     if tr.cost > 1 then redis.call('HINCRBY', config, 'xw', tr.cost - 1) end
+    if tr.units > 1 then redis.call('HINCRBY', config, 'xu', tr.units - 1) end
     redis.call('HSET', winfo, holder, client .. '\n' .. int(now) .. '\n' .. meta)
     if round > 0 then
       redis.call('HSET', wfair, holder, round .. '\n' .. fair_key)
@@ -442,28 +691,60 @@ local function retry_after()
   return -1
 end
 
--- Limits follow the code (model.py's effective_limit and State.declare): the newest
+-- Lua prints 14 significant digits; an adaptive limit's learned value keeps all 17.
+local function real(x) return string.format('%.17g', x) end
+
+-- Limits follow the code (model.py's State.declare, in_force, make_adaptive): the newest
 -- declaration (latest process start `stamp`, us, clamped to now; between equal stamps the
--- latest call) is in force unless the limit is pinned. Returns the limit in force, nil when
--- the semaphore does not exist yet (the caller creates it with `declared`). Writes only what
--- changed. A config stored before limits followed the code (no 'ds') keeps its limit pinned
--- when no caller declared it: an upgrade undoes no operator's resize.
-local function declare(declared, stamp)
-  local cfg = redis.call('HMGET', config, 'limit', 'pinned', 'dl', 'ds')
+-- latest call) is in force unless the limit is pinned, and says whether the limit is adaptive
+-- (`adaptive`: 'min max decrease increase', '' for a fixed limit): then the limit in force is
+-- floor(current). Returns the limit in force (for a semaphore that does not exist yet, the one
+-- the caller's declaration gives it: written by the caller) and the largest cost it can ever
+-- admit (an adaptive limit's max). Writes only what changed. A config stored before limits
+-- followed the code (no 'ds') keeps its limit pinned when no caller declared it: an upgrade
+-- undoes no operator's resize.
+local function declare(declared, stamp, adaptive)
+  local cfg = redis.call('HMGET', config, 'limit', 'pinned', 'dl', 'ds', 'ac', 'am', 'aM', 'ad',
+    'ai')
   local limit, pinned, wanted, since = tonumber(cfg[1]), cfg[2] == '1', tonumber(cfg[3]),
     tonumber(cfg[4])
+  local current = tonumber(cfg[5])
   stamp = math.min(stamp, now)
   if limit and not since and not pinned and redis.call('HEXISTS', config, 'd:' .. limit) == 0 then
     pinned = true
     redis.call('HSET', config, 'pinned', '1')
   end
-  if not wanted or stamp > since or (stamp == since and declared ~= wanted) then
-    wanted, since = declared, stamp
-    redis.call('HSET', config, 'dl', wanted, 'ds', int(since))
+  if not wanted or stamp >= since then
+    local set = {}
+    if not wanted or stamp > since or declared ~= wanted then
+      wanted, since = declared, stamp
+      set = {'dl', wanted, 'ds', int(since)}
+    end
+    local low, high, down, up = string.match(adaptive or '', '^(%S+) (%S+) (%S+) (%S+)$')
+    if low then
+      low, high = tonumber(low), tonumber(high)
+      local was = current
+      if not current then current = low else current = math.min(math.max(current, low), high) end
+      if current ~= was or low ~= tonumber(cfg[6]) or high ~= tonumber(cfg[7])
+          or tonumber(down) ~= tonumber(cfg[8]) or tonumber(up) ~= tonumber(cfg[9]) then
+        for _, v in ipairs({'ac', real(current), 'am', low, 'aM', high, 'ad', down, 'ai', up}) do
+          table.insert(set, v)
+        end
+      end
+      cfg[7] = high
+    elseif current then
+      current = nil
+      redis.call('HDEL', config, 'ac', 'am', 'aM', 'ad', 'ai', 'at')
+    end
+    if #set > 0 then redis.call('HSET', config, unpack(set)) end
   end
-  if limit and not pinned and limit ~= wanted then
-    limit = wanted
+  local target = wanted
+  if current and not pinned then target = math.floor(current) end
+  if not limit then return target, current and tonumber(cfg[7]) or target end
+  if not pinned and limit ~= target then
+    limit = target
     redis.call('HSET', config, 'limit', limit)
   end
-  return limit
+  if current and not pinned then return limit, tonumber(cfg[7]) end
+  return limit, limit
 end

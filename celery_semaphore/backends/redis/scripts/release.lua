@@ -1,12 +1,36 @@
--- ARGV[4] holder. Returns 1 when the holder held an unexpired lease, else 0.
+-- ARGV[4] holder, [5] the outcome of its call ('ok', 'overload', 'error'; absent or '': none),
+-- [6] its latency (us; kept for a later rule). Returns 1 when the holder held an unexpired
+-- lease, else 0. An outcome moves an adaptive limit (model.py's State.adapt) in this step.
 local before = begin()
 local removed = redis.call('ZREM', holders, ARGV[4])
 if removed == 1 then
   local info = redis.call('HGET', hinfo, ARGV[4])
   redis.call('HDEL', hinfo, ARGV[4])
   if info and redis.call('EXISTS', config) == 1 then
-    observe('hold', now - tonumber(string.match(info, '^%d+\n%d+\n(%d+)')))
+    local since = tonumber(string.match(info, '^%d+\n%d+\n(%d+)'))
+    observe('hold', now - since)
     if cost_in(info) > 1 then redis.call('HINCRBY', config, 'xh', 1 - cost_in(info)) end
+    local outcome = ARGV[5] or ''
+    if outcome == 'ok' or outcome == 'overload' then
+      local c = redis.call('HMGET', config, 'ac', 'am', 'aM', 'ad', 'ai', 'at', 'pinned', 'xh')
+      local current = tonumber(c[1])
+      if current and c[7] ~= '1' then
+        local set = {}
+        if outcome == 'ok' then
+          -- the units held before this release, its own included
+          local held = redis.call('ZCARD', holders) + (tonumber(c[8]) or 0) + cost_in(info)
+          if held >= current / 2 then
+            current = math.min(tonumber(c[3]), current + tonumber(c[5]) / current)
+          end
+        elseif since >= (tonumber(c[6]) or 0) then  -- once per round trip of work
+          current = math.max(tonumber(c[2]), current * tonumber(c[4]))
+          set = {'at', int(now)}
+        end
+        table.insert(set, 'ac') table.insert(set, real(current))
+        table.insert(set, 'limit') table.insert(set, math.floor(current))
+        redis.call('HSET', config, unpack(set))
+      end
+    end
   end
 end
 wake(before)

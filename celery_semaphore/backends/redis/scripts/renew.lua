@@ -5,7 +5,8 @@ local result = -1
 if redis.call('ZSCORE', holders, ARGV[4]) then
   result = now + tonumber(ARGV[5])
   redis.call('ZADD', holders, 'XX', int(result), ARGV[4])
-  keep(redis.call('HGET', config, 'touched'))
+  local c = redis.call('HMGET', config, 'touched', 'ku')
+  keep(c[1], c[2])
 elseif redis.call('EXISTS', config) == 1 then
   stat('lost', 1)  -- a renewal that finds its lease gone
 end

@@ -6,6 +6,6 @@ local created = 1 - redis.call('EXISTS', config)
 redis.call('HSET', config, 'limit', tonumber(ARGV[4]), 'pinned', '1')
 if created == 1 then redis.call('HSET', config, 'ds', 0) end
 prune_declared()
-keep(nil)
+keep(nil, redis.call('HGET', config, 'ku'))
 wake(before)
 return created

@@ -59,7 +59,31 @@ if expired > 0 then
   table.insert(stat_list, 'expired')
   table.insert(stat_list, int(expired))
 end
--- the rate: {interval us, burst, tat us}, '' for each without one
-local rate = redis.call('HMGET', config, 'ri', 'rb', 'tat')
+-- the first rate: {interval us, burst, tat us}, '' for each without one
+local f = {}
+for i = 1, #fields, 2 do f[fields[i]] = fields[i + 1] end
+local rate = {f['ri'] or '', f['rb'] or '', f['tat'] or ''}
+-- then {paused until (us, '' when not paused), reason, every rate {interval, burst, tat}...,
+-- every quota {count, period, offset, window start, window end, used}..., the adaptive limit
+-- {min, max, current} or {}}
+local paused, reason = '', ''
+if f['pu'] and tonumber(f['pu']) > now then paused, reason = f['pu'], f['pr'] or '' end
+local rates = {}
+if f['ri'] then
+  for i = 1, tonumber(f['rn'] or 1) do
+    local k = i == 1 and '' or i
+    table.insert(rates, f['ri' .. k]) table.insert(rates, f['rb' .. k])
+    table.insert(rates, f['tat' .. k] or '0')
+  end
+end
+local quotas = {}
+for c, p, o in string.gmatch(f['qd'] or '', '(%d+) (%d+) (%-?%d+)') do
+  local start, finish = window_of(tonumber(p), tonumber(o))
+  local used = '0'
+  if tonumber(f['qs:' .. p .. ':' .. o]) == start then used = f['qu:' .. p .. ':' .. o] or '0' end
+  for _, v in ipairs({c, p, o, int(start), int(finish), used}) do table.insert(quotas, v) end
+end
+local adaptive = {}
+if f['ac'] then adaptive = {f['am'], f['aM'], f['ac']} end
 return {int(now), limit, declared_list, holder_list, waiter_list, stat_list, pinned, wanted,
-  {rate[1] or '', rate[2] or '', rate[3] or ''}}
+  rate, {paused, reason, rates, quotas, adaptive}}

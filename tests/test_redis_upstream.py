@@ -1,0 +1,282 @@
+"""Redis and issue #36 (backends/base.py: "Pauses", "Quotas", "Settling", "Adaptive limits"):
+the fast path costs what it cost before, pushed grants keep the new rules, the Lua calendar is
+base.py's, the scripts agree with model.py on random traffic, and state that must outlive
+``idle_ttl`` (a long pause, a month's window) does."""
+
+import random
+import time
+
+import pytest
+import redis
+
+from celery_semaphore.backends import get_backend
+from celery_semaphore.backends.base import Release, _civil, _days
+from celery_semaphore.backends.redis.backend import KEY_SUFFIXES, _sources
+from tests import servers
+from tests.test_redis_backend import _wakes
+
+META = {"task_id": "t", "task": "x"}
+
+
+@pytest.fixture
+def prefix():
+    return f"{servers.unique_tag()}:"
+
+
+@pytest.fixture
+def private_redis(tmp_path):
+    """A redis-server of this test alone: its command counts are ours."""
+    port = servers.free_port()
+    proc, client = servers.start_redis(port, str(tmp_path))
+    yield f"redis://127.0.0.1:{port}/0", client
+    client.close()
+    proc.terminate()
+    proc.wait(10)
+
+
+def commands(client):
+    return {k[len("cmdstat_"):]: v["calls"] for k, v in client.info("commandstats").items()}
+
+
+def counted(client, fn):
+    """Redis commands ``fn`` made (scripts' commands included; INFO itself left out)."""
+    before = commands(client)
+    fn()
+    after = commands(client)
+    diff = {k: after.get(k, 0) - before.get(k, 0) for k in set(before) | set(after)}
+    return {k: v for k, v in diff.items() if v and k != "info"}
+
+
+def test_a_call_that_uses_none_of_the_new_options_costs_the_same_commands(private_redis):
+    """An uncontended acquire and release, as before issue #36 (measured on the commit
+    before it): 42 commands on a new semaphore, 41 on an existing one, 27 while another
+    holder holds (EVALSHA and TIME included). One HGET of the release became an HMGET."""
+    url, client = private_redis
+    backend = get_backend(url, key_prefix="count:")
+    backend.acquire("warm", "w:1", limit=1, ttl=30, meta=META, wait=True)  # loads the scripts
+    backend.release("warm", "w:1")
+
+    def cycle(name, holder):
+        return lambda: (backend.acquire(name, holder, limit=4, ttl=30, meta=META, wait=True),
+                        backend.release(name, holder))
+
+    new = counted(client, cycle("s", "a:1"))
+    assert sum(new.values()) == 42, new
+    existing = counted(client, cycle("s", "b:1"))
+    assert sum(existing.values()) == 41, existing
+    assert existing == {"evalsha": 2, "exists": 2, "hdel": 2, "hget": 3, "hgetall": 1,
+                        "hincrby": 5, "hmget": 3, "hset": 3, "pexpire": 9, "time": 2,
+                        "zadd": 1, "zcard": 5, "zrangebyscore": 2, "zrem": 1}
+    backend.acquire("s2", "other:1", limit=4, ttl=30, meta=META, wait=True)
+    beside = counted(client, cycle("s2", "c:1"))
+    assert sum(beside.values()) == 27, beside
+    # a release that gives no outcome sends none
+    ((script, _, argv),), _ = backend.calls_of(Release("s", "a:1"))
+    assert (script, argv[2:]) == ("release", ["s", "a:1"])
+
+
+def test_no_grant_is_pushed_while_paused_and_the_resume_pushes_it(redis_url, prefix):
+    backend = get_backend(redis_url, key_prefix=prefix)
+    read, pubsub = _wakes(backend)
+    try:
+        assert backend.acquire("p", "h:1", limit=1, ttl=30, meta=META, wait=True).grant
+        waiting = backend.acquire("p", "w:1", limit=1, ttl=30, meta=META, wait=True, push=True)
+        assert waiting.position == 0
+        backend.pause("p", 60, "429")
+        assert backend.release("p", "h:1")
+        assert backend.status("p").held == 0  # the release pushed nothing
+        assert backend.resume("p")
+        status = backend.status("p")  # the resume granted it, there and then
+        assert [h.holder for h in status.holders] == ["w:1"] and status.waiting == 0
+        assert wait_until_pushed(read, "w:1")
+    finally:
+        pubsub.close()
+        backend.reset("p")
+
+
+def wait_until_pushed(read, holder):
+    from tests.util import wait_until
+
+    return wait_until(lambda: any(h == holder and pushed is not None
+                                  for _, h, pushed in read()))
+
+
+def test_a_refund_pushes_the_grant_the_quota_held_back(redis_url, prefix):
+    backend = get_backend(redis_url, key_prefix=prefix)
+    read, pubsub = _wakes(backend)
+    period, offset = 3600.0, 1800.0 - time.time() % 3600.0
+    meta = {**META, "quota": [[4, period, offset]], "units": 3}
+    try:
+        assert backend.acquire("q", "a:1", limit=3, ttl=30, meta=meta, wait=True).grant
+        held_back = backend.acquire("q", "b:1", limit=3, ttl=30, meta=meta, wait=True, push=True)
+        assert held_back.waits_for == "quota"
+        behind = backend.acquire("q", "c:1", limit=3, ttl=30, meta={**meta, "units": 1},
+                                 wait=True, push=True)
+        assert behind.waits_for == "quota"  # 3 + 3 ahead + 1 > 4: FIFO
+        assert backend.settle("q", "a:1", 3)  # no change: nothing pushed
+        assert backend.status("q").held == 1
+        assert backend.settle("q", "a:1", 1)  # 1 + 3 <= 4: b is granted; c (1 more) is not
+        status = backend.status("q")
+        assert {h.holder for h in status.holders} == {"a:1", "b:1"}
+        assert status.quotas[0].used == 4 and [w.holder for w in status.waiters] == ["c:1"]
+        assert wait_until_pushed(read, "b:1")
+        assert backend.settle("q", "b:1", 2)  # 3 used: c fits
+        assert {h.holder for h in backend.status("q").holders} == {"a:1", "b:1", "c:1"}
+    finally:
+        pubsub.close()
+        backend.reset("q")
+
+
+def test_an_adaptive_limit_that_grows_pushes_the_waiter_it_admits(redis_url, prefix):
+    backend = get_backend(redis_url, key_prefix=prefix)
+    meta = {**META, "adaptive": {"min": 1, "max": 4, "decrease": 0.5, "increase": 1.0}}
+    try:
+        assert backend.acquire("a", "h1:1", limit=4, ttl=30, meta=meta, wait=True).grant
+        assert backend.acquire("a", "w1:1", limit=4, ttl=30, meta=meta, wait=True,
+                               push=True).position == 0
+        assert backend.release("a", "h1:1", "ok")  # 1 -> 2: w1 is granted by this release
+        status = backend.status("a")
+        assert status.limit == 2 and [h.holder for h in status.holders] == ["w1:1"]
+    finally:
+        backend.reset("a")
+
+
+def test_the_scripts_calendar_is_base_pys(redis_url, prefix):
+    """days_of and civil of scripts/prelude.lua against base.py's, from 1900 to 2200."""
+    source = _sources()["status"][0].split("\nlocal fields = ")[0]
+    check = source + """
+local out = {}
+for days = -25567, 84000, 13 do
+  local y, m = civil(days)
+  table.insert(out, y * 100 + m)
+  table.insert(out, days_of(y, m))
+end
+return out
+"""
+    client = redis.Redis.from_url(redis_url)
+    keys = [f"{prefix}{{cal}}:{suffix}" for suffix in KEY_SUFFIXES]
+    reply = client.eval(check, len(keys), *keys, 1000, "x", "cal")
+    client.close()
+    for i, days in enumerate(range(-25567, 84000, 13)):
+        year, month = _civil(days)
+        assert reply[2 * i] == year * 100 + month, days
+        assert reply[2 * i + 1] == _days(year, month), days
+
+
+def test_a_pause_and_a_months_window_outlive_idle_ttl(redis_url, prefix):
+    backend = get_backend(redis_url, key_prefix=prefix, idle_ttl=600.0)
+    client = redis.Redis.from_url(redis_url)
+    try:
+        backend.pause("long", 7200, "until the contract renews")
+        config = backend.key_names("long")["config"]
+        assert client.pttl(config) > 7100_000
+        backend.acquire("long", "h:1", limit=2, ttl=30, meta=META, wait=False)  # paused
+        assert client.pttl(config) > 7100_000
+        month = {**META, "quota": [[100, 0.0, 0.0]]}
+        assert backend.acquire("monthly", "m:1", limit=2, ttl=30, meta=month, wait=False).grant
+        end = backend.status("monthly").quotas[0].window_end
+        backend.release("monthly", "m:1")
+        ttl = client.pttl(backend.key_names("monthly")["config"]) / 1000
+        assert ttl == pytest.approx(end - time.time() + 1, abs=5)
+    finally:
+        client.close()
+        backend.reset("long")
+        backend.reset("monthly")
+
+
+def test_redis_scripts_and_model_agree_on_the_new_rules(redis_url):
+    """The same random mix as test_traffic's agreement test, with units and quotas (a window
+    half an hour away), front waiters, settles, pauses and resumes, and an adaptive limit's
+    outcomes: the same grants, queue order, quota use and learned limit on both."""
+    memory = get_backend(f"memory://{servers.unique_tag()}")
+    redis_backend = get_backend(redis_url, key_prefix=f"{servers.unique_tag()}:")
+    backends = (memory, redis_backend)
+    rng = random.Random(36)
+    period, offset = 3600.0, 1800.0 - time.time() % 3600.0
+    for round_ in range(8):
+        name, holders = f"up{round_}", []
+        adaptive = round_ % 2 == 1
+        for step in range(70):
+            op = rng.random()
+            if op < 0.5 or not holders:
+                holder = f"h{step}:1"
+                meta = {"quota": [[14, period, offset], [20, period * 2, offset]]}
+                if rng.random() < 0.5:
+                    meta["units"] = rng.choice((2, 3, 5))
+                if rng.random() < 0.3:
+                    meta["cost"] = 2
+                if rng.random() < 0.3:
+                    meta["priority"] = rng.choice((-1, 1))
+                if rng.random() < 0.25:
+                    meta["front"] = True
+                if rng.random() < 0.3:
+                    meta["fair_key"] = rng.choice("ab")
+                if adaptive:
+                    meta["adaptive"] = {"min": 3, "max": 10, "decrease": 0.7, "increase": 1.0}
+                holders.append((holder, meta))
+                answers = [b.acquire(name, holder, limit=10, ttl=60, meta=meta, wait=True)
+                           for b in backends]
+                assert [a.waits_for for a in answers] == [answers[0].waits_for] * 2, step
+                assert answers[0].position == answers[1].position, (round_, step)
+            else:
+                holder, meta = rng.choice(holders)
+                verb = rng.choices(("release", "cancel", "retry", "settle", "pause", "resume",
+                                    "ok", "overload"), (3, 1, 3, 3, 0.5, 1.5, 2, 2))[0]
+                results = []
+                units = rng.randint(0, 6)
+                for b in backends:
+                    if verb == "retry":
+                        results.append(b.acquire(name, holder, limit=10, ttl=60, meta=meta,
+                                                 wait=True).grant is not None)
+                    elif verb == "settle":
+                        results.append(b.settle(name, holder, units))
+                    elif verb == "pause":
+                        results.append(b.pause(name, 3600) > time.time() + 3000)
+                    elif verb == "resume":
+                        results.append(b.resume(name))
+                    elif verb in ("ok", "overload"):
+                        results.append(b.release(name, holder, verb))
+                    else:
+                        results.append(getattr(b, verb)(name, holder))
+                assert results[0] == results[1], (round_, step, verb)
+            mine, theirs = memory.status(name), redis_backend.status(name)
+            assert [w.holder for w in mine.waiters] == [w.holder for w in theirs.waiters], \
+                (round_, step)
+            assert {h.holder for h in mine.holders} == {h.holder for h in theirs.holders}
+            assert [q.used for q in mine.quotas] == [q.used for q in theirs.quotas], step
+            assert mine.units == theirs.units and mine.limit == theirs.limit, step
+            assert (mine.paused_until is None) == (theirs.paused_until is None)
+            if adaptive:
+                assert mine.adaptive.current == pytest.approx(theirs.adaptive.current)
+        redis_backend.reset(name)
+
+
+def test_the_new_operations_on_the_event_loop_link(private_redis):
+    """Pause, resume, settle and a release with an outcome through the worker's hub link (its
+    scripts loaded on connect: no EVAL), a pushed grant announced by the resume."""
+    from celery_semaphore.backends.base import Acquire, Pause, Resume, Settle
+    from tests.test_hublink import Loop
+
+    url, client = private_redis
+    loop = Loop(url)
+    meta = {**META, "quota": [[10, 3600.0, 1800.0 - time.time() % 3600.0]], "units": 3,
+            "adaptive": {"min": 1, "max": 4, "decrease": 0.5, "increase": 1.0}}
+    try:
+        assert loop.backend.status("hub") is None  # (the status script: run once as EVAL)
+        evals = commands(client).get("eval", 0)
+        assert loop.turn_until(lambda: loop.link._listening)
+        paused, error = loop.call(Pause("hub", 60.0, "429"))
+        assert error is None and paused > time.time() + 50
+        assert loop.call(Acquire("hub", "h:1", 4, 30.0, meta, True, push=True))[0].waits_for \
+            == "pause"
+        assert loop.call(Resume("hub")) == (True, None)
+        assert loop.turn_until(lambda: loop.wakes)
+        ((name, holder, pushed),) = loop.wakes
+        assert (name, holder) == ("hub", "h:1") and pushed is not None
+        assert loop.call(Settle("hub", "h:1", 1)) == (True, None)
+        assert loop.backend.status("hub").quotas[0].used == 1
+        assert loop.call(Release("hub", "h:1", "ok", 0.5)) == (True, None)
+        assert loop.backend.status("hub").adaptive.current == 2.0
+        assert commands(client).get("eval", 0) == evals  # the link never fell back to EVAL
+    finally:
+        loop.close()
