@@ -52,7 +52,6 @@ from .exceptions import (
 from .metrics import learned_of, pause_of, rate_text, rates_of, windows_of
 from .names import validate_limit, validate_name
 from .settings import Settings
-from .traffic import upstream_ops
 from .urls import mask_url
 
 # -- operations: a backend in, JSON-ready data out -----------------------------------------
@@ -158,7 +157,7 @@ def pause_semaphore(backend: Backend, name: str, seconds: float,
     reason = check_reason(reason)
     before = backend.status(name)
     earlier_end = None if before is None else pause_of(before)[0]
-    end = float(upstream_ops(backend).pause(name, float(seconds), reason))
+    end = float(backend.pause(name, float(seconds), reason))
     kept = earlier_end is not None and end == earlier_end and seconds > 0
     return {"name": name, "paused_until": end, "seconds": float(seconds), "reason": reason,
             "kept": kept}
@@ -167,7 +166,7 @@ def pause_semaphore(backend: Backend, name: str, seconds: float,
 def resume_semaphore(backend: Backend, name: str) -> Dict[str, Any]:
     """Lift the pause of ``name``. ``resumed`` is False when none was in force."""
     validate_name(name)
-    return {"name": name, "resumed": bool(upstream_ops(backend).resume(name))}
+    return {"name": name, "resumed": bool(backend.resume(name))}
 
 
 def reset_semaphore(backend: Backend, name: str) -> Dict[str, Any]:

@@ -96,21 +96,20 @@ def rate_text(interval: float) -> str:
 
 def pause_of(status: SemaphoreStatus) -> Tuple[Optional[float], str]:
     """``(paused until, in backend epoch seconds, or None; the reason, "" when none)``."""
-    until = getattr(status, "paused_until", None)
-    return (None if until is None else float(until)), str(getattr(status, "pause_reason", "")
-                                                          or "")
+    until = status.paused_until
+    return (None if until is None else float(until)), status.pause_reason or ""
 
 
 def windows_of(status: SemaphoreStatus) -> Tuple[Window, ...]:
     """The semaphore's quota windows as they stand (none without quotas)."""
     return tuple(Window(period_label(q.period), int(q.period), int(q.count), int(q.used),
                         float(q.window_start), float(q.window_end))
-                 for q in getattr(status, "quotas", None) or ())
+                 for q in status.quotas or ())
 
 
 def rates_of(status: SemaphoreStatus) -> Tuple[Tuple[float, int], ...]:
     """Every rate ``(interval, burst)`` of the semaphore (``status.rate`` is the first)."""
-    rates = getattr(status, "rates", None)
+    rates = status.rates
     if rates:
         return tuple((float(i), int(b)) for i, b in rates)
     return () if status.rate is None else (status.rate,)
@@ -118,7 +117,7 @@ def rates_of(status: SemaphoreStatus) -> Tuple[Tuple[float, int], ...]:
 
 def learned_of(status: SemaphoreStatus) -> Optional[Learned]:
     """The adaptive limit's state, None for a limit that is not learned."""
-    state = getattr(status, "adaptive", None)
+    state = status.adaptive
     if state is None:
         return None
     return Learned(int(state.min), int(state.max), float(state.current), bool(state.pinned))

@@ -37,7 +37,6 @@ from .backoff import (
 )
 from .exceptions import ConfigurationError, SemaphoreTimeout
 from .names import validate_limit, validate_name, validate_ttl
-from .traffic import upstream_ops
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +154,7 @@ class Lease:
             if outcome is None and latency is None:
                 freed = self.backend.release(self.name, self.holder)
             else:
-                freed = upstream_ops(self.backend).release(self.name, self.holder,
+                freed = self.backend.release(self.name, self.holder,
                                                            outcome=outcome, latency=latency)
         except BaseException:
             with self._lock:
@@ -199,7 +198,7 @@ class Lease:
         units = validate_settle_units(units)
         if self._released:
             return False
-        return bool(upstream_ops(self.backend).settle(self.name, self.holder, units))
+        return bool(self.backend.settle(self.name, self.holder, units))
 
     def outcome(self, exc: Optional[BaseException]) -> Optional[str]:
         """What releasing after ``exc`` (None: the work went well) reports: None unless the
@@ -213,7 +212,7 @@ class Lease:
         wait = exc.remaining() if isinstance(exc, Backoff) else None
         if wait and not self._released:
             try:  # closed for everyone before this slot frees
-                upstream_ops(self.backend).pause(self.name, wait, exc.reason)
+                self.backend.pause(self.name, wait, exc.reason)
             except Exception as pause_error:
                 logger.warning("pausing semaphore %r for %r failed: %s", self.name, exc,
                                pause_error)
@@ -379,8 +378,10 @@ class Semaphore:
                     granted = True
                     return self._lease(holder, attempt.grant, requested_at, meta, attempt.limit)
                 pause = self.backend.pause_after(attempt, self.poll_interval)
-                if attempt.rate_due is not None:  # due from the backend's decision: count
-                    pause = max(0.0, pause - (time.monotonic() - requested_at))  # from the send
+                if attempt.due is not None or attempt.rate_due is not None:
+                    # due from the backend's decision (a rate, a quota window, a pause):
+                    # count from the send
+                    pause = max(0.0, pause - (time.monotonic() - requested_at))
                 if deadline is not None:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
@@ -460,11 +461,11 @@ class Semaphore:
         if seconds is None:
             raise ConfigurationError("pause needs a time: seconds, a datetime, a timedelta or "
                                      "a Retry-After header value, not None")
-        return float(upstream_ops(self.backend).pause(self.name, seconds, check_reason(reason)))
+        return float(self.backend.pause(self.name, seconds, check_reason(reason)))
 
     def resume(self) -> bool:
         """Lift a pause (:meth:`pause`); True if one was in force."""
-        return bool(upstream_ops(self.backend).resume(self.name))
+        return bool(self.backend.resume(self.name))
 
     def status(self) -> SemaphoreStatus:
         """Limit, holders and waiters. A semaphore never used shows this caller's limit."""

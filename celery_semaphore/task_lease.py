@@ -158,10 +158,10 @@ class TaskLease:
         (:meth:`.Lease.settle`). Absolute and idempotent. Settles every semaphore the task
         holds (one holder for all of them, whichever lease of :func:`current_leases` is
         used). False when a slot is no longer held (nothing changed there)."""
-        from .traffic import upstream_ops, validate_settle_units
+        from .traffic import validate_settle_units
 
         units = validate_settle_units(units)
-        backend = upstream_ops(self._backend())
+        backend = self._backend()
         return all([bool(backend.settle(name, self.holder, units))
                     for name in self._holders_names()])
 

@@ -21,22 +21,21 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union, overload
 
-from .backends import base as _base
-from .backends.base import COST_KEY, MAX_PRIORITY, PRIORITY_KEY, RATE_KEY, WEIGHT_KEY, Meta
+from .backends.base import (
+    ADAPTIVE_KEY,
+    COST_KEY,
+    FRONT_KEY,
+    MAX_PRIORITY,
+    PRIORITY_KEY,
+    QUOTA_KEY,
+    RATE_KEY,
+    UNITS_KEY,
+    WEIGHT_KEY,
+    Meta,
+)
 from .backoff import Adaptive
 from .exceptions import ConfigurationError, InvalidLimit
 from .names import MAX_LIMIT, validate_limit
-
-# The meta keys of the upstream contract (:mod:`.backends.base`; "quota", "units", "front",
-# "adaptive"), read from there once the backends define them.
-#: ``[[count, period_s, offset_s], ...]``: units started per calendar window.
-QUOTA_KEY: str = getattr(_base, "QUOTA_KEY", "quota")
-#: Units of the rate(s) and quota(s) a start spends (absent: 1).
-UNITS_KEY: str = getattr(_base, "UNITS_KEY", "units")
-#: Truthy: the waiter queues ahead of every waiter of its priority (a call given back).
-FRONT_KEY: str = getattr(_base, "FRONT_KEY", "front")
-#: ``{"min", "max", "decrease", "increase"}``: the semaphore's limit is learned.
-ADAPTIVE_KEY: str = getattr(_base, "ADAPTIVE_KEY", "adaptive")
 
 #: Seconds in each period unit a rate or a quota may be written per; 0: a calendar month
 #: (quotas only).
@@ -327,13 +326,6 @@ def validate_settle_units(value: Any, what: str = "units") -> int:
 
 
 LimitValue = Union[int, Adaptive]
-
-
-def upstream_ops(backend: Any) -> Any:
-    """``backend``, for the operations the upstream contract adds to :class:`.Backend`
-    (``pause``, ``resume``, ``settle``, ``release`` with an outcome): typed loosely until
-    every backend declares them."""
-    return backend
 
 
 def validate_limit_value(value: Any, what: str = "limit") -> LimitValue:

@@ -1158,8 +1158,7 @@ class WorkerCore:
 
 def _due(attempt: Union[Attempt, MultiAttempt]) -> Optional[float]:
     """Seconds until time alone lets the caller start (a rate, a quota window, a pause)."""
-    due = getattr(attempt, "due", None)
-    return due if due is not None else getattr(attempt, "rate_due", None)
+    return attempt.due if attempt.due is not None else attempt.rate_due
 
 
 def _grants_of(claim: Claim, attempt: Union[Attempt, MultiAttempt]) -> Dict[str, Grant]:
