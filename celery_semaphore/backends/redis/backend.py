@@ -612,6 +612,11 @@ class RedisBackend(Backend):
 
     pushes_grants = True
 
+    @staticmethod
+    def scripts() -> Dict[str, Tuple[str, str]]:
+        """Each operation's script (the prelude in front) and its SHA1, by name."""
+        return _sources()
+
     def event_loop_link(self, hub: Any,
                         on_wake: Callable[[str, str, Optional[PushedGrant]], None],
                         on_listening: Callable[[], None]) -> Optional[EventLoopLink]:

@@ -331,9 +331,7 @@ class HubLink:
         self.options = options
         self.on_wake = on_wake
         self.on_listening = on_listening
-        from .backend import _sources
-
-        self.sources = _sources()
+        self.sources = backend.scripts()
         self.timeout = float(options.get("socket_timeout") or 5.0)
         self.connect_timeout = float(options.get("socket_connect_timeout") or self.timeout)
         self.commands = _Connection(self, "commands")
