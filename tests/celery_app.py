@@ -219,6 +219,56 @@ def create_app(env):
         body(f"ranked:{key}", hold)
         return key
 
+    # -- issue #36: an API behind the task (tests/test_upstream_worker.py) --------------
+    # The backends that pause, count quotas and learn limits (not RabbitMQ nor Consul).
+    if not (env.get("CS_SEMAPHORE_BACKEND") or env.get("CS_BROKER_URL", "")).startswith(
+            ("amqp", "consul")):
+        def backs_off_once(key, seconds, hold):
+            """Raise Backoff(retry_after=seconds) at the first run of ``key`` (a marker file
+            says it ran), then run: the probe sees the first run and the one after the
+            pause."""
+            marker = os.path.join(os.path.dirname(probe.path), f"backed-off-{key}")
+            body(f"api:{key}", hold)
+            if not os.path.exists(marker):
+                open(marker, "w").close()
+                raise celery_semaphore.Backoff(retry_after=seconds, reason="429 from the API")
+            return key
+
+        @task(semaphore="partner", limit=2, bind=True)
+        def partner(self, key, seconds=2.0, hold=0.05):
+            """A call to a partner API that answers 429 with Retry-After once per key."""
+            result = backs_off_once(key, seconds, hold)
+            return [result, self.request.retries]
+
+        @task(semaphore="partner", limit=2, semaphore_max_wait=2.0, bind=True)
+        def partner_short(self, key, seconds=30.0, hold=0.05):
+            """The same call, which may wait 2 s in all."""
+            return [backs_off_once(key, seconds, hold), self.request.retries]
+
+        @task(semaphore="quota:{tenant}", semaphore_quota="3/2s")
+        def quota_call(tenant, key, hold=0.01):
+            """At most 3 starts per 2-second window (UTC-aligned) per tenant."""
+            body(f"quota-{tenant}:{key}", hold)
+            return key
+
+        @task(semaphore="tokens", semaphore_quota="100/2s", semaphore_units="{estimate}")
+        def token_call(key, estimate, actual, hold=0.01):
+            """Admitted on its estimate; settles what it really spent."""
+            body(f"tokens:{key}", hold)
+            celery_semaphore.current_lease().settle(actual)
+            return key
+
+        @task(semaphore="learned", limit=celery_semaphore.Adaptive(min=1, max=8, increase=4.0))
+        def learned(key, overload=False, hold=0.02):
+            """An adaptive limit: a Backoff() with no time reports overload."""
+            body(f"learned:{key}", hold)
+            if overload and not os.path.exists(os.path.join(os.path.dirname(probe.path),
+                                                            f"backed-off-{key}")):
+                open(os.path.join(os.path.dirname(probe.path), f"backed-off-{key}"),
+                     "w").close()
+                raise celery_semaphore.Backoff()
+            return key
+
     app.probe = probe
     return app
 
