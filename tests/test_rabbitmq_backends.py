@@ -18,7 +18,7 @@ import pytest
 from kombu import Connection
 
 from celery_semaphore import BackendUnavailable, Semaphore
-from celery_semaphore.backends import close_all, get_backend
+from celery_semaphore.backends import backend_class, close_all, get_backend
 from tests import servers
 from tests.test_contract import Probe
 from tests.util import retrying, wait_until
@@ -376,6 +376,70 @@ def test_amqp_a_delivery_crossing_the_waiters_own_get_keeps_its_token(amqp_url, 
     # Every token is back in the queue: none was left unacked on the waiter's channel.
     assert wait_until(lambda: tokens(queue) == limit)
     assert tokens.numbers(queue) == list(range(limit))
+
+
+def test_amqp_a_released_token_is_back_before_the_release_wakes_anyone(amqp_url, tagged,
+                                                                      tokens):
+    """The releaser gives its token back while it still holds the registry message, so the
+    token is in its queue by the time the wake-up goes out, and the woken waiter (another
+    process) takes it with its basic.get. Given back after the wake-up, it was often still on
+    its way: the waiter's try missed it, consumed, and needed a third registry write."""
+    name = "handoff"
+    queue = token_queue(tagged, name)
+    releaser = get_backend(amqp_url, **tagged)
+    waiter = backend_class(amqp_url)(amqp_url, **tagged)  # a connection and client of its own
+    try:
+        assert releaser.acquire(name, "holder", limit=1, ttl=30, meta={}, wait=True).grant
+        woken = threading.Event()
+        waiter.watch(name, "waiter", woken.set)
+        assert waiter.acquire(name, "waiter", limit=1, ttl=30, meta={}, wait=True).grant is None
+        seen = []
+        real_send_wakeup = releaser._send_wakeup
+
+        def send_wakeup(client, *args):  # the releaser's I/O thread, after the commit
+            seen.append(wait_until(lambda: tokens(queue) == 1, timeout=3))
+            real_send_wakeup(client, *args)
+
+        releaser._send_wakeup = send_wakeup
+        assert releaser.release(name, "holder")
+        assert seen == [True]
+        assert woken.wait(10)
+        again = waiter.acquire(name, "waiter", limit=1, ttl=30, meta={}, wait=True)
+        assert again.grant is not None and again.grant.slot == 0
+        assert waiter.link.call(lambda: waiter._hands[(name, "waiter")].consumer_tag) is None
+        assert waiter.release(name, "waiter")
+    finally:
+        waiter.close()
+    assert wait_until(lambda: tokens(queue) == 1)
+
+
+def test_amqp_a_release_whose_commit_fails_after_its_token_went_back_is_a_lost_lease(
+        amqp_url, tagged, tokens):
+    """The token goes back before the registry commits the release. Should that commit fail
+    (the broker closes the registry's channel: the old state, lease included, stays), the
+    hand holds nothing any more: renewal reports the lease lost and frees it, rather than
+    renew a lease whose token someone else may take."""
+    name = "failed-release"
+    queue = token_queue(tagged, name)
+    backend = get_backend(amqp_url, **tagged)
+    assert backend.acquire(name, "holder", limit=1, ttl=30, meta={}, wait=True).grant
+    real_put = backend._put
+
+    def put_refused(message, queue_name, body, before_commit=()):
+        del backend._put  # once
+        bad_ack = lambda: backend._channel("tx").basic_ack(10 ** 6)  # noqa: E731
+        real_put(message, queue_name, body, [*before_commit, bad_ack])  # PRECONDITION_FAILED
+
+    backend._put = put_refused
+    with pytest.raises(amqp.exceptions.PreconditionFailed):
+        backend.release(name, "holder")
+    assert wait_until(lambda: tokens(queue) == 1)  # the token went back
+    assert [h.holder for h in backend.status(name).holders] == ["holder"]  # the old state
+    assert backend.renew(name, "holder", 30) is None  # reported lost...
+    assert backend.status(name).held == 0  # ... and freed
+    assert backend.acquire(name, "next", limit=1, ttl=30, meta={}, wait=False).grant
+    assert backend.release(name, "next")
+    assert wait_until(lambda: tokens(queue) == 1)
 
 
 def test_slot_backend_url_and_a_missing_broker(amqp_url):

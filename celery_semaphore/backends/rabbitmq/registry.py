@@ -47,6 +47,7 @@ from typing import (
     Iterator,
     List,
     Optional,
+    Sequence,
     Set,
     Tuple,
     Type,
@@ -139,6 +140,10 @@ class RegistryTransaction(Transaction):
         self.tokens: Dict[str, int] = dict((document or {}).get("tokens", legacy.get("tokens", {})))
         #: the new state is being stored: a failure now must not give the old message back
         self.settled = False
+        #: run while the registry message is still held, right before the store commits
+        #: (:meth:`RabbitBackend._put`): what must be in place before anyone can read the
+        #: new state, such as a released token back in its queue
+        self.before_commit: List[Callable[[], None]] = []
 
     def dumps(self) -> str:
         assert self.state is not None
@@ -409,18 +414,24 @@ class RabbitBackend(DocumentBackend, Generic[HandT]):
                 self._return_registry(got.pop())
         return got[0] if got else None
 
-    def _put(self, message: amqp.Message, queue_name: str, body: str) -> None:
+    def _put(self, message: amqp.Message, queue_name: str, body: str,
+             before_commit: Sequence[Callable[[], None]] = ()) -> None:
         channel = self._channel("tx")
         channel.basic_publish(
             amqp.Message(body, delivery_mode=2, content_type="application/json"),
             exchange="", routing_key=queue_name,
         )
         channel.basic_ack(message.delivery_tag)
+        for step in before_commit:
+            step()
         channel.tx_commit()
 
-    def _return_registry(self, message: amqp.Message) -> None:
+    def _return_registry(self, message: amqp.Message,
+                         before_commit: Sequence[Callable[[], None]] = ()) -> None:
         channel = self._channel("tx")
         channel.basic_reject(message.delivery_tag, requeue=True)
+        for step in before_commit:
+            step()
         channel.tx_commit()
 
     def _create(self, queue_name: str, make_body: Callable[[], str]) -> bool:
@@ -517,9 +528,9 @@ class RabbitBackend(DocumentBackend, Generic[HandT]):
         body = txn.dumps()
         txn.settled = True
         if body == txn.body:
-            self._return_registry(message)
+            self._return_registry(message, txn.before_commit)
         else:
-            self._put(message, queue_name, body)
+            self._put(message, queue_name, body, txn.before_commit)
         return True
 
     def _created(self, txn: "RegistryTransaction") -> str:

@@ -367,13 +367,45 @@ class TokenBackend(RabbitBackend[TokenHand]):
         return self._transact(name, with_tokens)
 
     def _release_here(self, name: str, holder: str) -> bool:
-        released, tokens = self._with_tokens(
-            name, lambda state, now: state.release(holder, now), False
-        )
+        """Release ``holder``.
+
+        The token goes back to its queue while the registry message is still held, just
+        before the smaller state commits: the wake-up that follows the commit then never
+        finds the token still on its way back (the woken waiter's ``basic.get`` would miss
+        it, and it would wait for a delivery and a third registry write). Whoever takes the
+        token meanwhile needs the registry to be admitted, so it sees the new state; if the
+        commit fails, the old lease still covers the slot and a taker parks the token."""
+        returned: List[TokenHand] = []
+
+        def release(txn: Transaction) -> Tuple[bool, Optional[Dict[str, int]]]:
+            assert isinstance(txn, RegistryTransaction)
+            if txn.state is None:
+                return False, None
+            tokens = dict(txn.tokens)
+            txn.before_commit.append(
+                functools.partial(self._return_token, name, holder, tokens, returned))
+            return txn.state.release(holder, txn.now), tokens
+
+        try:
+            released, tokens = self._transact(name, release)
+        except BaseException:
+            for hand in returned:  # its token is back, its lease perhaps not released
+                hand.lost = True
+            raise
         hand = self._hands.get((name, holder))
         if hand is not None:
             self._give_up(hand, tokens)
         return released
+
+    def _return_token(self, name: str, holder: str, tokens: Dict[str, int],
+                      returned: List[TokenHand]) -> None:
+        """Give ``holder``'s token back (ack it if no longer current): registry held."""
+        hand = self._hands.get((name, holder))
+        if hand is None or hand.message is None or hand.lost:
+            return
+        token = token_of(hand.message)
+        self._drop_evidence(hand, keep=token is not None and is_current(tokens, token))
+        returned.append(hand)
 
     def cancel(self, name: str, holder: str) -> None:
         self.link.call(self._cancel_here, name, holder)
