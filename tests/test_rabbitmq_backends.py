@@ -442,6 +442,29 @@ def test_amqp_a_release_whose_commit_fails_after_its_token_went_back_is_a_lost_l
     assert wait_until(lambda: tokens(queue) == 1)
 
 
+def test_amqp_abandon_is_one_registry_write(amqp_url, tagged, tokens):
+    """abandon (leave the queue, release a grant whose reply was lost) takes the registry
+    once, for a waiter and for a holder alike, and leaves neither behind."""
+    name = "abandoned"
+    queue = token_queue(tagged, name)
+    backend = get_backend(amqp_url, **tagged)
+    assert backend.acquire(name, "holder", limit=1, ttl=30, meta={}, wait=True).grant
+    assert backend.acquire(name, "waiter", limit=1, ttl=30, meta={}, wait=True).grant is None
+    takes = []
+    real_take = backend._take
+    backend._take = lambda queue_name: takes.append(queue_name) or real_take(queue_name)
+    backend.abandon(name, "waiter")
+    assert len(takes) == 1
+    assert backend.status(name).waiting == 0
+    takes.clear()
+    backend.abandon(name, "holder")  # a grant the caller never saw
+    assert len(takes) == 1
+    assert backend.status(name).held == 0
+    assert wait_until(lambda: tokens(queue) == 1)
+    assert backend.acquire(name, "next", limit=1, ttl=30, meta={}, wait=False).grant
+    assert backend.release(name, "next")
+
+
 def test_slot_backend_url_and_a_missing_broker(amqp_url):
     from celery_semaphore import BackendUnavailable
     from celery_semaphore.backends.rabbitmq import SlotQueueBackend

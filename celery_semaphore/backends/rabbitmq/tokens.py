@@ -366,8 +366,8 @@ class TokenBackend(RabbitBackend[TokenHand]):
 
         return self._transact(name, with_tokens)
 
-    def _release_here(self, name: str, holder: str) -> bool:
-        """Release ``holder``.
+    def _release_here(self, name: str, holder: str, cancel: bool = False) -> bool:
+        """Release ``holder`` (``cancel``: leave the waiter queue too, in the same write).
 
         The token goes back to its queue while the registry message is still held, just
         before the smaller state commits: the wake-up that follows the commit then never
@@ -381,6 +381,8 @@ class TokenBackend(RabbitBackend[TokenHand]):
             assert isinstance(txn, RegistryTransaction)
             if txn.state is None:
                 return False, None
+            if cancel:
+                txn.state.cancel(holder)
             tokens = dict(txn.tokens)
             txn.before_commit.append(
                 functools.partial(self._return_token, name, holder, tokens, returned))
@@ -407,15 +409,27 @@ class TokenBackend(RabbitBackend[TokenHand]):
         self._drop_evidence(hand, keep=token is not None and is_current(tokens, token))
         returned.append(hand)
 
+    def abandon(self, name: str, holder: str) -> None:
+        """Leave the waiter queue and release, in one registry write (two elsewhere)."""
+        self.link.call(self._abandon_here, name, holder)
+
+    def _abandon_here(self, name: str, holder: str) -> None:
+        self._stop_waiting(name, holder)
+        self._release_here(name, holder, cancel=True)
+
     def cancel(self, name: str, holder: str) -> None:
         self.link.call(self._cancel_here, name, holder)
 
     def _cancel_here(self, name: str, holder: str) -> None:
+        self._stop_waiting(name, holder)
+        self._transact(name, lambda txn: txn.state.cancel(holder) if txn.state else None)
+
+    def _stop_waiting(self, name: str, holder: str) -> None:
+        """A waiter leaves: give back what its hand holds (a parked token, a consumer)."""
         hand = self._hands.get((name, holder))
         if hand is not None and not hand.granted:
             self._drop_evidence(hand, keep=True)
             self._close_hand(hand)
-        self._transact(name, lambda txn: txn.state.cancel(holder) if txn.state else None)
 
     def _renew_here(self, name: str, holder: str, ttl: float, requested_at: float
                     ) -> Optional[float]:
