@@ -203,6 +203,42 @@ def test_a_registry_held_too_long_elsewhere_costs_only_that_call(rabbit, amqp_ur
     lease.release()
 
 
+def test_a_registry_waited_for_is_used_without_waiting_for_the_cancel_ok(rabbit, amqp_url):
+    """A call that found the registry message held consumes it until it comes back; once it
+    is delivered, the consumer is cancelled without a round trip (prefetch 1: nothing else
+    can be delivered meanwhile). Each time the consumer is gone, the registry message is
+    back in its queue, and nothing is left on the registry channel."""
+    url, options = rabbit
+    sem = Semaphore("busy", 1, url, ttl=30, registry_timeout=20, **options)
+    sem.resize(1)
+    backend = sem.backend
+    registry = f"{options['key_prefix']}busy.registry"
+    with Connection(amqp_url) as elsewhere:
+        channel = elsewhere.channel()
+        for _ in range(3):
+            message = channel.basic_get(registry, no_ack=False)
+            assert message is not None
+            tx = backend.link.call(lambda: backend._channel("tx"))
+            cancels = []
+            real_cancel = tx.basic_cancel
+            tx.basic_cancel = lambda *a, **k: cancels.append(a) or real_cancel(*a, **k)
+            results = []
+            caller = threading.Thread(target=lambda: results.append(sem.try_acquire()))
+            caller.start()
+            assert wait_until(lambda: channel.queue_declare(registry, passive=True)
+                              .consumer_count == 1)  # the call waits for the message
+            channel.basic_reject(message.delivery_tag, requeue=True)
+            caller.join(15)
+            del tx.basic_cancel
+            assert results and results[0] is not None
+            assert cancels == []
+            results[0].release()
+            declared = channel.queue_declare(registry, passive=True)
+            assert (declared.message_count, declared.consumer_count) == (1, 0)
+            assert backend.link.call(lambda: (dict(tx.callbacks), dict(tx.cancel_callbacks))) \
+                == ({}, {})
+
+
 @pytest.fixture
 def tagged():
     yield {"key_prefix": f"{servers.unique_tag()}:"}

@@ -57,6 +57,7 @@ from typing import (
 
 import amqp
 from amqp import exceptions as amqp_errors
+from amqp import spec
 
 from ...exceptions import BackendUnavailable, ConfigurationError
 from ..base import Attempt, Meta
@@ -407,9 +408,17 @@ class RabbitBackend(DocumentBackend, Generic[HandT]):
                                queue_name)
         finally:
             if channel.is_open and not cancelled:
-                # Synchronous: a delivery that crossed our cancel lands in ``got`` before the
-                # CancelOk, instead of in a callback nobody reads (prefetch 1: at most one).
-                channel.basic_cancel(tag)
+                if got:
+                    # Not waited for (that round trip would be spent holding the registry):
+                    # prefetch 1, so nothing more is delivered while we hold the message,
+                    # and the broker handles the cancel before what we send after it on this
+                    # channel (the store and its commit). py-amqp drops the consumer's
+                    # callbacks when the CancelOk arrives.
+                    channel.send_method(spec.Basic.Cancel, "sb", (tag, False))
+                else:
+                    # Synchronous: a delivery that crossed our cancel lands in ``got`` before
+                    # the CancelOk, instead of in a callback nobody reads.
+                    channel.basic_cancel(tag)
             if got and sys.exc_info()[0] is not None:
                 self._return_registry(got.pop())
         return got[0] if got else None
