@@ -3,6 +3,7 @@ holders that die or freeze, resizes under load and from two administrators at on
 token count after many reject/requeue cycles. Token counts are read from the broker itself.
 """
 
+import functools
 import multiprocessing
 import os
 import select
@@ -476,6 +477,37 @@ def test_amqp_a_release_whose_commit_fails_after_its_token_went_back_is_a_lost_l
     assert backend.acquire(name, "next", limit=1, ttl=30, meta={}, wait=False).grant
     assert backend.release(name, "next")
     assert wait_until(lambda: tokens(queue) == 1)
+
+
+def test_a_waiter_of_the_same_process_is_woken_without_the_broker(rabbit):
+    """A release that makes a waiter of this very process admissible wakes it directly; a
+    waiter of another process still gets its wake-up through the broker."""
+    url, options = rabbit
+    backend = get_backend(url, **options)
+    other = backend_class(url)(url, **options)  # a client of its own
+    received = {backend: [], other: []}
+    for side in received:  # before the first watch: what its wake-up consumer calls
+        side._on_wakeup = functools.partial(
+            lambda side, real, message: received[side].append(message) or real(message),
+            side, side._on_wakeup)
+    try:
+        for waiter_side in (backend, other):
+            assert backend.acquire("wake", "holder", limit=1, ttl=30, meta={},
+                                   wait=True).grant
+            woken = threading.Event()
+            waiter_side.watch("wake", "waiter", woken.set)
+            assert waiter_side.acquire("wake", "waiter", limit=1, ttl=30, meta={},
+                                       wait=True).grant is None
+            assert backend.release("wake", "holder")
+            assert woken.wait(10)
+            assert waiter_side.acquire("wake", "waiter", limit=1, ttl=30, meta={},
+                                       wait=True).grant is not None
+            waiter_side.unwatch("wake", "waiter")
+            assert waiter_side.release("wake", "waiter")
+        time.sleep(0.2)  # a wake-up through the broker would have come by now
+        assert (len(received[backend]), len(received[other])) == (0, 1)
+    finally:
+        other.close()
 
 
 def test_amqp_abandon_is_one_registry_write(amqp_url, tagged, tokens):

@@ -605,6 +605,9 @@ class RabbitBackend(DocumentBackend, Generic[HandT]):
     # -- wake-ups ------------------------------------------------------------------------
 
     def _send_wakeup(self, client: str, name: str, holder: str) -> None:
+        if client == self.client_id:  # a waiter of this process: no trip through the broker
+            self._wake_here(name, holder)
+            return
         body = json.dumps({"name": name, "holder": holder})
         self._channel("probe").basic_publish(
             amqp.Message(body), exchange="", routing_key=f"{self.key_prefix}wake.{client}"
@@ -630,12 +633,20 @@ class RabbitBackend(DocumentBackend, Generic[HandT]):
     def _on_wakeup(self, message: amqp.Message) -> None:
         try:
             data = json.loads(_text(message.body))
-            hand = self._hands.get((data["name"], data["holder"]))
+            name, holder = data["name"], data["holder"]
+        except Exception:
+            logger.exception("bad semaphore wake-up %r", message.body)
+            return
+        self._wake_here(name, holder)
+
+    def _wake_here(self, name: str, holder: str) -> None:
+        try:
+            hand = self._hands.get((name, holder))
             if hand is not None and hand.awaits_delivery():
                 return  # its consumer is delivered the token itself
-            self._notify(data["name"], data["holder"])
+            self._notify(name, holder)
         except Exception:
-            logger.exception("bad or failing semaphore wake-up %r", message.body)
+            logger.exception("failing semaphore wake-up of %r in %r", holder, name)
 
     # -- lifecycle -----------------------------------------------------------------------
 
