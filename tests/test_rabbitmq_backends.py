@@ -533,6 +533,65 @@ def test_amqp_abandon_is_one_registry_write(amqp_url, tagged, tokens):
     assert backend.release(name, "next")
 
 
+def test_amqp_a_newcomer_behind_a_queue_leaves_the_tokens_to_the_waiters(amqp_url, tagged,
+                                                                         tokens):
+    """Where this process last saw a queue (or no free slot), a new caller takes no token
+    before the registry: behind the queue it would only take the token a woken waiter is
+    about to look for, and give it back a registry write later. The woken waiter then finds
+    the token with its get, and is admitted by one registry write."""
+    name = "newcomer"
+    queue = token_queue(tagged, name)
+    here = get_backend(amqp_url, **tagged)
+    waiter = backend_class(amqp_url)(amqp_url, **tagged)
+    try:
+        assert here.acquire(name, "holder", limit=1, ttl=30, meta={}, wait=True).grant
+        woken = threading.Event()
+        waiter.watch(name, "waiter", woken.set)
+        assert waiter.acquire(name, "waiter", limit=1, ttl=30, meta={}, wait=True).grant is None
+        assert here.release(name, "holder")  # seen here: a waiter, a free slot
+        assert woken.wait(10) and wait_until(lambda: tokens(queue) == 1)
+        taken = []
+        real_take_token = here._take_token
+        here._take_token = lambda hand: taken.append(hand.holder) or real_take_token(hand)
+        late = here.acquire(name, "newcomer", limit=1, ttl=30, meta={}, wait=True)
+        assert late.grant is None and late.position == 1
+        assert taken == []
+        assert tokens(queue) == 1
+        again = waiter.acquire(name, "waiter", limit=1, ttl=30, meta={}, wait=True)
+        assert again.grant is not None
+        assert waiter.link.call(lambda: waiter._hands[(name, "waiter")].consumer_tag) is None
+        assert waiter.release(name, "waiter")
+        here.cancel(name, "newcomer")
+    finally:
+        waiter.close()
+
+
+def test_amqp_a_newcomer_admitted_where_it_expected_a_queue_takes_its_token_in_the_rule(
+        amqp_url, tagged, tokens):
+    """The hint is only a hint: a new caller that skipped the token because the semaphore
+    looked crowded, but whom the registry admits, takes a token while it holds the registry
+    and is admitted by that same write."""
+    name = "uncrowded"
+    queue = token_queue(tagged, name)
+    backend = get_backend(amqp_url, **tagged)
+    assert backend.acquire(name, "brief", limit=1, ttl=0.5, meta={}, wait=True).grant
+    assert name in backend._crowded  # full
+    assert wait_until(lambda: tokens(queue) == 1)  # its local deadline gave the token back
+    time.sleep(0.1)  # past the lease's expiry in the registry too
+    writes = []
+    real_transact = backend._transact
+    backend._transact = lambda *args, **kwargs: writes.append(args[0]) or real_transact(
+        *args, **kwargs)
+    fresh = backend.acquire(name, "fresh", limit=1, ttl=30, meta={}, wait=True)
+    assert fresh.grant is not None and fresh.grant.slot == 0
+    assert writes == [name]
+    del backend._transact
+    assert name in backend._crowded  # full again
+    assert backend.release(name, "fresh")
+    assert name not in backend._crowded
+    assert wait_until(lambda: tokens(queue) == 1)
+
+
 def test_slot_backend_url_and_a_missing_broker(amqp_url):
     from celery_semaphore import BackendUnavailable
     from celery_semaphore.backends.rabbitmq import SlotQueueBackend

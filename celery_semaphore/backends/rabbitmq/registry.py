@@ -107,6 +107,8 @@ class Hand:
     granted: bool = False
     deadline: float = 0.0
     slot: Optional[int] = None
+    #: a wake-up came since its last try: the registry found it admissible
+    woken: bool = False
 
     def forget_evidence(self) -> None:
         """The broker closed the channel, and took back what it held."""
@@ -642,8 +644,10 @@ class RabbitBackend(DocumentBackend, Generic[HandT]):
     def _wake_here(self, name: str, holder: str) -> None:
         try:
             hand = self._hands.get((name, holder))
-            if hand is not None and hand.awaits_delivery():
-                return  # its consumer is delivered the token itself
+            if hand is not None:
+                if hand.awaits_delivery():
+                    return  # its consumer is delivered the token itself
+                hand.woken = True
             self._notify(name, holder)
         except Exception:
             logger.exception("failing semaphore wake-up of %r in %r", holder, name)

@@ -48,7 +48,7 @@ from __future__ import annotations
 import functools
 import json
 import time
-from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import amqp
 
@@ -94,6 +94,7 @@ class TokenVerdict(NamedTuple):
     """What the acquire rule decided, and what it saw of the token we hold."""
 
     attempt: Attempt
+    token: Optional[Tuple[int, int]]  # the token we hold, taken before or by the rule
     created: bool  # the semaphore did not exist: this attempt created it
     token_stale: bool  # our token is above the limit or of an old generation
     token_slot_held: bool  # another holder's lease still covers our token's slot
@@ -106,6 +107,22 @@ class TokenBackend(RabbitBackend[TokenHand]):
     ``connect_timeout``, ``registry_timeout``, plus the common backend options."""
 
     hand_class = TokenHand
+    #: At most this many semaphores remembered as crowded (see :meth:`_look_for_token`).
+    crowded_memory = 1024
+
+    def __init__(self, url: str, **options: Any) -> None:
+        super().__init__(url, **options)
+        #: Semaphores whose registry, when this process last wrote it, had waiters or no
+        #: free slot. A hint, never trusted for a decision: read and written on the I/O
+        #: thread only.
+        self._crowded: Dict[str, None] = {}
+
+    def _note_crowding(self, name: str, state: State) -> None:
+        self._crowded.pop(name, None)
+        if state.waiters or len(state.holders) >= state.limit:
+            self._crowded[name] = None
+            if len(self._crowded) > self.crowded_memory:
+                del self._crowded[next(iter(self._crowded))]
 
     def tokens_queue(self, name: str) -> str:
         return self.queue_name(name, "tokens")
@@ -281,15 +298,28 @@ class TokenBackend(RabbitBackend[TokenHand]):
     def _look_for_token(self, hand: TokenHand, name: str, holder: str, limit: int, ttl: float,
                         meta: Meta, wait: bool, requested_at: float,
                         parked: List[amqp.Message]) -> Attempt:
+        """Admit ``holder`` with a token, or queue it.
+
+        A token is taken (``basic.get``) before the registry is taken when the caller is
+        likely to be admitted: the semaphore was not crowded when this process last wrote
+        its registry, or the caller was woken since its last try, or it is looking again.
+        Otherwise the rule takes one only if the registry admits the caller (one round trip
+        more while the registry is held): a newcomer behind a queue would take the token a
+        woken waiter is about to look for, and only give it back after its registry write,
+        while the waiter, finding none, consumes and waits for it."""
         created = False
         missed = 0
+        take_first = hand.woken or name not in self._crowded
+        hand.woken = False
         for _ in range(limit + 64):
-            self._take_token(hand)
-            token = token_of(hand.message)
+            if take_first:
+                self._take_token(hand)
             verdict: TokenVerdict = self._transact(
-                name, functools.partial(self._admit_with_token, holder, limit, ttl, meta, wait,
-                                        token)
+                name, functools.partial(self._admit_with_token, hand, limit, ttl, meta, wait,
+                                        not take_first)
             )
+            take_first = True
+            token = verdict.token
             attempt = verdict.attempt
             if verdict.created and not created:
                 created = True  # the tokens exist now: look again
@@ -335,13 +365,21 @@ class TokenBackend(RabbitBackend[TokenHand]):
         return attempt
 
     def _admit_with_token(
-        self, holder: str, limit: int, ttl: float, meta: Meta, wait: bool,
-        token: Optional[Tuple[int, int]], txn: Transaction,
+        self, hand: TokenHand, limit: int, ttl: float, meta: Meta, wait: bool,
+        may_take: bool, txn: Transaction,
     ) -> "TokenVerdict":
-        """The acquire rule, restricted to the slot of the token we hold (if any)."""
+        """The acquire rule, restricted to the slot of the token we hold (if any). With
+        ``may_take`` (no token was looked for just before), a caller holding none that the
+        registry admits but for the token takes one first: the only I/O of the rule, done
+        once (a retry finds the token in the hand)."""
         assert isinstance(txn, RegistryTransaction)
+        holder = hand.holder
         created = txn.state is None
         state = self._declare(txn, limit)  # first: the limit in force may change
+        if may_take and hand.message is None and not created and holder not in state.holders \
+                and state.place(holder, meta, None, txn.now).slot is not None:
+            self._take_token(hand)
+        token = token_of(hand.message)
         stale = token is not None and not is_current(txn.tokens, token)
         slot_held = token is not None and any(
             h.slot == token[0] for k, h in state.holders.items() if k != holder
@@ -350,7 +388,8 @@ class TokenBackend(RabbitBackend[TokenHand]):
         twin_holds = state.twin_holds(holder)
         slots = [token[0]] if token is not None and not stale else []
         attempt = self._admit(txn, holder, limit, ttl, meta, wait, slots=slots)
-        return TokenVerdict(attempt, created, stale, slot_held, free, twin_holds)
+        self._note_crowding(txn.name, state)
+        return TokenVerdict(attempt, token, created, stale, slot_held, free, twin_holds)
 
     def _with_tokens(self, name: str, rule: Callable[[State, float], Result], missing: Result
                      ) -> Tuple[Result, Optional[Dict[str, int]]]:
@@ -386,7 +425,9 @@ class TokenBackend(RabbitBackend[TokenHand]):
             tokens = dict(txn.tokens)
             txn.before_commit.append(
                 functools.partial(self._return_token, name, holder, tokens, returned))
-            return txn.state.release(holder, txn.now), tokens
+            released = txn.state.release(holder, txn.now)
+            self._note_crowding(name, txn.state)
+            return released, tokens
 
         try:
             released, tokens = self._transact(name, release)
