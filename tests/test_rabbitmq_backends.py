@@ -205,10 +205,11 @@ def test_a_registry_held_too_long_elsewhere_costs_only_that_call(rabbit, amqp_ur
 
 
 def test_a_registry_waited_for_is_used_without_waiting_for_the_cancel_ok(rabbit, amqp_url):
-    """A call that found the registry message held consumes it until it comes back; once it
-    is delivered, the consumer is cancelled without a round trip (prefetch 1: nothing else
-    can be delivered meanwhile). Each time the consumer is gone, the registry message is
-    back in its queue, and nothing is left on the registry channel."""
+    """The registry message is taken by a consumer: at once when free, when it comes back
+    when held elsewhere. Once it is delivered, the consumer is cancelled without a round
+    trip (prefetch 1: nothing else can be delivered meanwhile). Each time the consumer is
+    gone, the registry message is back in its queue, and nothing is left on the registry
+    channel."""
     url, options = rabbit
     sem = Semaphore("busy", 1, url, ttl=30, registry_timeout=20, **options)
     sem.resize(1)
@@ -238,6 +239,17 @@ def test_a_registry_waited_for_is_used_without_waiting_for_the_cancel_ok(rabbit,
             assert (declared.message_count, declared.consumer_count) == (1, 0)
             assert backend.link.call(lambda: (dict(tx.callbacks), dict(tx.cancel_callbacks))) \
                 == ({}, {})
+    # A free registry is consumed as well (no basic.get first): one round trip, same state.
+    tx = backend.link.call(lambda: backend._channel("tx"))
+    tx.basic_get = lambda *args, **kwargs: pytest.fail("a basic.get of the registry")
+    try:
+        assert sem.status().limit == 1
+        sem.try_acquire().release()
+    finally:
+        del tx.basic_get
+    with Connection(amqp_url) as after:
+        declared = after.channel().queue_declare(registry, passive=True)
+        assert (declared.message_count, declared.consumer_count) == (1, 0)
 
 
 @pytest.fixture

@@ -4,8 +4,8 @@ it runs on one :class:`.link.AMQPLink` thread per backend instance.
 
 **Registry.** RabbitMQ stores messages, not records, so a semaphore's state (limit, holders with
 lease expiry and fencing epochs, FIFO waiters: :class:`.model.State`) is ONE persistent message
-in the durable classic queue ``<prefix><name>.registry``. Taking that message (``basic.get``
-without ack, or a consumer when someone else has it) is the semaphore's mutex; the update
+in the durable classic queue ``<prefix><name>.registry``. Taking that message (a consumer with
+prefetch 1, unacked, cancelled once it arrives) is the semaphore's mutex; the update
 publishes the new state and acks the old one in one AMQP transaction on that one queue, so a
 client that dies mid-update leaves the old state requeued by the broker, never two or none.
 Deletion removes the queue while holding its message. One window is left: a client killed
@@ -389,9 +389,7 @@ class RabbitBackend(DocumentBackend, Generic[HandT]):
             return None
         channel = self._channel("tx")
         try:
-            message = channel.basic_get(queue_name, no_ack=False)
-            if message is None:
-                message = self._wait_for_message(channel, queue_name)
+            message = self._wait_for_message(channel, queue_name)
         except amqp_errors.NotFound:  # deleted by a reset elsewhere
             message = None
         if message is None:
@@ -400,8 +398,11 @@ class RabbitBackend(DocumentBackend, Generic[HandT]):
 
     def _wait_for_message(self, channel: amqp.Channel, queue_name: str
                           ) -> Optional[amqp.Message]:
-        """Consume the registry message when its holder gives it back; None when the queue
-        is deleted meanwhile (the broker cancels our consumer)."""
+        """Consume the registry message: at once when it is in its queue, else when its
+        holder gives it back; None when the queue is deleted meanwhile (the broker cancels
+        our consumer). A consumer rather than ``basic.get`` first: the message comes right
+        after the ConsumeOk, so a free registry costs the same one round trip, and a held one
+        is not asked for twice (an empty get, then the consumer)."""
         got: List[amqp.Message] = []
         cancelled: List[str] = []
         tag = channel.basic_consume(queue_name, callback=got.append, on_cancel=cancelled.append)
