@@ -192,6 +192,8 @@ class RabbitBackend(DocumentBackend, Generic[HandT]):
         self._link_lock = threading.Lock()
         self._link: Optional[AMQPLink] = None
         self._hands: Dict[Tuple[str, str], HandT] = {}
+        #: (name, client, holder) woken by :meth:`_wake_early` in the transaction under way
+        self._woken_early: Set[Tuple[str, str, str]] = set()
         self._reset_connection_state()
 
     @staticmethod
@@ -495,9 +497,25 @@ class RabbitBackend(DocumentBackend, Generic[HandT]):
     # -- the engine's storage: the registry message (I/O thread) ---------------------------
 
     def _transact(self, name: str, rule: Rule[Result], *, write: bool = True) -> Result:
-        transact: Callable[[str, Rule[Result]], Result] = functools.partial(
-            super()._transact, write=write)
-        return self.link.call(transact, name, rule)
+        return self.link.call(self._transact_here, name, rule, write)
+
+    def _transact_here(self, name: str, rule: Rule[Result], write: bool) -> Result:
+        try:
+            return super()._transact(name, rule, write=write)
+        finally:
+            self._woken_early.clear()
+
+    def _wake_early(self, name: str, state: State, before: Set[Tuple[str, str]],
+                    now: float) -> None:
+        """Wake the waiters ``state`` makes admissible (``before``: those admissible
+        already) now, registry still held, rather than after the commit: a woken waiter's
+        attempt then reaches the broker while the commit is under way and is handed the
+        registry as soon as it is free. A wake-up is only a hint: should the commit fail,
+        the waiter finds the old state and waits on. The engine's wake-ups after the commit
+        skip these (a ``before_commit`` step of the transaction under way)."""
+        for client, holder in state.wakeups(before, now):
+            self._send_wakeup(client, name, holder)
+            self._woken_early.add((name, client, holder))
 
     @contextmanager
     def _load(self, name: str) -> Iterator[Transaction]:
@@ -608,6 +626,8 @@ class RabbitBackend(DocumentBackend, Generic[HandT]):
     # -- wake-ups ------------------------------------------------------------------------
 
     def _send_wakeup(self, client: str, name: str, holder: str) -> None:
+        if (name, client, holder) in self._woken_early:
+            return
         if client == self.client_id:  # a waiter of this process: no trip through the broker
             self._wake_here(name, holder)
             return

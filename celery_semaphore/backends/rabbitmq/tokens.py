@@ -409,10 +409,11 @@ class TokenBackend(RabbitBackend[TokenHand]):
         """Release ``holder`` (``cancel``: leave the waiter queue too, in the same write).
 
         The token goes back to its queue while the registry message is still held, just
-        before the smaller state commits: the wake-up that follows the commit then never
-        finds the token still on its way back (the woken waiter's ``basic.get`` would miss
-        it, and it would wait for a delivery and a third registry write). Whoever takes the
-        token meanwhile needs the registry to be admitted, so it sees the new state; if the
+        before the smaller state commits, and then the waiters this makes admissible are
+        woken (:meth:`_wake_early`): a woken waiter's ``basic.get`` finds the token (had
+        it missed it, it would wait for a delivery and a third registry write), and its
+        registry request waits at the broker for our commit. Whoever takes the token
+        meanwhile needs the registry to be admitted, so it sees the new state; if the
         commit fails, the old lease still covers the slot and a taker parks the token."""
         returned: List[TokenHand] = []
 
@@ -420,13 +421,16 @@ class TokenBackend(RabbitBackend[TokenHand]):
             assert isinstance(txn, RegistryTransaction)
             if txn.state is None:
                 return False, None
+            before = txn.state.admissible(txn.now)
             if cancel:
                 txn.state.cancel(holder)
             tokens = dict(txn.tokens)
-            txn.before_commit.append(
-                functools.partial(self._return_token, name, holder, tokens, returned))
             released = txn.state.release(holder, txn.now)
             self._note_crowding(name, txn.state)
+            txn.before_commit.append(
+                functools.partial(self._return_token, name, holder, tokens, returned))
+            txn.before_commit.append(
+                functools.partial(self._wake_early, name, txn.state, before, txn.now))
             return released, tokens
 
         try:
