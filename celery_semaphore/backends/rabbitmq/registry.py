@@ -194,6 +194,9 @@ class RabbitBackend(DocumentBackend, Generic[HandT]):
         self._hands: Dict[Tuple[str, str], HandT] = {}
         #: (name, client, holder) woken by :meth:`_wake_early` in the transaction under way
         self._woken_early: Set[Tuple[str, str, str]] = set()
+        #: name -> what to run alongside the next take of its registry (:meth:`_take`)
+        self._alongside_registry: Dict[str, Callable[[], None]] = {}
+        self._consumer_serial = 0
         self._reset_connection_state()
 
     @staticmethod
@@ -384,33 +387,55 @@ class RabbitBackend(DocumentBackend, Generic[HandT]):
         self._known.add(queue_name)
         return True
 
-    def _take(self, queue_name: str) -> Optional[amqp.Message]:
+    def _take(self, queue_name: str, alongside: Optional[Callable[[], None]] = None
+              ) -> Optional[amqp.Message]:
         """The registry message of ``queue_name``, held until :meth:`_put` or
-        :meth:`_return_registry`; None when the queue does not exist."""
+        :meth:`_return_registry`; None when the queue does not exist. ``alongside``: see
+        :meth:`_wait_for_message` (not run when the queue is not known to exist)."""
         if not self._exists(queue_name):
             return None
         channel = self._channel("tx")
         try:
-            message = self._wait_for_message(channel, queue_name)
+            message = self._wait_for_message(channel, queue_name, alongside)
         except amqp_errors.NotFound:  # deleted by a reset elsewhere
             message = None
         if message is None:
             self._known.discard(queue_name)
         return message
 
-    def _wait_for_message(self, channel: amqp.Channel, queue_name: str
+    def _wait_for_message(self, channel: amqp.Channel, queue_name: str,
+                          alongside: Optional[Callable[[], None]] = None
                           ) -> Optional[amqp.Message]:
         """Consume the registry message: at once when it is in its queue, else when its
         holder gives it back; None when the queue is deleted meanwhile (the broker cancels
-        our consumer). A consumer rather than ``basic.get`` first: the message comes right
-        after the ConsumeOk, so a free registry costs the same one round trip, and a held one
-        is not asked for twice (an empty get, then the consumer)."""
+        our consumer, or closes the channel: the consume failed). A consumer rather than
+        ``basic.get`` first: the message comes right after the ConsumeOk, so a free registry
+        costs the same one round trip, and a held one is not asked for twice (an empty get,
+        then the consumer).
+
+        ``alongside`` (the token backend's ``basic.get`` of a token) runs once the consume
+        is sent, without its ConsumeOk (``nowait``), so that its round trip and the
+        registry's overlap; the registry message delivered meanwhile lands in ``got``."""
         got: List[amqp.Message] = []
         cancelled: List[str] = []
-        tag = channel.basic_consume(queue_name, callback=got.append, on_cancel=cancelled.append)
+        if alongside is None:
+            tag = channel.basic_consume(queue_name, callback=got.append,
+                                        on_cancel=cancelled.append)
+        else:
+            self._consumer_serial += 1
+            tag = channel.basic_consume(
+                queue_name, consumer_tag=f"cs-registry-{self._consumer_serial}", nowait=True,
+                callback=got.append, on_cancel=cancelled.append)
         try:
-            self.link.wait_for(lambda: bool(got or cancelled), self.registry_timeout,
-                               queue_name)
+            if alongside is not None:
+                alongside()
+            # A channel retired meanwhile was closed by the broker (py-amqp reopened it
+            # bare): our consume failed or the queue went, and nothing more will come.
+            self.link.wait_for(
+                lambda: bool(got or cancelled) or self._channels.get("tx") is not channel,
+                self.registry_timeout, queue_name)
+            if not got and not cancelled:
+                cancelled.append(tag)  # the broker closed the channel: no consumer is left
         finally:
             if channel.is_open and not cancelled:
                 if got:
@@ -504,6 +529,7 @@ class RabbitBackend(DocumentBackend, Generic[HandT]):
             return super()._transact(name, rule, write=write)
         finally:
             self._woken_early.clear()
+            self._alongside_registry.clear()
 
     def _wake_early(self, name: str, state: State, before: Set[Tuple[str, str]],
                     now: float) -> None:
@@ -524,7 +550,8 @@ class RabbitBackend(DocumentBackend, Generic[HandT]):
         back: the registry is never left held by a live connection that will not touch it."""
         if self._wake_queue is None and self._watchers:
             self._listen_here()  # after a reconnect: the old wake-up queue died with it
-        message = self._take(self.queue_name(name, "registry"))
+        message = self._take(self.queue_name(name, "registry"),
+                             self._alongside_registry.pop(name, None))
         txn = RegistryTransaction(name, message, time.time())
         try:
             yield txn

@@ -312,8 +312,8 @@ class TokenBackend(RabbitBackend[TokenHand]):
         take_first = hand.woken or name not in self._crowded
         hand.woken = False
         for _ in range(limit + 64):
-            if take_first:
-                self._take_token(hand)
+            if take_first:  # its round trip overlaps the registry's (see _wait_for_message)
+                self._alongside_registry[name] = functools.partial(self._take_token, hand)
             verdict: TokenVerdict = self._transact(
                 name, functools.partial(self._admit_with_token, hand, limit, ttl, meta, wait,
                                         not take_first)
