@@ -608,6 +608,42 @@ def test_amqp_a_registry_deleted_behind_the_backends_back_costs_no_wait(amqp_url
     assert backend.release(name, "again")
 
 
+def test_amqp_a_release_is_handed_the_registry_before_a_read_that_waited_longer(
+        amqp_url, tagged):
+    """While the registry is held elsewhere, a release (priority 1) and a read (priority 0,
+    waiting since before it) both wait for it: the release gets it first."""
+    name = "priority"
+    registry = f"{tagged['key_prefix']}{name}.registry"
+    releaser = get_backend(amqp_url, **tagged)
+    reader = backend_class(amqp_url)(amqp_url, **tagged)
+    taken = []  # who got the registry message, in order (each on its own I/O thread)
+    for who, backend in (("release", releaser), ("read", reader)):
+        backend._take = functools.partial(
+            lambda who, real, queue_name, *args: (
+                lambda message: taken.append(who) or message)(real(queue_name, *args)),
+            who, backend._take)
+    try:
+        assert releaser.acquire(name, "holder", limit=1, ttl=30, meta={}, wait=True).grant
+        taken.clear()
+        with Connection(amqp_url) as elsewhere:
+            channel = elsewhere.channel()
+            message = channel.basic_get(registry, no_ack=False)
+            assert message is not None
+            consumers = lambda: channel.queue_declare(registry, passive=True).consumer_count  # noqa: E731
+            calls = [threading.Thread(target=reader.status, args=(name,)),
+                     threading.Thread(target=releaser.release, args=(name, "holder"))]
+            for count, call in enumerate(calls, 1):
+                call.start()
+                assert wait_until(lambda: consumers() == count)  # waits, in this order
+            channel.basic_reject(message.delivery_tag, requeue=True)
+            for call in calls:
+                call.join(10)
+        assert taken == ["release", "read"]
+        assert reader.status(name).held == 0
+    finally:
+        reader.close()
+
+
 def test_amqp_abandon_is_one_registry_write(amqp_url, tagged, tokens):
     """abandon (leave the queue, release a grant whose reply was lost) takes the registry
     once, for a waiter and for a holder alike, and leaves neither behind."""

@@ -196,6 +196,8 @@ class RabbitBackend(DocumentBackend, Generic[HandT]):
         self._woken_early: Set[Tuple[str, str, str]] = set()
         #: name -> what to run alongside the next take of its registry (:meth:`_take`)
         self._alongside_registry: Dict[str, Callable[[], None]] = {}
+        #: names whose next registry take is urgent (:meth:`_take`)
+        self._urgent: Set[str] = set()
         self._consumer_serial = 0
         self._reset_connection_state()
 
@@ -387,16 +389,24 @@ class RabbitBackend(DocumentBackend, Generic[HandT]):
         self._known.add(queue_name)
         return True
 
-    def _take(self, queue_name: str, alongside: Optional[Callable[[], None]] = None
-              ) -> Optional[amqp.Message]:
+    def _take(self, queue_name: str, alongside: Optional[Callable[[], None]] = None,
+              urgent: bool = False) -> Optional[amqp.Message]:
         """The registry message of ``queue_name``, held until :meth:`_put` or
         :meth:`_return_registry`; None when the queue does not exist. ``alongside``: see
-        :meth:`_wait_for_message` (not run when the queue is not known to exist)."""
+        :meth:`_wait_for_message` (not run when the queue is not known to exist).
+
+        ``urgent``: a write that frees a slot or is expected to take one (a release, an
+        acquire likely admitted) consumes with priority 1, the rest (a caller that will
+        queue, a renewal, a read) with the default 0: when the registry comes back, RabbitMQ
+        gives it to a waiting consumer of the highest priority, so a handoff does not wait
+        behind newcomers getting in line. No starvation: urgent writes need holders, and
+        holders come only from the queue."""
         if not self._exists(queue_name):
             return None
         channel = self._channel("tx")
         try:
-            message = self._wait_for_message(channel, queue_name, alongside)
+            message = self._wait_for_message(channel, queue_name, alongside,
+                                             {"x-priority": 1} if urgent else None)
         except amqp_errors.NotFound:  # deleted by a reset elsewhere
             message = None
         if message is None:
@@ -404,7 +414,8 @@ class RabbitBackend(DocumentBackend, Generic[HandT]):
         return message
 
     def _wait_for_message(self, channel: amqp.Channel, queue_name: str,
-                          alongside: Optional[Callable[[], None]] = None
+                          alongside: Optional[Callable[[], None]] = None,
+                          arguments: Optional[Dict[str, Any]] = None
                           ) -> Optional[amqp.Message]:
         """Consume the registry message: at once when it is in its queue, else when its
         holder gives it back; None when the queue is deleted meanwhile (the broker cancels
@@ -420,12 +431,12 @@ class RabbitBackend(DocumentBackend, Generic[HandT]):
         cancelled: List[str] = []
         if alongside is None:
             tag = channel.basic_consume(queue_name, callback=got.append,
-                                        on_cancel=cancelled.append)
+                                        on_cancel=cancelled.append, arguments=arguments)
         else:
             self._consumer_serial += 1
             tag = channel.basic_consume(
                 queue_name, consumer_tag=f"cs-registry-{self._consumer_serial}", nowait=True,
-                callback=got.append, on_cancel=cancelled.append)
+                callback=got.append, on_cancel=cancelled.append, arguments=arguments)
         try:
             if alongside is not None:
                 alongside()
@@ -530,6 +541,7 @@ class RabbitBackend(DocumentBackend, Generic[HandT]):
         finally:
             self._woken_early.clear()
             self._alongside_registry.clear()
+            self._urgent.clear()
 
     def _wake_early(self, name: str, state: State, before: Set[Tuple[str, str]],
                     now: float) -> None:
@@ -551,7 +563,7 @@ class RabbitBackend(DocumentBackend, Generic[HandT]):
         if self._wake_queue is None and self._watchers:
             self._listen_here()  # after a reconnect: the old wake-up queue died with it
         message = self._take(self.queue_name(name, "registry"),
-                             self._alongside_registry.pop(name, None))
+                             self._alongside_registry.pop(name, None), name in self._urgent)
         txn = RegistryTransaction(name, message, time.time())
         try:
             yield txn

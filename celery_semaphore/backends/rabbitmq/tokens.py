@@ -314,6 +314,7 @@ class TokenBackend(RabbitBackend[TokenHand]):
         for _ in range(limit + 64):
             if take_first:  # its round trip overlaps the registry's (see _wait_for_message)
                 self._alongside_registry[name] = functools.partial(self._take_token, hand)
+                self._urgent.add(name)  # likely admitted: a handoff (see _take)
             verdict: TokenVerdict = self._transact(
                 name, functools.partial(self._admit_with_token, hand, limit, ttl, meta, wait,
                                         not take_first)
@@ -434,6 +435,7 @@ class TokenBackend(RabbitBackend[TokenHand]):
             return released, tokens
 
         try:
+            self._urgent.add(name)  # it frees a slot (see _take)
             released, tokens = self._transact(name, release)
         except BaseException:
             for hand in returned:  # its token is back, its lease perhaps not released
