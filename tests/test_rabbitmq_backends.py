@@ -644,6 +644,57 @@ def test_amqp_a_release_is_handed_the_registry_before_a_read_that_waited_longer(
         reader.close()
 
 
+def test_urgent_calls_go_before_the_calls_waiting_on_the_io_thread(amqp_url, tagged):
+    """The I/O thread runs a release, or the attempt of a woken waiter, before the calls
+    queued ahead of it (a newcomer getting in line): the freed slot waits for those."""
+    from celery_semaphore.backends.rabbitmq.link import AMQPLink
+
+    link = AMQPLink(amqp_url, heartbeat=10, connect_timeout=5, on_connection_lost=lambda: None)
+    try:
+        running, go, order = threading.Event(), threading.Event(), []
+        first = threading.Thread(target=link.call, args=(lambda: running.set() or go.wait(5),))
+        first.start()
+        assert running.wait(5)  # the I/O thread is busy: what follows waits in line
+        calls = [threading.Thread(target=link.call, args=(order.append, label),
+                                  kwargs={"urgent": label.startswith("urgent")})
+                 for label in ("normal 1", "normal 2", "urgent")]
+        for call in calls:
+            call.start()
+            time.sleep(0.1)  # queued in this order
+        go.set()
+        for call in [first, *calls]:
+            call.join(5)
+        assert order == ["urgent", "normal 1", "normal 2"]
+    finally:
+        link.stop()
+    # The backend marks as urgent: every release, and the attempt of a woken waiter.
+    backend = get_backend(amqp_url, **tagged)
+    flags = []
+    real_call = backend.link.call
+
+    def call(fn, *args, urgent=False, **kwargs):
+        flags.append((getattr(fn, "__name__", ""), urgent))
+        return real_call(fn, *args, urgent=urgent, **kwargs)
+
+    assert backend.acquire("urgent", "holder", limit=1, ttl=30, meta={}, wait=True).grant
+    woken = threading.Event()
+    backend.watch("urgent", "waiter", woken.set)
+    assert backend.acquire("urgent", "waiter", limit=1, ttl=30, meta={}, wait=True).grant is None
+    backend.link.call = call
+    try:
+        assert backend.release("urgent", "holder")
+        assert woken.wait(5)
+        assert backend.acquire("urgent", "waiter", limit=1, ttl=30, meta={}, wait=True).grant
+        assert backend.acquire("urgent", "newcomer", limit=1, ttl=30, meta={},
+                               wait=True).grant is None
+    finally:
+        del backend.link.call
+    assert [f for f in flags if f[0] in ("_release_here", "_acquire_here")] == [
+        ("_release_here", True), ("_acquire_here", True), ("_acquire_here", False)]
+    backend.cancel("urgent", "newcomer")
+    assert backend.release("urgent", "waiter")
+
+
 def test_amqp_abandon_is_one_registry_write(amqp_url, tagged, tokens):
     """abandon (leave the queue, release a grant whose reply was lost) takes the registry
     once, for a waiter and for a holder alike, and leaves neither behind."""

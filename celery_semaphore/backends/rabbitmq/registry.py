@@ -627,12 +627,16 @@ class RabbitBackend(DocumentBackend, Generic[HandT]):
     ) -> Attempt:
         meta = as_json(meta)
         self.check_meta(meta)
+        # A woken waiter's attempt goes before calls queued already (a newcomer getting in
+        # line, say): the slot waits for it. The hand is read off the I/O thread, as a hint.
+        hand = self._hands.get((name, holder))
         return self.link.call(
-            self._acquire_here, name, holder, limit, ttl, meta, wait, time.monotonic()
+            self._acquire_here, name, holder, limit, ttl, meta, wait, time.monotonic(),
+            urgent=hand is not None and hand.woken,
         )
 
     def release(self, name: str, holder: str) -> bool:
-        return self.link.call(self._release_here, name, holder)
+        return self.link.call(self._release_here, name, holder, urgent=True)
 
     def renew(self, name: str, holder: str, ttl: float) -> Optional[float]:
         return self.link.call(self._renew_here, name, holder, ttl, time.monotonic())

@@ -248,6 +248,7 @@ class TokenBackend(RabbitBackend[TokenHand]):
             hand.channel.basic_reject(message.delivery_tag, requeue=True)
             return
         hand.message = message
+        hand.woken = True
         self._notify(hand.name, hand.holder)
 
     def _drop_evidence(self, hand: TokenHand, keep: bool) -> None:
