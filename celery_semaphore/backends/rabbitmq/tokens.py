@@ -20,6 +20,12 @@ Beyond the blog, and why:
   A try also takes a ready token with ``basic.get``; should our consumer's delivery cross
   that get, the hand keeps the delivered token and gives the other back, so a hand's channel
   never holds a token the hand does not know of (see :meth:`TokenBackend._take_token`).
+* **Round trips.** An acquire likely to be admitted (the semaphore was not crowded when this
+  process last wrote it, or the caller was woken) takes its token with ``basic.get`` while
+  its registry consume is on its way, then commits: two round trips. One that will queue takes
+  no token: the registry, then the commit. A release gives its token back and wakes the next
+  waiters while it still holds the registry, then commits: two. Releases and likely admissions
+  consume the registry with a higher priority, and go first on the connection's thread.
 * **Numbered tokens.** Each token carries its number and a generation; the registry keeps the
   current generation of every number below the limit. A token above the limit or of an old
   generation (a duplicate left by a shrink and regrow, or by re-creation) is acked away when
