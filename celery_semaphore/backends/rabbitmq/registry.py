@@ -533,7 +533,8 @@ class RabbitBackend(DocumentBackend, Generic[HandT]):
     # -- the engine's storage: the registry message (I/O thread) ---------------------------
 
     def _transact(self, name: str, rule: Rule[Result], *, write: bool = True) -> Result:
-        return self.link.call(self._transact_here, name, rule, write)
+        transact: Callable[[str, Rule[Result], bool], Result] = self._transact_here
+        return self.link.call(transact, name, rule, write)
 
     def _transact_here(self, name: str, rule: Rule[Result], write: bool) -> Result:
         try:

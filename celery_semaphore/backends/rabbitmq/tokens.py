@@ -445,8 +445,8 @@ class TokenBackend(RabbitBackend[TokenHand]):
             self._urgent.add(name)  # it frees a slot (see _take)
             released, tokens = self._transact(name, release)
         except BaseException:
-            for hand in returned:  # its token is back, its lease perhaps not released
-                hand.lost = True
+            for gone in returned:  # its token is back, its lease perhaps not released
+                gone.lost = True
             raise
         hand = self._hands.get((name, holder))
         if hand is not None:
