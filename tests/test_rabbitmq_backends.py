@@ -647,8 +647,10 @@ def test_amqp_a_release_is_handed_the_registry_before_a_read_that_waited_longer(
 
 
 def test_urgent_calls_go_before_the_calls_waiting_on_the_io_thread(amqp_url, tagged):
-    """The I/O thread runs a release, or the attempt of a woken waiter, before the calls
-    queued ahead of it (a newcomer getting in line): the freed slot waits for those."""
+    """The I/O thread runs the attempt of a woken waiter before the calls queued ahead of it
+    (a newcomer getting in line): the freed slot waits for it. A release is not urgent: with
+    the I/O thread saturated, releases overtaking the attempts of waiters not woken yet kept
+    fewer slots held than the limit (test_resize_up_and_down_under_load[amqp+slots])."""
     from celery_semaphore.backends.rabbitmq.link import AMQPLink
 
     link = AMQPLink(amqp_url, heartbeat=10, connect_timeout=5, on_connection_lost=lambda: None)
@@ -670,7 +672,7 @@ def test_urgent_calls_go_before_the_calls_waiting_on_the_io_thread(amqp_url, tag
         assert order == ["urgent", "normal 1", "normal 2"]
     finally:
         link.stop()
-    # The backend marks as urgent: every release, and the attempt of a woken waiter.
+    # The backend marks as urgent the attempt of a woken waiter, nothing else.
     backend = get_backend(amqp_url, **tagged)
     flags = []
     real_call = backend.link.call
@@ -693,7 +695,7 @@ def test_urgent_calls_go_before_the_calls_waiting_on_the_io_thread(amqp_url, tag
     finally:
         del backend.link.call
     assert [f for f in flags if f[0] in ("_release_here", "_acquire_here")] == [
-        ("_release_here", True), ("_acquire_here", True), ("_acquire_here", False)]
+        ("_release_here", False), ("_acquire_here", True), ("_acquire_here", False)]
     backend.cancel("urgent", "newcomer")
     assert backend.release("urgent", "waiter")
 

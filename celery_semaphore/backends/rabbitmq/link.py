@@ -71,8 +71,8 @@ class AMQPLink:
 
     def call(self, fn: Callable[..., Result], *args: Any, timeout: float = 60.0,
              urgent: bool = False) -> Result:
-        """``urgent``: run before the calls that are not, that wait already (a release, the
-        attempt of a woken waiter: a slot is waiting for them)."""
+        """``urgent``: run before the calls that are not, that wait already (the attempt of
+        a woken waiter: a slot is waiting for it)."""
         if threading.current_thread() is self._thread:
             return fn(*args)
         if self._stopped:

@@ -637,7 +637,9 @@ class RabbitBackend(DocumentBackend, Generic[HandT]):
         )
 
     def release(self, name: str, holder: str) -> bool:
-        return self.link.call(self._release_here, name, holder, urgent=True)
+        # Not urgent: in a process whose I/O thread is saturated, releases that overtake
+        # the attempts of waiters not (yet) woken keep fewer slots held than the limit.
+        return self.link.call(self._release_here, name, holder)
 
     def renew(self, name: str, holder: str, ttl: float) -> Optional[float]:
         return self.link.call(self._renew_here, name, holder, ttl, time.monotonic())

@@ -25,7 +25,8 @@ Beyond the blog, and why:
   its registry consume is on its way, then commits: two round trips. One that will queue takes
   no token: the registry, then the commit. A release gives its token back and wakes the next
   waiters while it still holds the registry, then commits: two. Releases and likely admissions
-  consume the registry with a higher priority, and go first on the connection's thread.
+  consume the registry with a higher priority; a woken waiter's attempt goes first on the
+  connection's thread.
 * **Numbered tokens.** Each token carries its number and a generation; the registry keeps the
   current generation of every number below the limit. A token above the limit or of an old
   generation (a duplicate left by a shrink and regrow, or by re-creation) is acked away when
