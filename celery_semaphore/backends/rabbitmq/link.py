@@ -58,6 +58,8 @@ class AMQPLink:
         self.conn: Optional[amqp.Connection] = None
         self._commands: "queue.SimpleQueue[Tuple[Callable[..., Any], Tuple[Any, ...], Future[Any]]]"
         self._commands = queue.SimpleQueue()
+        self._urgent: "queue.SimpleQueue[Tuple[Callable[..., Any], Tuple[Any, ...], Future[Any]]]"
+        self._urgent = queue.SimpleQueue()
         self._timers = Timers()  # touched by the I/O thread only
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -67,13 +69,16 @@ class AMQPLink:
 
     # -- used from any thread ------------------------------------------------------------
 
-    def call(self, fn: Callable[..., Result], *args: Any, timeout: float = 60.0) -> Result:
+    def call(self, fn: Callable[..., Result], *args: Any, timeout: float = 60.0,
+             urgent: bool = False) -> Result:
+        """``urgent``: run before the calls that are not, that wait already (the attempt of
+        a woken waiter: a slot is waiting for it)."""
         if threading.current_thread() is self._thread:
             return fn(*args)
         if self._stopped:
             raise BackendUnavailable("the AMQP backend was closed")
         future: "Future[Result]" = Future()
-        self._commands.put((fn, args, future))
+        (self._urgent if urgent else self._commands).put((fn, args, future))
         self._poke()
         return future.result(timeout)
 
@@ -177,13 +182,14 @@ class AMQPLink:
                 except CONNECTION_ERRORS as exc:
                     self.lost(exc)
         self._disconnect()
-        while True:  # calls that raced with stop(): fail them now rather than by their timeout
-            try:
-                _, _, future = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            if future.set_running_or_notify_cancel():
-                future.set_exception(BackendUnavailable("the AMQP backend was closed"))
+        for commands in (self._urgent, self._commands):
+            while True:  # calls that raced with stop(): fail them now, not by their timeout
+                try:
+                    _, _, future = commands.get_nowait()
+                except queue.Empty:
+                    break
+                if future.set_running_or_notify_cancel():
+                    future.set_exception(BackendUnavailable("the AMQP backend was closed"))
 
     def _drain(self, sock: socket.socket) -> None:
         """Handle the frames that arrived, without starving the commands or the heartbeats.
@@ -208,10 +214,13 @@ class AMQPLink:
 
     def _run_commands(self) -> None:
         while True:
-            try:
-                fn, args, future = self._commands.get_nowait()
+            try:  # the urgent first, looked at again after each call
+                fn, args, future = self._urgent.get_nowait()
             except queue.Empty:
-                return
+                try:
+                    fn, args, future = self._commands.get_nowait()
+                except queue.Empty:
+                    return
             if not future.set_running_or_notify_cancel():
                 continue
             try:

@@ -4,8 +4,8 @@ it runs on one :class:`.link.AMQPLink` thread per backend instance.
 
 **Registry.** RabbitMQ stores messages, not records, so a semaphore's state (limit, holders with
 lease expiry and fencing epochs, FIFO waiters: :class:`.model.State`) is ONE persistent message
-in the durable classic queue ``<prefix><name>.registry``. Taking that message (``basic.get``
-without ack, or a consumer when someone else has it) is the semaphore's mutex; the update
+in the durable classic queue ``<prefix><name>.registry``. Taking that message (a consumer with
+prefetch 1, unacked, cancelled once it arrives) is the semaphore's mutex; the update
 publishes the new state and acks the old one in one AMQP transaction on that one queue, so a
 client that dies mid-update leaves the old state requeued by the broker, never two or none.
 Deletion removes the queue while holding its message. One window is left: a client killed
@@ -47,6 +47,7 @@ from typing import (
     Iterator,
     List,
     Optional,
+    Sequence,
     Set,
     Tuple,
     Type,
@@ -56,6 +57,7 @@ from typing import (
 
 import amqp
 from amqp import exceptions as amqp_errors
+from amqp import spec
 
 from ...exceptions import BackendUnavailable, ConfigurationError
 from ..base import Attempt, Meta
@@ -105,6 +107,8 @@ class Hand:
     granted: bool = False
     deadline: float = 0.0
     slot: Optional[int] = None
+    #: a wake-up came since its last try: the registry found it admissible
+    woken: bool = False
 
     def forget_evidence(self) -> None:
         """The broker closed the channel, and took back what it held."""
@@ -139,6 +143,10 @@ class RegistryTransaction(Transaction):
         self.tokens: Dict[str, int] = dict((document or {}).get("tokens", legacy.get("tokens", {})))
         #: the new state is being stored: a failure now must not give the old message back
         self.settled = False
+        #: run while the registry message is still held, right before the store commits
+        #: (:meth:`RabbitBackend._put`): what must be in place before anyone can read the
+        #: new state, such as a released token back in its queue
+        self.before_commit: List[Callable[[], None]] = []
 
     def dumps(self) -> str:
         assert self.state is not None
@@ -185,6 +193,13 @@ class RabbitBackend(DocumentBackend, Generic[HandT]):
         self._link_lock = threading.Lock()
         self._link: Optional[AMQPLink] = None
         self._hands: Dict[Tuple[str, str], HandT] = {}
+        #: (name, client, holder) woken by :meth:`_wake_early` in the transaction under way
+        self._woken_early: Set[Tuple[str, str, str]] = set()
+        #: name -> what to run alongside the next take of its registry (:meth:`_take`)
+        self._alongside_registry: Dict[str, Callable[[], None]] = {}
+        #: names whose next registry take is urgent (:meth:`_take`)
+        self._urgent: Set[str] = set()
+        self._consumer_serial = 0
         self._reset_connection_state()
 
     @staticmethod
@@ -375,53 +390,99 @@ class RabbitBackend(DocumentBackend, Generic[HandT]):
         self._known.add(queue_name)
         return True
 
-    def _take(self, queue_name: str) -> Optional[amqp.Message]:
+    def _take(self, queue_name: str, alongside: Optional[Callable[[], None]] = None,
+              urgent: bool = False) -> Optional[amqp.Message]:
         """The registry message of ``queue_name``, held until :meth:`_put` or
-        :meth:`_return_registry`; None when the queue does not exist."""
+        :meth:`_return_registry`; None when the queue does not exist. ``alongside``: see
+        :meth:`_wait_for_message` (not run when the queue is not known to exist).
+
+        ``urgent``: a write that frees a slot or is expected to take one (a release, an
+        acquire likely admitted) consumes with priority 1, the rest (a caller that will
+        queue, a renewal, a read) with the default 0: when the registry comes back, RabbitMQ
+        gives it to a waiting consumer of the highest priority, so a handoff does not wait
+        behind newcomers getting in line. No starvation: urgent writes need holders, and
+        holders come only from the queue."""
         if not self._exists(queue_name):
             return None
         channel = self._channel("tx")
         try:
-            message = channel.basic_get(queue_name, no_ack=False)
-            if message is None:
-                message = self._wait_for_message(channel, queue_name)
+            message = self._wait_for_message(channel, queue_name, alongside,
+                                             {"x-priority": 1} if urgent else None)
         except amqp_errors.NotFound:  # deleted by a reset elsewhere
             message = None
         if message is None:
             self._known.discard(queue_name)
         return message
 
-    def _wait_for_message(self, channel: amqp.Channel, queue_name: str
+    def _wait_for_message(self, channel: amqp.Channel, queue_name: str,
+                          alongside: Optional[Callable[[], None]] = None,
+                          arguments: Optional[Dict[str, Any]] = None
                           ) -> Optional[amqp.Message]:
-        """Consume the registry message when its holder gives it back; None when the queue
-        is deleted meanwhile (the broker cancels our consumer)."""
+        """Consume the registry message: at once when it is in its queue, else when its
+        holder gives it back; None when the queue is deleted meanwhile (the broker cancels
+        our consumer, or closes the channel: the consume failed). A consumer rather than
+        ``basic.get`` first: the message comes right after the ConsumeOk, so a free registry
+        costs the same one round trip, and a held one is not asked for twice (an empty get,
+        then the consumer).
+
+        ``alongside`` (the token backend's ``basic.get`` of a token) runs once the consume
+        is sent, without its ConsumeOk (``nowait``), so that its round trip and the
+        registry's overlap; the registry message delivered meanwhile lands in ``got``."""
         got: List[amqp.Message] = []
         cancelled: List[str] = []
-        tag = channel.basic_consume(queue_name, callback=got.append, on_cancel=cancelled.append)
+        if alongside is None:
+            tag = channel.basic_consume(queue_name, callback=got.append,
+                                        on_cancel=cancelled.append, arguments=arguments)
+        else:
+            self._consumer_serial += 1
+            tag = channel.basic_consume(
+                queue_name, consumer_tag=f"cs-registry-{self._consumer_serial}", nowait=True,
+                callback=got.append, on_cancel=cancelled.append, arguments=arguments)
         try:
-            self.link.wait_for(lambda: bool(got or cancelled), self.registry_timeout,
-                               queue_name)
+            if alongside is not None:
+                alongside()
+            # A channel retired meanwhile was closed by the broker (py-amqp reopened it
+            # bare): our consume failed or the queue went, and nothing more will come.
+            self.link.wait_for(
+                lambda: bool(got or cancelled) or self._channels.get("tx") is not channel,
+                self.registry_timeout, queue_name)
+            if not got and not cancelled:
+                cancelled.append(tag)  # the broker closed the channel: no consumer is left
         finally:
             if channel.is_open and not cancelled:
-                # Synchronous: a delivery that crossed our cancel lands in ``got`` before the
-                # CancelOk, instead of in a callback nobody reads (prefetch 1: at most one).
-                channel.basic_cancel(tag)
+                if got:
+                    # Not waited for (that round trip would be spent holding the registry):
+                    # prefetch 1, so nothing more is delivered while we hold the message,
+                    # and the broker handles the cancel before what we send after it on this
+                    # channel (the store and its commit). py-amqp drops the consumer's
+                    # callbacks when the CancelOk arrives.
+                    channel.send_method(spec.Basic.Cancel, "sb", (tag, False))
+                else:
+                    # Synchronous: a delivery that crossed our cancel lands in ``got`` before
+                    # the CancelOk, instead of in a callback nobody reads.
+                    channel.basic_cancel(tag)
             if got and sys.exc_info()[0] is not None:
                 self._return_registry(got.pop())
         return got[0] if got else None
 
-    def _put(self, message: amqp.Message, queue_name: str, body: str) -> None:
+    def _put(self, message: amqp.Message, queue_name: str, body: str,
+             before_commit: Sequence[Callable[[], None]] = ()) -> None:
         channel = self._channel("tx")
         channel.basic_publish(
             amqp.Message(body, delivery_mode=2, content_type="application/json"),
             exchange="", routing_key=queue_name,
         )
         channel.basic_ack(message.delivery_tag)
+        for step in before_commit:
+            step()
         channel.tx_commit()
 
-    def _return_registry(self, message: amqp.Message) -> None:
+    def _return_registry(self, message: amqp.Message,
+                         before_commit: Sequence[Callable[[], None]] = ()) -> None:
         channel = self._channel("tx")
         channel.basic_reject(message.delivery_tag, requeue=True)
+        for step in before_commit:
+            step()
         channel.tx_commit()
 
     def _create(self, queue_name: str, make_body: Callable[[], str]) -> bool:
@@ -473,9 +534,28 @@ class RabbitBackend(DocumentBackend, Generic[HandT]):
     # -- the engine's storage: the registry message (I/O thread) ---------------------------
 
     def _transact(self, name: str, rule: Rule[Result], *, write: bool = True) -> Result:
-        transact: Callable[[str, Rule[Result]], Result] = functools.partial(
-            super()._transact, write=write)
-        return self.link.call(transact, name, rule)
+        transact: Callable[[str, Rule[Result], bool], Result] = self._transact_here
+        return self.link.call(transact, name, rule, write)
+
+    def _transact_here(self, name: str, rule: Rule[Result], write: bool) -> Result:
+        try:
+            return super()._transact(name, rule, write=write)
+        finally:
+            self._woken_early.clear()
+            self._alongside_registry.clear()
+            self._urgent.clear()
+
+    def _wake_early(self, name: str, state: State, before: Set[Tuple[str, str]],
+                    now: float) -> None:
+        """Wake the waiters ``state`` makes admissible (``before``: those admissible
+        already) now, registry still held, rather than after the commit: a woken waiter's
+        attempt then reaches the broker while the commit is under way and is handed the
+        registry as soon as it is free. A wake-up is only a hint: should the commit fail,
+        the waiter finds the old state and waits on. The engine's wake-ups after the commit
+        skip these (a ``before_commit`` step of the transaction under way)."""
+        for client, holder in state.wakeups(before, now):
+            self._send_wakeup(client, name, holder)
+            self._woken_early.add((name, client, holder))
 
     @contextmanager
     def _load(self, name: str) -> Iterator[Transaction]:
@@ -484,7 +564,8 @@ class RabbitBackend(DocumentBackend, Generic[HandT]):
         back: the registry is never left held by a live connection that will not touch it."""
         if self._wake_queue is None and self._watchers:
             self._listen_here()  # after a reconnect: the old wake-up queue died with it
-        message = self._take(self.queue_name(name, "registry"))
+        message = self._take(self.queue_name(name, "registry"),
+                             self._alongside_registry.pop(name, None), name in self._urgent)
         txn = RegistryTransaction(name, message, time.time())
         try:
             yield txn
@@ -518,9 +599,9 @@ class RabbitBackend(DocumentBackend, Generic[HandT]):
         body = txn.dumps()
         txn.settled = True
         if body == txn.body:
-            self._return_registry(message)
+            self._return_registry(message, txn.before_commit)
         else:
-            self._put(message, queue_name, body)
+            self._put(message, queue_name, body, txn.before_commit)
         return True
 
     def _created(self, txn: "RegistryTransaction") -> str:
@@ -548,13 +629,19 @@ class RabbitBackend(DocumentBackend, Generic[HandT]):
     ) -> Attempt:
         meta = as_json(meta)
         self.check_meta(meta)
+        # A woken waiter's attempt goes before calls queued already (a newcomer getting in
+        # line, say): the slot waits for it. The hand is read off the I/O thread, as a hint.
+        hand = self._hands.get((name, holder))
         return self.link.call(
-            self._acquire_here, name, holder, limit, ttl, meta, wait, time.monotonic()
+            self._acquire_here, name, holder, limit, ttl, meta, wait, time.monotonic(),
+            urgent=hand is not None and hand.woken,
         )
 
     def release(self, name: str, holder: str, outcome: Optional[str] = None,
                 latency: Optional[float] = None) -> bool:
         """(``outcome`` and ``latency``: no adaptive limit here, ignored.)"""
+        # Not urgent: in a process whose I/O thread is saturated, releases that overtake
+        # the attempts of waiters not (yet) woken keep fewer slots held than the limit.
         return self.link.call(self._release_here, name, holder)
 
     def renew(self, name: str, holder: str, ttl: float) -> Optional[float]:
@@ -588,6 +675,11 @@ class RabbitBackend(DocumentBackend, Generic[HandT]):
     # -- wake-ups ------------------------------------------------------------------------
 
     def _send_wakeup(self, client: str, name: str, holder: str) -> None:
+        if (name, client, holder) in self._woken_early:
+            return
+        if client == self.client_id:  # a waiter of this process: no trip through the broker
+            self._wake_here(name, holder)
+            return
         body = json.dumps({"name": name, "holder": holder})
         self._channel("probe").basic_publish(
             amqp.Message(body), exchange="", routing_key=f"{self.key_prefix}wake.{client}"
@@ -613,12 +705,22 @@ class RabbitBackend(DocumentBackend, Generic[HandT]):
     def _on_wakeup(self, message: amqp.Message) -> None:
         try:
             data = json.loads(_text(message.body))
-            hand = self._hands.get((data["name"], data["holder"]))
-            if hand is not None and hand.awaits_delivery():
-                return  # its consumer is delivered the token itself
-            self._notify(data["name"], data["holder"])
+            name, holder = data["name"], data["holder"]
         except Exception:
-            logger.exception("bad or failing semaphore wake-up %r", message.body)
+            logger.exception("bad semaphore wake-up %r", message.body)
+            return
+        self._wake_here(name, holder)
+
+    def _wake_here(self, name: str, holder: str) -> None:
+        try:
+            hand = self._hands.get((name, holder))
+            if hand is not None:
+                if hand.awaits_delivery():
+                    return  # its consumer is delivered the token itself
+                hand.woken = True
+            self._notify(name, holder)
+        except Exception:
+            logger.exception("failing semaphore wake-up of %r in %r", holder, name)
 
     # -- lifecycle -----------------------------------------------------------------------
 

@@ -20,6 +20,13 @@ Beyond the blog, and why:
   A try also takes a ready token with ``basic.get``; should our consumer's delivery cross
   that get, the hand keeps the delivered token and gives the other back, so a hand's channel
   never holds a token the hand does not know of (see :meth:`TokenBackend._take_token`).
+* **Round trips.** An acquire likely to be admitted (the semaphore was not crowded when this
+  process last wrote it, or the caller was woken) takes its token with ``basic.get`` while
+  its registry consume is on its way, then commits: two round trips. One that will queue takes
+  no token: the registry, then the commit. A release gives its token back and wakes the next
+  waiters while it still holds the registry, then commits: two. Releases and likely admissions
+  consume the registry with a higher priority; a woken waiter's attempt goes first on the
+  connection's thread.
 * **Numbered tokens.** Each token carries its number and a generation; the registry keeps the
   current generation of every number below the limit. A token above the limit or of an old
   generation (a duplicate left by a shrink and regrow, or by re-creation) is acked away when
@@ -48,7 +55,7 @@ from __future__ import annotations
 import functools
 import json
 import time
-from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import amqp
 
@@ -94,6 +101,7 @@ class TokenVerdict(NamedTuple):
     """What the acquire rule decided, and what it saw of the token we hold."""
 
     attempt: Attempt
+    token: Optional[Tuple[int, int]]  # the token we hold, taken before or by the rule
     created: bool  # the semaphore did not exist: this attempt created it
     token_stale: bool  # our token is above the limit or of an old generation
     token_slot_held: bool  # another holder's lease still covers our token's slot
@@ -106,6 +114,22 @@ class TokenBackend(RabbitBackend[TokenHand]):
     ``connect_timeout``, ``registry_timeout``, plus the common backend options."""
 
     hand_class = TokenHand
+    #: At most this many semaphores remembered as crowded (see :meth:`_look_for_token`).
+    crowded_memory = 1024
+
+    def __init__(self, url: str, **options: Any) -> None:
+        super().__init__(url, **options)
+        #: Semaphores whose registry, when this process last wrote it, had waiters or no
+        #: free slot. A hint, never trusted for a decision: read and written on the I/O
+        #: thread only.
+        self._crowded: Dict[str, None] = {}
+
+    def _note_crowding(self, name: str, state: State) -> None:
+        self._crowded.pop(name, None)
+        if state.waiters or len(state.holders) >= state.limit:
+            self._crowded[name] = None
+            if len(self._crowded) > self.crowded_memory:
+                del self._crowded[next(iter(self._crowded))]
 
     def tokens_queue(self, name: str) -> str:
         return self.queue_name(name, "tokens")
@@ -231,6 +255,7 @@ class TokenBackend(RabbitBackend[TokenHand]):
             hand.channel.basic_reject(message.delivery_tag, requeue=True)
             return
         hand.message = message
+        hand.woken = True
         self._notify(hand.name, hand.holder)
 
     def _drop_evidence(self, hand: TokenHand, keep: bool) -> None:
@@ -281,15 +306,29 @@ class TokenBackend(RabbitBackend[TokenHand]):
     def _look_for_token(self, hand: TokenHand, name: str, holder: str, limit: int, ttl: float,
                         meta: Meta, wait: bool, requested_at: float,
                         parked: List[amqp.Message]) -> Attempt:
+        """Admit ``holder`` with a token, or queue it.
+
+        A token is taken (``basic.get``) before the registry is taken when the caller is
+        likely to be admitted: the semaphore was not crowded when this process last wrote
+        its registry, or the caller was woken since its last try, or it is looking again.
+        Otherwise the rule takes one only if the registry admits the caller (one round trip
+        more while the registry is held): a newcomer behind a queue would take the token a
+        woken waiter is about to look for, and only give it back after its registry write,
+        while the waiter, finding none, consumes and waits for it."""
         created = False
         missed = 0
+        take_first = hand.woken or name not in self._crowded
+        hand.woken = False
         for _ in range(limit + 64):
-            self._take_token(hand)
-            token = token_of(hand.message)
+            if take_first:  # its round trip overlaps the registry's (see _wait_for_message)
+                self._alongside_registry[name] = functools.partial(self._take_token, hand)
+                self._urgent.add(name)  # likely admitted: a handoff (see _take)
             verdict: TokenVerdict = self._transact(
-                name, functools.partial(self._admit_with_token, holder, limit, ttl, meta, wait,
-                                        token)
+                name, functools.partial(self._admit_with_token, hand, limit, ttl, meta, wait,
+                                        not take_first)
             )
+            take_first = True
+            token = verdict.token
             attempt = verdict.attempt
             if verdict.created and not created:
                 created = True  # the tokens exist now: look again
@@ -335,13 +374,21 @@ class TokenBackend(RabbitBackend[TokenHand]):
         return attempt
 
     def _admit_with_token(
-        self, holder: str, limit: int, ttl: float, meta: Meta, wait: bool,
-        token: Optional[Tuple[int, int]], txn: Transaction,
+        self, hand: TokenHand, limit: int, ttl: float, meta: Meta, wait: bool,
+        may_take: bool, txn: Transaction,
     ) -> "TokenVerdict":
-        """The acquire rule, restricted to the slot of the token we hold (if any)."""
+        """The acquire rule, restricted to the slot of the token we hold (if any). With
+        ``may_take`` (no token was looked for just before), a caller holding none that the
+        registry admits but for the token takes one first: the only I/O of the rule, done
+        once (a retry finds the token in the hand)."""
         assert isinstance(txn, RegistryTransaction)
+        holder = hand.holder
         created = txn.state is None
         state = self._declare(txn, limit)  # first: the limit in force may change
+        if may_take and hand.message is None and not created and holder not in state.holders \
+                and state.place(holder, meta, None, txn.now).slot is not None:
+            self._take_token(hand)
+        token = token_of(hand.message)
         stale = token is not None and not is_current(txn.tokens, token)
         slot_held = token is not None and any(
             h.slot == token[0] for k, h in state.holders.items() if k != holder
@@ -350,7 +397,8 @@ class TokenBackend(RabbitBackend[TokenHand]):
         twin_holds = state.twin_holds(holder)
         slots = [token[0]] if token is not None and not stale else []
         attempt = self._admit(txn, holder, limit, ttl, meta, wait, slots=slots)
-        return TokenVerdict(attempt, created, stale, slot_held, free, twin_holds)
+        self._note_crowding(txn.name, state)
+        return TokenVerdict(attempt, token, created, stale, slot_held, free, twin_holds)
 
     def _with_tokens(self, name: str, rule: Callable[[State, float], Result], missing: Result
                      ) -> Tuple[Result, Optional[Dict[str, int]]]:
@@ -366,24 +414,77 @@ class TokenBackend(RabbitBackend[TokenHand]):
 
         return self._transact(name, with_tokens)
 
-    def _release_here(self, name: str, holder: str) -> bool:
-        released, tokens = self._with_tokens(
-            name, lambda state, now: state.release(holder, now), False
-        )
+    def _release_here(self, name: str, holder: str, cancel: bool = False) -> bool:
+        """Release ``holder`` (``cancel``: leave the waiter queue too, in the same write).
+
+        The token goes back to its queue while the registry message is still held, just
+        before the smaller state commits, and then the waiters this makes admissible are
+        woken (:meth:`_wake_early`): a woken waiter's ``basic.get`` finds the token (had
+        it missed it, it would wait for a delivery and a third registry write), and its
+        registry request waits at the broker for our commit. Whoever takes the token
+        meanwhile needs the registry to be admitted, so it sees the new state; if the
+        commit fails, the old lease still covers the slot and a taker parks the token."""
+        returned: List[TokenHand] = []
+
+        def release(txn: Transaction) -> Tuple[bool, Optional[Dict[str, int]]]:
+            assert isinstance(txn, RegistryTransaction)
+            if txn.state is None:
+                return False, None
+            before = txn.state.admissible(txn.now)
+            if cancel:
+                txn.state.cancel(holder)
+            tokens = dict(txn.tokens)
+            released = txn.state.release(holder, txn.now)
+            self._note_crowding(name, txn.state)
+            txn.before_commit.append(
+                functools.partial(self._return_token, name, holder, tokens, returned))
+            txn.before_commit.append(
+                functools.partial(self._wake_early, name, txn.state, before, txn.now))
+            return released, tokens
+
+        try:
+            self._urgent.add(name)  # it frees a slot (see _take)
+            released, tokens = self._transact(name, release)
+        except BaseException:
+            for gone in returned:  # its token is back, its lease perhaps not released
+                gone.lost = True
+            raise
         hand = self._hands.get((name, holder))
         if hand is not None:
             self._give_up(hand, tokens)
         return released
 
+    def _return_token(self, name: str, holder: str, tokens: Dict[str, int],
+                      returned: List[TokenHand]) -> None:
+        """Give ``holder``'s token back (ack it if no longer current): registry held."""
+        hand = self._hands.get((name, holder))
+        if hand is None or hand.message is None or hand.lost:
+            return
+        token = token_of(hand.message)
+        self._drop_evidence(hand, keep=token is not None and is_current(tokens, token))
+        returned.append(hand)
+
+    def abandon(self, name: str, holder: str) -> None:
+        """Leave the waiter queue and release, in one registry write (two elsewhere)."""
+        self.link.call(self._abandon_here, name, holder)
+
+    def _abandon_here(self, name: str, holder: str) -> None:
+        self._stop_waiting(name, holder)
+        self._release_here(name, holder, cancel=True)
+
     def cancel(self, name: str, holder: str) -> None:
         self.link.call(self._cancel_here, name, holder)
 
     def _cancel_here(self, name: str, holder: str) -> None:
+        self._stop_waiting(name, holder)
+        self._transact(name, lambda txn: txn.state.cancel(holder) if txn.state else None)
+
+    def _stop_waiting(self, name: str, holder: str) -> None:
+        """A waiter leaves: give back what its hand holds (a parked token, a consumer)."""
         hand = self._hands.get((name, holder))
         if hand is not None and not hand.granted:
             self._drop_evidence(hand, keep=True)
             self._close_hand(hand)
-        self._transact(name, lambda txn: txn.state.cancel(holder) if txn.state else None)
 
     def _renew_here(self, name: str, holder: str, ttl: float, requested_at: float
                     ) -> Optional[float]:
