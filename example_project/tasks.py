@@ -1,11 +1,15 @@
 """Thumbnails whose uploads to a slow remote store run at most 4 at once across the cluster,
-and calls to a partner API that allows each customer 2 calls at once."""
+calls to a partner API that allows each customer 2 calls at once, and orders sent to a
+partner's HTTP API whose capacity is learned from its 429 answers."""
 
+import json
 import os
 import random
 import time
+import urllib.error
+import urllib.request
 
-from celery_semaphore import current_lease
+from celery_semaphore import Adaptive, Backoff, current_lease
 
 from .app import VAR, app
 from .store import Store
@@ -42,3 +46,29 @@ def call_customer_api(customer_id, endpoint, page=1):
     """At most 2 calls at once per customer (customer 3's plan: 1, see app.py)."""
     time.sleep(0.25)  # the partner API answers slowly
     return {"customer": customer_id, "endpoint": endpoint, "page": page}
+
+
+#: The partner's order API (partner_api.py; the demo starts one and sets this).
+PARTNER_URL = os.environ.get("EXAMPLE_PARTNER_URL", "http://127.0.0.1:8642")
+# It runs on this host: no HTTP proxy from the environment in the way.
+partner_http = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+# The partner does not say how many calls it serves at once: the limit is learned. It starts
+# at 1, grows while calls succeed and halves on each 429 (at most once per round trip).
+@app.task(bind=True, semaphore="partner", limit=Adaptive(min=1, max=8, decrease=0.5))
+def sync_order(self, order_id):
+    """POST the order to the partner's API. A 429 raises Backoff: "partner" is paused on every
+    worker until its Retry-After is over, and this call waits again, ahead of later ones, and
+    then runs again (no Celery retry: ``self.request.retries`` stays 0)."""
+    request = urllib.request.Request(
+        f"{PARTNER_URL}/orders/{order_id}", data=b"{}", method="POST",
+        headers={"Content-Type": "application/json", "X-Request-Id": self.request.id})
+    try:
+        with partner_http.open(request, timeout=10) as response:
+            return json.load(response)
+    except urllib.error.HTTPError as error:
+        error.close()
+        if error.code == 429:
+            raise Backoff.from_response(error, default=1) from None
+        raise

@@ -20,7 +20,8 @@ PATH = os.path.join(VAR, "timeline.log")
 def record(kind, task, **fields):
     lease = current_lease()
     event = {"t": time.time(), "kind": kind, "task": task.name.rsplit(".", 1)[-1],
-             "id": task.request.id, "worker": task.request.hostname, "pid": os.getpid(),
+             "id": task.request.id, "retries": task.request.retries,
+             "worker": task.request.hostname, "pid": os.getpid(),
              "semaphore": lease.name if lease else None,
              "slot": lease.token.slot if lease else None,
              "token": str(lease.token) if lease else None, **fields}
