@@ -144,7 +144,7 @@ def api_call(key, settle=False):
 
     probe.mark("start", key)
     try:
-        answer = call(API)
+        answer = call(API, key)
     finally:
         probe.mark("end", key)
     if answer.status == 429:
@@ -168,7 +168,7 @@ def api_celery(key):
 
     probe.mark("start", key)
     try:
-        answer = call(API)
+        answer = call(API, key)
     finally:
         probe.mark("end", key)
     if answer.status == 429:
@@ -190,7 +190,7 @@ def api_adaptive(key):
 
     probe.mark("start", key)
     try:
-        answer = call(API)
+        answer = call(API, key)
     finally:
         probe.mark("end", key)
     if answer.status == 429:

@@ -53,8 +53,9 @@ class PartnerAPI:
         start = math.floor(now / self.period) * self.period
         return start, start + self.period
 
-    def admit(self) -> Tuple[int, Optional[float], int]:
-        """A call arrives: ``(status, retry_after_seconds or None, tokens)``."""
+    def admit(self, key: str = "") -> Tuple[int, Optional[float], int]:
+        """A call (of the task called with ``key``) arrives: ``(status, retry_after_seconds or
+        None, tokens)``."""
         now = time.time()
         with self.lock:
             if self.first is None:
@@ -82,7 +83,7 @@ class PartnerAPI:
             if status == 200:
                 self.running += 1
                 self.peak = max(self.peak, self.running)
-            self.log.append({"t": now, "status": status, "tokens": tokens,
+            self.log.append({"t": now, "key": key, "status": status, "tokens": tokens,
                              "retry_until": None if retry is None else now + retry})
             return status, retry, tokens
 
@@ -100,11 +101,17 @@ def serve(api: PartnerAPI) -> Tuple[ThreadingHTTPServer, str]:
     """Start the API on a free loopback port, in daemon threads; ``(server, base URL)``."""
 
     class Handler(BaseHTTPRequestHandler):
+        # keep-alive (every answer has a Content-Length): one connection per pool process, not
+        # a connect per call
+        protocol_version = "HTTP/1.1"
+
         def log_message(self, *args: Any) -> None:  # quiet
             pass
 
         def do_POST(self) -> None:
-            status, retry, tokens = api.admit()
+            length = int(self.headers.get("Content-Length") or 0)
+            key = self.rfile.read(length).decode() if length else ""
+            status, retry, tokens = api.admit(key)
             if status == 200:
                 time.sleep(api.service)
                 api.done()
@@ -125,7 +132,12 @@ def serve(api: PartnerAPI) -> Tuple[ThreadingHTTPServer, str]:
             self.end_headers()
             self.wfile.write(body)
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    class Server(ThreadingHTTPServer):
+        # a burst of connects must not overflow the listen backlog (socketserver's 5): a
+        # dropped SYN is retried a second later, and the call would reach the API that late
+        request_queue_size = 128
+
+    server = Server(("127.0.0.1", 0), Handler)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, f"http://127.0.0.1:{server.server_address[1]}"
@@ -142,8 +154,9 @@ class Answer:
 _local = threading.local()
 
 
-def call(base: str) -> Answer:
-    """One call to the API at ``base`` (a keep-alive connection per thread and process)."""
+def call(base: str, key: str = "") -> Answer:
+    """One call to the API at ``base`` (a keep-alive connection per thread and process), on
+    behalf of the task called with ``key`` (the API's log names it)."""
     host, port = base.rsplit("//", 1)[1].split(":")
     connection = getattr(_local, "connection", None)
     for attempt in range(2):
@@ -151,7 +164,7 @@ def call(base: str) -> Answer:
             connection = _local.connection = http.client.HTTPConnection(host, int(port),
                                                                         timeout=30)
         try:
-            connection.request("POST", "/call", body=b"")
+            connection.request("POST", "/call", body=key.encode())
             response = connection.getresponse()
             body = json.loads(response.read() or b"{}")
             return Answer(response.status, response.headers, int(body.get("tokens", 0)))

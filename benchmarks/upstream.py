@@ -49,7 +49,7 @@ def run_way(label: str, task: str, broker: str, backend: str, calls: int,
     server, base = partner_api.serve(api)
     os.environ.update(env_extra, BENCH_API=base)
     tmp, tag, env, bench_app = new_run(f"w10-{label}", broker, backend, 64)
-    env = dict(env, BENCH_LOGLEVEL="info", **env_extra, BENCH_API=base)
+    env = dict(env, **{"BENCH_LOGLEVEL": "info", **env_extra}, BENCH_API=base)
     logs = [os.path.join(tmp, f"w{i}.log") for i in (1, 2)]
     procs = [_start_worker(env, f"w10{label}{i}", 4, log) for i, log in zip((1, 2), logs)]
     probe = probe_for(env["BENCH_PROBE"])
