@@ -179,6 +179,10 @@ class Backoff(Ignore):  # type: ignore[misc]
 
     ``seconds`` is what ``retry_after`` came to, relative to when the Backoff was made;
     ``at`` the same moment as a Unix time (this host's clock), None without a time.
+    ``paused``: the pool process that ran the task closed the semaphore already, as the
+    Backoff ended the run (the worker's gate then does not). ``unstarted``: raised by the
+    worker itself before the body started (its semaphore had closed after the grant:
+    :mod:`.pause_board`): no overload to report.
     """
 
     def __init__(self, retry_after: RetryAfter = None, reason: str = "") -> None:
@@ -187,6 +191,8 @@ class Backoff(Ignore):  # type: ignore[misc]
         self.seconds: Optional[float] = retry_after_seconds(retry_after, now)
         self.reason = check_reason(reason)
         self.at: Optional[float] = None if self.seconds is None else now + self.seconds
+        self.paused = False
+        self.unstarted = False
         # args rebuild the same Backoff (pickling, Celery's exception serialization).
         super().__init__(self.seconds, self.reason)
 

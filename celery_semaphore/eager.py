@@ -42,7 +42,7 @@ from .semaphore import Semaphore, acquire_all, try_acquire_all
 from .settings import Settings
 from .signals import task_skipped
 from .states import SKIPPED_REASON
-from .task_lease import LEASE_KEY, lease_record_of
+from .task_lease import LEASE_KEY, give_back_if_paused, lease_record_of
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +78,7 @@ def guard_eager_calls(app: Any) -> None:
 
     def before_start(self: Any, task_id: str, args: Any, kwargs: Any) -> None:
         acquire_for_eager(self)
+        give_back_if_paused(self)  # a worker's run granted before its semaphore closed
         super(base, self).before_start(task_id, args, kwargs)
 
     original_apply = base.apply

@@ -11,6 +11,7 @@ broker or result backend it defaults to), as the worker does.
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 from dataclasses import asdict, dataclass, replace
@@ -18,11 +19,15 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 from celery import current_app, current_task
 
+from . import pause_board
 from .backends import get_backend
 from .backends.base import Backend, FencingToken, Grant
+from .backoff import Backoff
 from .exceptions import ConfigurationError, LeaseLost
 from .semaphore import Lease, LeaseGroup
 from .urls import mask_url
+
+logger = logging.getLogger(__name__)
 
 #: The request header that carries the :class:`LeaseRecord`.
 LEASE_KEY = "semaphore_lease"
@@ -47,6 +52,9 @@ class LeaseRecord:
     #: The task's further semaphores, each ``{"name", "limit", "slot", "epoch"}`` (a task
     #: under several semaphores: :func:`current_leases`).
     others: Tuple[Dict[str, Any], ...] = ()
+    #: When the worker asked for the grant (``time.monotonic()``, before the backend made
+    #: it): a pause written on its pause board later stops it from starting.
+    granted: Optional[float] = None
 
     def records(self) -> List["LeaseRecord"]:
         """One record per semaphore, this one first."""
@@ -81,14 +89,15 @@ def lease_record_of(lease: Union[Lease, LeaseGroup], backend_url: str, key_prefi
 
 def lease_record_of_grants(grants: "Dict[str, Grant]", limits: "Dict[str, Optional[int]]",
                            holder: str, masked_url: str, key_prefix: str,
-                           waited: bool = False) -> Dict[str, Any]:
+                           waited: bool = False, granted: Optional[float] = None
+                           ) -> Dict[str, Any]:
     """The header form of the :class:`.LeaseRecord` of a holder's grants (name -> grant, the
     first semaphore first), as the worker writes it; ``masked_url``: the backend's URL, masked
     (:func:`.urls.mask_url`)."""
     (name, first), *rest = grants.items()
     return {"name": name, "limit": limits.get(name), "holder": holder, "slot": first.slot,
             "epoch": first.epoch, "ttl": first.ttl, "backend": masked_url,
-            "key_prefix": key_prefix, "waited": waited,
+            "key_prefix": key_prefix, "waited": waited, "granted": granted,
             "others": tuple({"name": other, "limit": limits.get(other), "slot": grant.slot,
                              "epoch": grant.epoch} for other, grant in rest)}
 
@@ -142,6 +151,20 @@ class TaskLease:
                 f"{mask_url(url)}: the worker and its pool must share one configuration")
         return get_backend(url, key_prefix=self._record.key_prefix)
 
+    def pause_for(self, backoff: Backoff) -> bool:
+        """Close this lease's semaphore for what is left of ``backoff``'s time (one round
+        trip), as the worker's gate would once it heard of it: where the Backoff was raised,
+        the pause reaches the backend right after the API's answer. False when there is
+        nothing to close (no time given, a backend that cannot pause)."""
+        seconds = backoff.remaining()
+        if seconds is None:
+            return False
+        backend = self._backend()
+        if "pause" not in backend.traffic_options:
+            return False
+        backend.pause(self.name, seconds, backoff.reason)
+        return True
+
     def verify(self) -> bool:
         """Ask the backend (one round trip) whether the slot is still held."""
         return self._backend().verify(self.name, self.holder)
@@ -180,6 +203,49 @@ class TaskLease:
 def _task_app() -> Any:
     task = current_task
     return getattr(task, "app", None) if task is not None else None
+
+
+def pause_where_raised(task: Any, backoff: Backoff) -> None:
+    """``task``, run by a worker's pool, raised ``backoff`` (it ends its run): close the
+    task's semaphore from here, at once, and mark ``backoff`` ``paused`` so that the gate,
+    which hears of it a pool pipe and a loop turn later, does not pause again. Calls granted
+    elsewhere in that gap would reach the API during the Retry-After it just gave. Any
+    failure is logged and left to the gate (which pauses when the mark is missing)."""
+    request = getattr(task, "request", None)
+    record = lease_record(request)
+    if (record is None or getattr(request, "is_eager", False) or backoff.seconds is None
+            or backoff.paused):
+        return
+    try:
+        backoff.paused = TaskLease(record, getattr(task, "app", None)).pause_for(backoff)
+    except Exception as exc:
+        logger.warning("celery-semaphore: pausing %r where the Backoff was raised failed "
+                       "(the worker pauses it): %s", record.name, exc)
+        return
+    board = pause_board.board()
+    left = backoff.remaining()
+    if backoff.paused and board is not None and left:
+        board.close(record.name, left)
+
+
+def give_back_if_paused(task: Any) -> None:
+    """Before a guarded request of a worker starts its body: raise a :class:`.Backoff`
+    (``paused``, ``unstarted``: it closes nothing and reports no overload) when one of its
+    semaphores was closed, on this worker's pause board, after its grant was asked for and
+    is still closed. The gate gives the call back to wait, ahead of later arrivals."""
+    request = getattr(task, "request", None)
+    board = pause_board.board()
+    if board is None or request is None or getattr(request, "is_eager", False):
+        return
+    record = lease_record(request)
+    if record is None or record.granted is None:
+        return
+    for one in record.records():
+        left = board.left(one.name, record.granted)
+        if left is not None:
+            exc = Backoff(left, reason=f"{one.name} was closed before this call started")
+            exc.paused = exc.unstarted = True
+            raise exc
 
 
 def current_lease(name: Optional[str] = None) -> Optional[TaskLease]:

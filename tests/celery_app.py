@@ -240,6 +240,14 @@ def create_app(env):
             result = backs_off_once(key, seconds, hold)
             return [result, self.request.retries]
 
+        @task(semaphore="ahead", limit=4)
+        def ahead_call(key, hold, seconds=None):
+            """Holds until ``hold`` (a path or seconds); with ``seconds``, backs off once."""
+            if seconds is None:
+                body(f"ahead:{key}", hold)
+                return key
+            return backs_off_once(key, seconds, hold)
+
         @task(semaphore="partner", limit=2, semaphore_max_wait=2.0, bind=True)
         def partner_short(self, key, seconds=30.0, hold=0.05):
             """The same call, which may wait 2 s in all."""

@@ -198,3 +198,43 @@ def test_outcomes():
     assert outcome_of(ValueError(), adaptive) == "error"
     assert outcome_of(TimeoutError()) == "error"  # no Adaptive: only a Backoff is overload
     assert adaptive.is_overload(Backoff(3)) and not adaptive.is_overload(None)
+
+
+def test_the_pool_process_that_raised_it_closes_the_semaphore_and_the_gate_learns_so():
+    """Where the task runs (a worker's pool process), a Backoff with a time closes the
+    semaphore as the run ends, before its result travels to the gate; the mark survives the
+    trip back (pickled, as billiard sends a task's exception) so the gate does not pause
+    again. Without a time, or in an eager call, nothing is closed there."""
+    from types import SimpleNamespace
+
+    from billiard.einfo import ExceptionInfo
+    from celery import Celery
+
+    from celery_semaphore.backends import get_backend
+    from celery_semaphore.task_lease import LEASE_KEY, pause_where_raised
+
+    app = Celery("pool", set_as_current=False)
+    app.conf.semaphore_backend = "memory://raised-here"
+    backend = get_backend("memory://raised-here", key_prefix="bk:")
+    header = {"name": "api:7", "limit": 2, "holder": "h1", "slot": 0, "epoch": 1, "ttl": 30.0,
+              "backend": "memory://raised-here", "key_prefix": "bk:"}
+    task = SimpleNamespace(app=app, request=SimpleNamespace(is_eager=False,
+                                                            **{LEASE_KEY: header}))
+    exc = Backoff(retry_after=20, reason="HTTP 429")
+    pause_where_raised(task, exc)
+    status = backend.status("api:7")
+    assert exc.paused and status.pause_reason == "HTTP 429"
+    assert time.time() + 19 < status.paused_until <= time.time() + 20
+    try:
+        raise exc
+    except Backoff:
+        info = ExceptionInfo()
+    back = pickle.loads(pickle.dumps(info))
+    assert isinstance(back.exception, Backoff) and back.exception.paused
+    assert back.exception.at == exc.at  # the moment, not the time it was unpickled
+    backend.resume("api:7")
+    for not_here in (Backoff(), Backoff(retry_after=5)):
+        eager = SimpleNamespace(app=app, request=SimpleNamespace(is_eager=True,
+                                                                 **{LEASE_KEY: header}))
+        pause_where_raised(eager if not_here.seconds else task, not_here)
+        assert not not_here.paused and backend.status("api:7").paused_until is None

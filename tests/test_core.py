@@ -838,6 +838,11 @@ def test_a_backoff_pauses_before_the_release_reports_overload_and_gives_the_call
     run(core, other)
     # no time given: nothing closes, the call still goes back reporting overload
     assert kinds(core.handle(BackedOff(other, None))) == ["Release", "Redeliver"]
+    third, _, _ = arrive(core)
+    run(core, third)
+    # closed already by the pool process that raised it: not closed twice
+    assert kinds(core.handle(BackedOff(third, 30.0, "429", paused=True))) == [
+        "Release", "Redeliver"]
 
 
 def test_a_claim_given_back_queues_in_front_and_every_release_says_how_the_call_went():

@@ -53,7 +53,39 @@ def test_a_backoff_closes_the_semaphore_everywhere_and_the_call_runs_again_first
     assert cluster.probe.max_concurrent("api:") <= 2
     for worker in cluster.workers:
         assert " Retry in " not in worker.output()
+        # closed by the pool process that raised the Backoff, before the gate heard of it
+        # (the gate pauses, and logs it, only when that did not happen)
+        assert "paused for" not in worker.output()
     assert first.state == "SUCCESS"
+
+
+def test_a_call_granted_before_the_pause_and_not_started_does_not_start_during_it(
+        redis_url, tmp_path):
+    """A worker hands a granted request to its pool even while every process is busy (it
+    starts as one frees). When a Backoff closes the semaphore meanwhile, that request gives
+    its slot back as its process takes it, and runs after the pause (its pool processes
+    share the pause: celery_semaphore.pause_board)."""
+    cluster = Cluster(str(tmp_path), redis_url, servers.redis_broker(redis_url), redis_url,
+                      workers=1, concurrency=2)
+    try:
+        call = cluster.task("ahead_call")
+        release_a, release_b = str(tmp_path / "a.go"), str(tmp_path / "b.go")
+        a = call.delay("a", release_a, 3.0)
+        b = call.delay("b", release_b)
+        assert wait_until(lambda: cluster.started("api:a") and cluster.started("ahead:b"),
+                          timeout=20)
+        c = call.delay("c", 0.0)  # both processes busy: granted, waits in the pool's queue
+        assert wait_until(lambda: cluster.held("ahead") == 3, timeout=20)
+        open(release_a, "w").close()  # a ends with Backoff(3): its process takes c
+        assert c.get(timeout=30) == "c"
+        open(release_b, "w").close()
+        assert a.get(timeout=30) == "a" and b.get(timeout=30) == "b"
+        runs = cluster.probe.intervals()
+        (_, backed_off_at), _ = runs["api:a"]
+        (c_started, _), = runs["ahead:c"]
+        assert c_started >= backed_off_at + 2.5e9  # not before the pause ran out
+    finally:
+        cluster.stop()
 
 
 def test_semaphore_max_wait_bounds_the_whole_wait_of_a_call_given_back(cluster):

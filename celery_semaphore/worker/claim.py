@@ -126,6 +126,8 @@ class Claim:
     #: below the backend's expiry: counted from before the request that set it was sent).
     deadline: float = 0.0
     ttl: float = 0.0
+    #: Monotonic time its grant was asked for (before the backend made it).
+    granted_since: Optional[float] = None
     #: A renewal is on its way (sent at that monotonic time), or None.
     renewing: Optional[float] = None
     #: The lease was found gone (or its deadline passed unrenewed): reported once.

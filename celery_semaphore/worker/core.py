@@ -201,12 +201,15 @@ class Ended:
 @dataclass(frozen=True)
 class BackedOff:
     """``claim``'s task raised a :class:`.Backoff`: close its semaphore for ``seconds`` (None:
-    do not close it), release its slot reporting overload, and give the call back to wait
-    ahead of later arrivals."""
+    do not close it; ``paused``: the pool process closed it already), release its slot
+    reporting overload (``unstarted``: it never ran, nothing to report), and give the call
+    back to wait ahead of later arrivals."""
 
     claim: Claim
     seconds: Optional[float]
     reason: str = ""
+    paused: bool = False
+    unstarted: bool = False
 
 
 @dataclass(frozen=True)
@@ -777,9 +780,9 @@ class WorkerCore:
         if claim.state is not State.POOL or not claim.guarded:
             return
         self._from_pool(claim)
-        if event.seconds is not None and event.seconds > 0:
+        if event.seconds is not None and event.seconds > 0 and not event.paused:
             self._out.append(Pause(claim.guard.name, event.seconds, event.reason))
-        claim.outcome = "overload"
+        claim.outcome = None if event.unstarted else "overload"
         self._done(claim)
         self._out.append(Redeliver(claim, event.seconds))
         self._pump()
@@ -1078,6 +1081,7 @@ class WorkerCore:
         claim.grants, claim.limits = grants, limits
         claim.ttl = min(g.ttl for g in grants.values())
         claim.deadline = since + claim.ttl
+        claim.granted_since = since
         self.held[holder] = claim
         self._out.append(Refill(claim.guard.name))
         self._out.append(Start(claim))

@@ -438,7 +438,8 @@ class Gate:
             request.request_dict[LEASE_KEY] = lease_record_of_grants(
                 claim.grants, claim.limits or {}, claim.holder, self.masked_url,
                 self.backend.key_prefix,
-                waited=claim.attempts > 0)  # WAITING was stored: the task stores STARTED
+                waited=claim.attempts > 0,  # WAITING was stored: the task stores STARTED
+                granted=claim.granted_since)
             self._unwatch(claim)
         self.handoffs.append(request)
 
@@ -500,7 +501,9 @@ class Gate:
             self.jobs.pop(id(request), None)
             claim = getattr(request, CLAIM, None)
             if claim is not None:
-                self.handle(core.BackedOff(claim, exc.remaining(), exc.reason))
+                self.handle(core.BackedOff(claim, exc.remaining(), exc.reason,
+                                           paused=bool(getattr(exc, "paused", False)),
+                                           unstarted=bool(getattr(exc, "unstarted", False))))
 
     def _pause(self, command: core.Pause) -> None:
         """Close a semaphore cluster-wide (a Backoff's time): made before the release that

@@ -11,6 +11,7 @@ from celery import signals
 from celery import states as celery_states
 
 from .. import states
+from ..backoff import Backoff
 from ..eager import (
     acquire_for_eager,
     acquires_in_before_start,
@@ -18,7 +19,7 @@ from ..eager import (
     release_for_eager,
 )
 from ..guards import INSTALLED, check_definitions_and_sends
-from ..task_lease import lease_record
+from ..task_lease import lease_record, pause_where_raised
 from ..waiting_room import (
     DOORBELL_TASK,
     FIRST_WAIT_HEADER,
@@ -53,6 +54,8 @@ def install(app: Any) -> Any:
     park_on_send(app)
     signals.task_prerun.connect(_eager_acquire, weak=False, dispatch_uid="celery_semaphore_pre")
     signals.task_postrun.connect(_eager_release, weak=False, dispatch_uid="celery_semaphore_post")
+    signals.task_postrun.connect(_pause_where_raised, weak=False,
+                                 dispatch_uid="celery_semaphore_backoff")
     signals.task_prerun.connect(_store_started, weak=False,
                                 dispatch_uid="celery_semaphore_started")
     signals.before_task_publish.connect(_strip_gate_headers, weak=False,
@@ -101,6 +104,15 @@ def _strip_gate_headers(headers: Optional[Dict[str, Any]] = None, **kwargs: Any)
             if parking is None or parking != headers.get(PARKED_HEADER) or key not in (
                     PARKED_HEADER, FIRST_WAIT_HEADER, ROUTE_HEADER):
                 headers.pop(key, None)
+
+
+def _pause_where_raised(sender: Any = None, task: Any = None, retval: Any = None,
+                        **kwargs: Any) -> None:
+    """A guarded task run by a worker ended with a :class:`.Backoff` that gives a time: its
+    semaphore closes from the pool process, before the result travels to the gate
+    (:func:`.task_lease.pause_where_raised`)."""
+    if isinstance(retval, Backoff) and retval.seconds is not None:
+        pause_where_raised(task, retval)
 
 
 def _eager_release(sender: Any = None, task: Any = None, retval: Any = None,

@@ -8,6 +8,7 @@ from typing import Any
 from celery import bootsteps
 from celery.exceptions import ImproperlyConfigured
 
+from .. import pause_board
 from ..backends import get_backend
 from ..backends.base import Backend
 from ..exceptions import ConfigurationError
@@ -41,6 +42,7 @@ class SemaphoreStep(bootsteps.StartStopStep):
         except ConfigurationError as exc:
             raise ImproperlyConfigured(f"celery-semaphore: {exc}") from None
         self.gate = Gate(consumer, settings, backend)
+        pause_board.create()  # before the pool forks: its processes share it
         self.announced = self.limits_checked = False
         consumer.semaphore_gate = self.gate
 
