@@ -102,8 +102,9 @@ def serve(api: PartnerAPI) -> Tuple[ThreadingHTTPServer, str]:
 
     class Handler(BaseHTTPRequestHandler):
         # keep-alive (every answer has a Content-Length): one connection per pool process, not
-        # a connect per call
+        # a connect per call; the headers and the body are two writes: no Nagle delay
         protocol_version = "HTTP/1.1"
+        disable_nagle_algorithm = True
 
         def log_message(self, *args: Any) -> None:  # quiet
             pass

@@ -6,7 +6,9 @@ its own, on 2 workers x 4 prefork, each way beside Celery's own (``autoretry_for
 * W10a, a window quota: ``Q`` calls per fixed window of ``P`` seconds; the tasks raise
   ``Backoff`` with the 429's ``Retry-After`` (no rate, no quota); oracle:
   ``semaphore_quota="Q/Ps"``. Also: calls that reached the API while a Retry-After it had given
-  was still running (more than 0.1 s after that 429), from the API's own log.
+  was still running (more than 0.1 s after that 429), from the API's own log; the most calls
+  the API served in a window, and the least share of ``Q`` it served in a whole window while
+  calls waited.
 * W10b, an unknown concurrency: at most ``C`` calls at once (429, ``Retry-After: 1``), halved
   halfway; ``limit=Adaptive(min=1, max=64)`` and ``Backoff()`` on a 429; oracle: ``limit=C``,
   resized when ``C`` halves. Also: the share of 429s after the first 10 s, and after ``C``
@@ -118,6 +120,11 @@ def w10a(broker: str, backend: str, calls: int = 300) -> List[Dict[str, Any]]:
         row = run_way(label, task, broker, backend, calls, api,
                       {"BENCH_QUOTA": f"{QUOTA}/{int(PERIOD)}s"})
         row["early_calls"] = early_calls(row["log"])
+        per_window = [count for _, count in sorted(row["windows"].items(),
+                                                   key=lambda kv: float(kv[0]))]
+        busy = per_window[1:-1]  # whole windows while calls waited
+        row["max_calls_in_a_window"] = max(per_window) if per_window else 0
+        row["least_share_used"] = round(min(busy) / QUOTA, 3) if busy else None
         rows.append(row)
     return _vs_oracle("W10a", rows)
 

@@ -526,6 +526,55 @@ def test_an_overload_decreases_at_most_once_per_round_trip_of_work(spec):
     assert current() == 2.0 and backend.status("brake").limit == 2
 
 
+def test_after_an_overload_the_limit_climbs_back_fast_then_probes_that_level_slowly(spec):
+    """The limit in force at an overload is remembered (the ceiling): the learned value grows
+    as usual while the next limit is below it, ADAPTIVE_PROBE_SLOWER times slower while the
+    next limit would reach it, and as usual again once it passed it without an overload."""
+    if spec.kind in REFUSE:
+        return refused(spec, **adaptive())
+    from celery_semaphore.backends.base import ADAPTIVE_PROBE_SLOWER
+
+    backend = spec.backend()
+    meta = adaptive(low=1, high=12, decrease=0.5, increase=1.0)
+    serial = iter(range(10**6))
+
+    def current():
+        return backend.status("probe").adaptive.current
+
+    def outcome(what):
+        """One call ends with ``what`` while the limit is in use: (before, after)."""
+        held = [f"p{next(serial)}:1" for _ in range(backend.status("probe").limit)]
+        for h in held:
+            assert backend.acquire("probe", h, limit=12, ttl=30, meta=meta, wait=False).grant
+        before = current()
+        backend.release("probe", held[0], what)
+        after = current()
+        for h in held[1:]:
+            backend.release("probe", h)
+        return before, after
+
+    backend.acquire("probe", "seed:1", limit=12, ttl=30, meta=meta, wait=False)
+    backend.release("probe", "seed:1")
+    while current() < 6:
+        outcome("ok")
+    assert 6 <= current() < 7
+    before, after = outcome("overload")  # the ceiling: 6
+    assert after == pytest.approx(before * 0.5)
+    steps = []
+    while current() < 7:
+        before, after = outcome("ok")
+        steps.append((before, after - before))
+        assert len(steps) < 5000
+    for before, step in steps:
+        if before < 5:  # the next limit (<= 5) is below the ceiling: as usual
+            assert step == pytest.approx(1 / before)
+        else:  # the next limit would be 6 or 7: probing
+            assert step == pytest.approx(1 / before / ADAPTIVE_PROBE_SLOWER)
+    assert sum(1 for before, _ in steps if before >= 5) > ADAPTIVE_PROBE_SLOWER * 5
+    before, after = outcome("ok")  # 7 passed the ceiling without an overload: forgotten
+    assert after - before == pytest.approx(1 / before)
+
+
 def test_resize_pins_an_adaptive_limit_and_unpin_resumes_from_the_learned_value(spec):
     if spec.kind in REFUSE:
         return refused(spec, **adaptive())

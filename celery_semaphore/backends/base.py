@@ -145,10 +145,15 @@ only while the semaphore is adaptive and not pinned:
 
 * ``"ok"``: ``current = min(M, current + i / current)`` (about +1 per limit's worth of
   successes), only when the limit was in use: the units held before this release (its own
-  included) are at least ``current / 2``;
-* ``"overload"``: ``current = max(m, current * d)``, at most once per round trip of work: only
-  when the holder was granted at or after the last decrease (its grant time >= the time of
-  the last decrease), which then becomes now;
+  included) are at least ``current / 2``; :data:`ADAPTIVE_PROBE_SLOWER` times slower while
+  the next limit (``floor(current) + 1``) would reach the *ceiling*, the limit in force at the
+  last decrease (so the limit climbs back fast to just below the level that overloaded, then
+  probes it slowly: few overloads while the capacity stays, as in CUBIC); once
+  ``floor(current)`` passes the ceiling without an overload, the ceiling is forgotten;
+* ``"overload"``: the ceiling becomes ``floor(current)``, then ``current = max(m, current *
+  d)``, at most once per round trip of work: only when the holder was granted at or after
+  the last decrease (its grant time >= the time of the last decrease), which then becomes
+  now;
 * ``"error"`` or None: nothing.
 
 A change of the limit in force takes effect at once, as any (growing wakes or pushes to the
@@ -413,6 +418,11 @@ class Abandon:
 
     names: Tuple[str, ...]
     holder: str
+
+
+#: How many times slower an adaptive limit grows while it probes the level that last
+#: overloaded (module docs, "Adaptive limits").
+ADAPTIVE_PROBE_SLOWER = 32
 
 
 @dataclass(frozen=True)

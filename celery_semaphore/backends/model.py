@@ -16,6 +16,7 @@ from typing import Any, Dict, Iterable, List, Mapping, NamedTuple, Optional, Seq
 from ..exceptions import ConfigurationError
 from ..stats import FIRST_WAIT_META, WORKER_COUNTERS, SemaphoreStats, observe
 from .base import (
+    ADAPTIVE_PROBE_SLOWER,
     EMPTY_TTL,
     AdaptiveState,
     Attempt,
@@ -145,11 +146,12 @@ class State:
     paused_until: float = 0.0
     pause_reason: str = ""
     #: The adaptive limit (:mod:`.base`, "Adaptive limits"): ``[min, max, decrease,
-    #: increase]`` of the newest declaration, None: not adaptive; the learned value, and
-    #: when it last decreased.
+    #: increase]`` of the newest declaration, None: not adaptive; the learned value, when it
+    #: last decreased, and the limit in force at that overload (0: none remembered).
     adaptive: Optional[List[float]] = None
     current: float = 0.0
     decreased_at: float = 0.0
+    ceiling: float = 0.0
 
     # -- (de)serialization, for backends that store the state as one document ---------------
 
@@ -191,6 +193,8 @@ class State:
             doc["adaptive"] = self.adaptive
             doc["current"] = self.current
             doc["decreased_at"] = self.decreased_at
+            if self.ceiling:
+                doc["ceiling"] = self.ceiling
         return doc
 
     @classmethod
@@ -227,6 +231,7 @@ class State:
             adaptive=None if raw.get("adaptive") is None else list(raw["adaptive"]),
             current=raw.get("current", 0.0),
             decreased_at=raw.get("decreased_at", 0.0),
+            ceiling=raw.get("ceiling", 0.0),
         )
 
     # -- queries -------------------------------------------------------------------------
@@ -372,7 +377,7 @@ class State:
         semaphore becomes adaptive, and is moved into the new bounds when they change; None
         makes the limit fixed again (the learned value is dropped)."""
         if spec is None:
-            self.adaptive, self.current, self.decreased_at = None, 0.0, 0.0
+            self.adaptive, self.current, self.decreased_at, self.ceiling = None, 0.0, 0.0, 0.0
             return
         low, high = spec[0], spec[1]
         if self.adaptive is None:
@@ -593,8 +598,14 @@ class State:
         low, high, decrease, increase = self.adaptive
         if outcome == "ok":
             if self.units() + cost_of(gone.meta) >= self.current / 2:
-                self.current = min(float(high), self.current + increase / self.current)
+                step = increase / self.current
+                if self.ceiling and math.floor(self.current) + 1 >= self.ceiling:
+                    step /= ADAPTIVE_PROBE_SLOWER  # the next limit is the one that overloaded
+                self.current = min(float(high), self.current + step)
+                if self.ceiling and math.floor(self.current) > self.ceiling:
+                    self.ceiling = 0.0  # it held: the capacity grew
         elif outcome == "overload" and gone.since >= self.decreased_at:
+            self.ceiling = float(math.floor(self.current))
             self.current = max(float(low), self.current * decrease)
             self.decreased_at = now
         self.limit = self.in_force()

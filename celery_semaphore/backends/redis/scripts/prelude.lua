@@ -26,7 +26,8 @@
 -- end of the last pause and of every window that counted a start).
 -- Adaptive limits (base.py): 'ac' (the learned value; its presence: adaptive), 'am', 'aM',
 -- 'ad', 'ai' (min, max, decrease, increase of the newest declaration), 'at' (the last
--- decrease, us); the limit in force, 'limit', is floor(ac) unless pinned.
+-- decrease, us), 'ak' (the ceiling: the limit in force at that decrease, until it is passed);
+-- the limit in force, 'limit', is floor(ac) unless pinned.
 -- ARGV[1] idle TTL (ms), ARGV[2] wake channel prefix, ARGV[3] semaphore name; then per script.
 -- (acquire_all.lua gets the keys of several semaphores and points these locals at each in turn.)
 -- Time is the server's, in microseconds; every score of holders and wexp is an absolute expiry.
@@ -734,7 +735,7 @@ local function declare(declared, stamp, adaptive)
       cfg[7] = high
     elseif current then
       current = nil
-      redis.call('HDEL', config, 'ac', 'am', 'aM', 'ad', 'ai', 'at')
+      redis.call('HDEL', config, 'ac', 'am', 'aM', 'ad', 'ai', 'at', 'ak')
     end
     if #set > 0 then redis.call('HSET', config, unpack(set)) end
   end

@@ -12,19 +12,27 @@ if removed == 1 then
     if cost_in(info) > 1 then redis.call('HINCRBY', config, 'xh', 1 - cost_in(info)) end
     local outcome = ARGV[5] or ''
     if outcome == 'ok' or outcome == 'overload' then
-      local c = redis.call('HMGET', config, 'ac', 'am', 'aM', 'ad', 'ai', 'at', 'pinned', 'xh')
+      local c = redis.call('HMGET', config, 'ac', 'am', 'aM', 'ad', 'ai', 'at', 'pinned', 'xh',
+        'ak')
       local current = tonumber(c[1])
       if current and c[7] ~= '1' then
         local set = {}
+        local ceiling = tonumber(c[9]) or 0
         if outcome == 'ok' then
           -- the units held before this release, its own included
           local held = redis.call('ZCARD', holders) + (tonumber(c[8]) or 0) + cost_in(info)
           if held >= current / 2 then
-            current = math.min(tonumber(c[3]), current + tonumber(c[5]) / current)
+            local step = tonumber(c[5]) / current
+            -- probing the limit that last overloaded: base.ADAPTIVE_PROBE_SLOWER times slower
+            if ceiling > 0 and math.floor(current) + 1 >= ceiling then step = step / 32 end
+            current = math.min(tonumber(c[3]), current + step)
+            if ceiling > 0 and math.floor(current) > ceiling then  -- it held: forgotten
+              redis.call('HDEL', config, 'ak')
+            end
           end
         elseif since >= (tonumber(c[6]) or 0) then  -- once per round trip of work
+          set = {'at', int(now), 'ak', math.floor(current)}
           current = math.max(tonumber(c[2]), current * tonumber(c[4]))
-          set = {'at', int(now)}
         end
         table.insert(set, 'ac') table.insert(set, real(current))
         table.insert(set, 'limit') table.insert(set, math.floor(current))
