@@ -288,8 +288,9 @@ class Adaptive:
     per limit's worth of successful calls while the limit is in use (``increase / current``
     per success, ``increase`` 1 by default), and is multiplied by ``decrease`` (0.9) on an
     overload (a :class:`Backoff`, or an exception of ``decrease_on``), at most once per
-    round trip of work. ``celery semaphore resize`` pins it (adaptation stops until
-    ``--unpin``). A frozen, hashable value; every field is checked here
+    round trip of work. After an overload it climbs back at that pace to just below the
+    limit that overloaded, then probes that level 32 times slower, until it passes it without
+    an overload. ``celery semaphore resize`` pins it (adaptation stops until ``--unpin``). A frozen, hashable value; every field is checked here
     (:class:`ConfigurationError`).
     """
 
