@@ -290,8 +290,8 @@ class Adaptive:
     overload (a :class:`Backoff`, or an exception of ``decrease_on``), at most once per
     round trip of work. After an overload it climbs back at that pace to just below the
     limit that overloaded, then probes that level 32 times slower, until it passes it without
-    an overload. ``celery semaphore resize`` pins it (adaptation stops until ``--unpin``). A frozen, hashable value; every field is checked here
-    (:class:`ConfigurationError`).
+    an overload. ``celery semaphore resize`` pins it (adaptation stops until ``--unpin``).
+    A frozen, hashable value; every field is checked here (:class:`ConfigurationError`).
     """
 
     min: int = 1

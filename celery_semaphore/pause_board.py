@@ -58,7 +58,7 @@ class PauseBoard:
         key = _key(name)
         offset = self._offset(key)
         found, written, until = _ENTRY.unpack(self._memory[offset:offset + _ENTRY.size])
-        left = until - time.monotonic()
+        left = float(until) - time.monotonic()
         if found != key or written <= granted or left <= 0:
             return None
         return left

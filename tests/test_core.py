@@ -856,3 +856,28 @@ def test_a_claim_given_back_queues_in_front_and_every_release_says_how_the_call_
     failed, _, _ = arrive(core)
     run(core, failed)
     assert [c.outcome for c in core.handle(Ended(failed, outcome="error"))] == ["error"]
+
+
+def test_a_grant_read_after_its_lease_may_have_lapsed_is_given_back_not_started():
+    """Chaos seed 221178855: a worker stopped for 6 s read, as it resumed, a grant pushed to
+    it 0.1 s into the stop (TTL 5 s) and started the task on a slot already given to
+    another worker. A grant with less than GRANT_MIN_LEFT of its TTL left, as far as the
+    worker knows, is given back and the request waits again; the same for an attempt's
+    answer read late."""
+    from celery_semaphore.backends.base import Attempt, Grant
+    from celery_semaphore.worker.core import GRANT_MIN_LEFT
+
+    core, world = make()
+    claim, _, _ = arrive(core)  # its attempt sent at 1000.0
+    core.handle(answer(claim, wait_answer(), requested_at=1000.0))  # told to wait
+    world.advance(7.0)  # stopped; the backend pushed the grant (TTL 5 s) meanwhile
+    commands = core.handle(pushed(claim, ttl=5.0))
+    assert kinds(commands) == ["StopAttempts", "GiveBackGrant"]
+    late, _, _ = arrive(core)
+    world.advance(5.0 * (1 - GRANT_MIN_LEFT) + 0.01)  # the answer read with < 1/4 TTL left
+    grant = Attempt(Grant(0, 1, 0.0, 5.0), limit=1)
+    commands = kinds(core.handle(answer(late, grant, requested_at=world.now - 5.0 * 0.76)))
+    assert "GiveBackGrant" in commands and "Start" not in commands
+    fresh, _, _ = arrive(core)
+    started = core.handle(answer(fresh, grant, requested_at=world.now - 0.5))
+    assert "Start" in kinds(started)

@@ -339,3 +339,36 @@ def test_malformed_internal_headers_fail_their_task_alone(redis_url, tmp_path):
         assert wait_until(lambda: cluster.held("images") == 0)
     finally:
         cluster.stop()
+
+
+def test_a_backoff_raised_in_a_backend_outage_still_closes_the_semaphore_for_its_time(
+        redis_url, tmp_path):
+    """A call raises Backoff(retry_after=4) while its backend (Redis with an fsynced AOF) is
+    down: the pause (from the pool process, then from the gate) fails, and is made again once
+    the backend answers, for what is left of the time; the call given back waits for it, and
+    neither it nor a call sent meanwhile starts before the 4 s are up (before: the failed
+    pause was logged and dropped, and both ran as soon as the backend was back)."""
+    backend = PersistentRedis(tmp_path / "backend")
+    cluster = Cluster(str(tmp_path), redis_url, servers.redis_broker(redis_url), backend.url,
+                      workers=1)
+    worker = cluster.workers[0]
+    try:
+        partner = cluster.task("partner")
+        go = str(tmp_path / "go")
+        first = partner.delay("a", 4.0, go)
+        assert wait_until(lambda: cluster.started("api:a"), timeout=20)
+        backend.kill()
+        open(go, "w").close()  # the body ends and raises Backoff(4) during the outage
+        assert wait_until(lambda: "pausing 'partner' failed, retrying" in worker.output(),
+                          timeout=10)
+        later = partner.delay("b", 0.0, 0.01)
+        backend.start()
+        assert first.get(timeout=30) == ["a", 0] and later.get(timeout=30) == ["b", 0]
+        runs = cluster.probe.intervals()
+        (_, backed_off_at), (again, _) = runs["api:a"]
+        b_started = runs["api:b"][0][0]  # (it backs off once too, by 0 s)
+        assert min(again, b_started) >= backed_off_at + 3.8e9
+        assert "semaphore 'partner' paused for" in worker.output()
+    finally:
+        cluster.stop()
+        backend.kill()

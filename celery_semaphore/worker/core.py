@@ -55,6 +55,10 @@ logger = logging.getLogger(__name__)
 
 #: Seconds a woken waiter waits at most for a free pool process before it tries anyway.
 WAKE_DEFER_MAX = 0.1
+#: The share of its TTL a lease must still have, as far as this worker knows, for a grant to
+#: start its task; a grant read later than that (a stopped worker, a stalled loop) is given
+#: back and the request waits again.
+GRANT_MIN_LEFT = 0.25
 #: Requests of one semaphore a worker holds waiting, per pool process.
 SHARE_PER_PROCESS = 2
 #: Seconds to wait for a timed-out or terminated pool child to exit before releasing anyway.
@@ -1003,13 +1007,16 @@ class WorkerCore:
 
     def _granted(self, claim: Claim, holder: str, grants: Dict[str, Grant],
                  limits: Dict[str, Optional[int]], since: float) -> None:
-        if self.free_processes() <= 0 and not self._pool_queue_room():
+        ttl = min(g.ttl for g in grants.values())
+        stale = since + ttl - self.clock() < ttl * GRANT_MIN_LEFT
+        if stale or (self.free_processes() <= 0 and not self._pool_queue_room()):
             # The pool filled up meanwhile, and its queue too: never sit on a slot waiting
-            # for a process beyond that. The claim stays RETURNING until the release is done:
-            # an answer to an attempt made before it would carry this very grant, about to
-            # be freed.
+            # for a process beyond that. Or the grant reached this worker too late to be
+            # sure of its lease (the worker was stopped, its loop stalled): the slot may be
+            # someone else's already, and a renewal might come too late. The claim stays
+            # RETURNING until the release is done (an answer to an attempt made before it
+            # would carry this very grant, about to be freed), then waits again.
             self._move(claim, State.RETURNING)
-            ttl = min(g.ttl for g in grants.values())
             self._out.append(GiveBackGrant(claim, holder, tuple(grants), since + ttl))
             return
         self._start(claim, holder, grants, limits, since)

@@ -146,6 +146,9 @@ class Gate:
         self._flushing = False
         #: the backend closes a semaphore for a Backoff's time (else: a countdown)
         self._pauses = "pause" in backend.traffic_options
+        #: semaphore -> the calls given back by a Backoff that wait for its pause to reach
+        #: the backend (it is being made, or retried while the backend does not answer)
+        self._pausing: Dict[str, List[core.Redeliver]] = {}
         self._warned_pause = False
         self._rejects: List[Callable[[], Any]] = []
         self._tick_timer: Any = None
@@ -518,16 +521,43 @@ class Gate:
                                type(self.backend).__name__)
             return
 
-        def done(until: Any, error: Optional[BaseException]) -> None:
-            if error is not None:
-                logger.warning("celery-semaphore: pausing %r for %.1fs failed: %s",
-                               command.name, command.seconds, error)
-            else:
-                logger.info("celery-semaphore: semaphore %r paused for %.1fs%s",
-                            command.name, command.seconds,
-                            f" ({command.reason})" if command.reason else "")
+        name, ends = command.name, time.monotonic() + command.seconds
+        held = self._pausing.setdefault(name, [])
 
-        self.link.submit(Pause(command.name, command.seconds, command.reason), done)
+        def attempt(retry: float) -> None:
+            """Pause for what is left of the time; while the backend does not answer, again
+            (0.1 s doubling to 2 s) until the time is up. The calls given back meanwhile wait
+            here (:meth:`_redeliver`): none of them may be admitted before the pause."""
+            left = ends - time.monotonic()
+            if left <= 0 or not self.ctx.running:
+                return finish()
+
+            def done(until: Any, error: Optional[BaseException]) -> None:
+                if error is None:
+                    logger.info("celery-semaphore: semaphore %r paused for %.1fs%s", name,
+                                left, f" ({command.reason})" if command.reason else "")
+                    return finish()
+                delay = min(max(retry * 2, core.RETRY_FIRST), core.RETRY_MAX)
+                if self.ctx.running and time.monotonic() + delay < ends:
+                    if not retry:
+                        logger.warning("celery-semaphore: pausing %r failed, retrying until "
+                                       "the backend answers (the calls it gave back wait): "
+                                       "%s", name, error)
+                    self._later(delay, attempt, delay)
+                    return
+                logger.warning("celery-semaphore: pausing %r for %.1fs failed: %s", name,
+                               left, error)
+                finish()
+
+            self.link.submit(Pause(name, left, command.reason), done)
+
+        def finish() -> None:
+            if self._pausing.get(name) is held:
+                del self._pausing[name]
+            for redeliver in held:
+                self._redeliver(redeliver)
+
+        attempt(0.0)
 
     def _redeliver(self, command: core.Redeliver) -> None:
         """Hand the message of a call a Backoff gave back to its task's strategy again: a new
@@ -539,6 +569,10 @@ class Gate:
         old = claim.request
         if not self._pauses and command.seconds:
             self.requeue.requeue(claim, command.seconds)
+            return
+        waiting = self._pausing.get(claim.guard.name)
+        if waiting is not None:  # its pause has not reached the backend yet
+            waiting.append(command)
             return
         message = old.message
         celery_internals.task_ready(old)
