@@ -123,10 +123,11 @@ wall clock the marks carry. Definitions:
               ``backend_freeze``, ``backend_cut``, ``failover`` in progress: the gate makes a
               pause once and only logs a failure), a broker outage or the 10 s after it (a
               reconnecting consumer stops handling the pool's results, the exception among
-              them), a SIGKILL of the process that raised it or of its worker's main process
-              (from 0.1 s before ``t``: the exception may never have reached the gate), or a
-              ``worker_freeze`` of that process (the pause is made after the SIGCONT, with what
-              is left of its time); and a grant made after a ``backend_wipe`` or a
+              them, and the loop's backend link: a pause in flight fails), a SIGKILL of the
+              process that raised it or of its worker's main process (from 0.1 s before
+              ``t``: the exception may never have reached the gate), or a ``worker_freeze``
+              of that process (the pause is made after the SIGCONT, with what is left of its
+              time); and a grant made after a ``backend_wipe`` or a
               ``failover`` that began after ``t``: the pause may be forgotten (the README:
               state survives a restart only if Redis persists it; an asynchronous replica may
               not have it yet).

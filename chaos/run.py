@@ -288,7 +288,7 @@ class Chaos:
     def send_one(self) -> None:
         rng = self.send_rng
         kind = rng.choices(("plain", "keyed", "multi", "fair", "weighted", "rated", "upstream",
-                            "learned"), (20, 25, 20, 15, 12, 8, 10, 5))[0]
+                            "learned"), (17, 22, 17, 13, 10, 7, 9, 5))[0]
         hold = round(rng.uniform(0.05, 0.75), 3)
         options: Dict[str, object] = {}
         if kind in ("plain", "rated"):
