@@ -110,7 +110,7 @@ wall clock the marks carry. Definitions:
               far as the checker can tell: a ``Backoff`` with a time, raised at ``t`` (its
               backoff line) asking for a pause until ``u`` (its ``Backoff.at``), has the pause
               made within 0.25 s of ``t`` (the worker hands the exception to its gate, which
-              makes the pause in its next write to the backend: 7-18 ms measured) until ``u``
+              makes the pause in its next write to the backend: 7-102 ms measured) until ``u``
               or later (the gate asks for the time left until ``u``, on the backend's clock); a
               body of that semaphore counts when its grant (the fencing epoch in its start
               mark; with none, its start) falls from ``t`` + 0.25 s to ``u`` - 0.05 s (the

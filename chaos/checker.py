@@ -33,8 +33,8 @@ RESIZE_GRACE_NS = 2 * NS
 #: A Backoff reaches the backend as a pause this long after its body raised it, at the most,
 #: when no fault stopped its worker, the broker or the backend meanwhile: the pool hands the
 #: exception to the worker's main process, whose gate makes the pause in its next write to
-#: the backend (7-18 ms in a 60 s run, by the workers' "paused for" log lines: a tenth of
-#: this bound at most). A body granted its slot before then is not judged by the pause.
+#: the backend (7-102 ms over the pauses no fault touched in six runs, by the workers'
+#: "paused for" log lines). A body granted its slot before then is not judged by the pause.
 PAUSE_LAG_NS = NS // 4
 #: Between the body's clock and the backend's: one host, one wall clock; each mark's wall
 #: time goes to the probe's monotonic clock through its own pair of readings.
