@@ -8,7 +8,10 @@ reaches them directly. Every task is at-least-once: ``task_acks_late`` and
 Task bodies write the external history the checker reads (:func:`mark`): one line per start
 and per end, appended with ``O_APPEND`` (atomic for lines this short), carrying the task id,
 both clocks, the process and thread, the worker node, and every semaphore the body runs under,
-named from the call's arguments here, not asked of the library.
+named from the call's arguments here, not asked of the library. A body that raises
+:class:`celery_semaphore.Backoff` writes no end mark: it appends a line to the backoff log
+instead (:func:`backoff_mark`), with both clocks and the end of the pause it asks for, just
+before it raises.
 """
 
 from __future__ import annotations
@@ -16,12 +19,12 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional
 
 from celery import Celery
 
 import celery_semaphore
-from celery_semaphore import current_leases
+from celery_semaphore import Adaptive, Backoff, current_leases
 
 #: name -> limit of the fixed semaphores; templates below.
 PLAIN = "chaos-plain"
@@ -30,10 +33,21 @@ FAIR = "chaos-f"
 WEIGHTED = "chaos-w"  # semaphore_cost 1 or 2 of 4 units, some calls with a priority
 RATED = "chaos-r"  # semaphore_rate and a limit
 RATE = "4/s"
-LIMITS: Dict[str, int] = {PLAIN: 2, MULTI: 2, FAIR: 2, WEIGHTED: 4, RATED: 2}
+#: An adaptive limit (issue #36): some calls raise ``Backoff()`` (no time: overload only).
+LEARNED = "chaos-a"
+LEARNED_LIMIT = Adaptive(min=1, max=3)
+LIMITS: Dict[str, int] = {PLAIN: 2, MULTI: 2, FAIR: 2, WEIGHTED: 4, RATED: 2,
+                          # the limit in force moves from min to max: the checker holds
+                          # the bodies to max (the learned value is the library's book)
+                          LEARNED: LEARNED_LIMIT.max}
 KEYED_LIMIT = 1  # "chaos-k:{k}"
 TENANT_LIMIT = 1  # "chaos-m:{tenant}"
 KEYS = 20  # keys of the keyed template
+#: A template over an API that answers 429 (issue #36): some calls' first run raises
+#: ``Backoff(retry_after=...)``, pausing that key cluster-wide.
+UPSTREAM = "chaos-u"  # "chaos-u:{k}"
+UPSTREAM_LIMIT = 2
+UPSTREAM_KEYS = 2
 TENANTS = ("t0", "t1", "t2", "t3")
 #: The semaphores a live resize may shrink and grow again.
 RESIZABLE = (PLAIN, MULTI, FAIR)
@@ -47,6 +61,8 @@ def limit_of(name: str) -> int:
         return KEYED_LIMIT
     if name.startswith(f"{MULTI}:"):
         return TENANT_LIMIT
+    if name.startswith(f"{UPSTREAM}:"):
+        return UPSTREAM_LIMIT
     raise KeyError(name)
 
 
@@ -64,13 +80,18 @@ def semaphores_of(task: str, args: List) -> List[str]:
         return [f"{WEIGHTED}*{args[0]}"]
     if task == "rated":
         return [RATED]
+    if task == "upstream":
+        return [f"{UPSTREAM}:{args[0]}"]
+    if task == "learned":
+        return [LEARNED]
     raise KeyError(task)
 
 
-
 def all_names() -> List[str]:
-    return ([PLAIN, MULTI, FAIR, WEIGHTED, RATED] + [f"chaos-k:{k}" for k in range(KEYS)]
-            + [f"{MULTI}:{t}" for t in TENANTS])
+    """Every concrete semaphore name the app's tasks can run under."""
+    return ([PLAIN, MULTI, FAIR, WEIGHTED, RATED, LEARNED]
+            + [f"chaos-k:{k}" for k in range(KEYS)] + [f"{MULTI}:{t}" for t in TENANTS]
+            + [f"{UPSTREAM}:{k}" for k in range(UPSTREAM_KEYS)])
 
 
 def mark(path: str, kind: str, task_id: str, node: str, names: List[str],
@@ -86,6 +107,36 @@ def mark(path: str, kind: str, task_id: str, node: str, names: List[str],
         os.write(fd, line)
     finally:
         os.close(fd)
+
+
+def backoff_mark(path: str, task_id: str, node: str, names: List[str],
+                 exc: Backoff) -> None:
+    """Append ``backoff task_id monotonic_ns wall_ns pid tid node name,name seconds until_us``
+    to ``path``: the body is about to raise ``exc``; ``seconds`` the time it asks for and
+    ``until_us`` the end of that pause (``exc.at``, wall clock microseconds), both ``-`` for
+    a Backoff with no time."""
+    now_mono, now_wall = time.monotonic_ns(), time.time_ns()
+    seconds = "-" if exc.seconds is None else f"{exc.seconds:.6f}"
+    until = "-" if exc.at is None else str(int(exc.at * 1_000_000))
+    line = (f"backoff {task_id} {now_mono} {now_wall} {os.getpid()} {threading.get_ident()} "
+            f"{node} {','.join(names)} {seconds} {until}\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
+def first_backoff(directory: str, task_id: str) -> bool:
+    """True the first time it is asked for ``task_id`` (a marker file made with ``O_EXCL``
+    in ``directory``): the first run of a call that backs off raises, its later runs do not."""
+    os.makedirs(directory, exist_ok=True)
+    try:
+        os.close(os.open(os.path.join(directory, task_id), os.O_WRONLY | os.O_CREAT | os.O_EXCL,
+                         0o644))
+    except FileExistsError:
+        return False
+    return True
 
 
 def create_app(env: Mapping[str, str]) -> Celery:
@@ -116,12 +167,22 @@ def create_app(env: Mapping[str, str]) -> Celery:
     )
     celery_semaphore.install(app)
     probe = env.get("CHAOS_PROBE", "/tmp/chaos-probe.log")
+    backoff_log = env.get("CHAOS_BACKOFF_LOG") or os.path.join(os.path.dirname(probe),
+                                                               "backoff.log")
+    markers = os.path.join(os.path.dirname(backoff_log), "backed-off")
 
-    def body(task, names: List[str], hold: float) -> None:
+    def body(task: Any, names: List[str], hold: float,
+             backoff: Optional[Callable[[], Backoff]] = None) -> None:
+        """Mark the start, hold, mark the end; with ``backoff``, the first run of this task id
+        raises what it makes instead of ending (after a line in the backoff log)."""
         node = task.request.hostname or "?"
         epochs = [lease.token.epoch for lease in current_leases().values()]
         mark(probe, "start", task.request.id, node, names, min(epochs) if epochs else None)
         time.sleep(hold)
+        if backoff is not None and first_backoff(markers, task.request.id):
+            exc = backoff()
+            backoff_mark(backoff_log, task.request.id, node, names, exc)
+            raise exc
         mark(probe, "end", task.request.id, node, names)
 
     @app.task(name="chaos.plain", bind=True, shared=False, semaphore=PLAIN, limit=LIMITS[PLAIN])
@@ -152,6 +213,22 @@ def create_app(env: Mapping[str, str]) -> Celery:
               limit=LIMITS[RATED], semaphore_rate=RATE)
     def rated(self, hold: float) -> None:
         body(self, [RATED], hold)
+
+    @app.task(name="chaos.upstream", bind=True, shared=False, semaphore=f"{UPSTREAM}:{{k}}",
+              limit=UPSTREAM_LIMIT)
+    def upstream(self: Any, k: int, backoff: float, hold: float) -> None:
+        """A call to an API: with ``backoff`` > 0, its first run is answered "429, retry after
+        ``backoff`` s" and raises Backoff(retry_after=backoff), pausing key ``k``."""
+        body(self, [f"{UPSTREAM}:{k}"], hold,
+             (lambda: Backoff(retry_after=backoff, reason="429 (chaos)")) if backoff > 0
+             else None)
+
+    @app.task(name="chaos.learned", bind=True, shared=False, semaphore=LEARNED,
+              limit=LEARNED_LIMIT)
+    def learned(self: Any, overload: bool, hold: float) -> None:
+        """Under an adaptive limit: with ``overload``, its first run raises Backoff() (no
+        time: the limit goes down, nothing is paused)."""
+        body(self, [LEARNED], hold, Backoff if overload else None)
 
     return app
 

@@ -24,7 +24,16 @@ from typing import Dict, List, Optional
 
 from chaos import aof
 from chaos import app as chaos_app
-from chaos.checker import NS, Fault, Report, check, parse_probe
+from chaos.checker import (
+    NS,
+    Fault,
+    Report,
+    attach_backoffs,
+    check,
+    close_unended,
+    parse_backoffs,
+    parse_probe,
+)
 from chaos.proxy import Proxy
 from tests.util import retrying
 
@@ -202,6 +211,7 @@ class Chaos:
         self.dir = settings.directory or tempfile.mkdtemp(prefix="chaos-")
         os.makedirs(self.dir, exist_ok=True)
         self.probe_path = os.path.join(self.dir, "probe.log")
+        self.backoff_path = os.path.join(self.dir, "backoff.log")
         self.faults: List[Fault] = []
         self.sends: Dict[str, int] = {}
         self.send_failures = 0
@@ -238,7 +248,7 @@ class Chaos:
             direct["CHAOS_BACKEND_URL"] = f"redis://127.0.0.1:{self.backend_server.port}/0"
             backend_url = f"redis://127.0.0.1:{self.backend_proxy.port}/0"
         common = {"CHAOS_LEASE_TTL": str(self.settings.lease_ttl), "CHAOS_PROBE": self.probe_path,
-                  "CHAOS_QUEUE": "chaos"}
+                  "CHAOS_BACKOFF_LOG": self.backoff_path, "CHAOS_QUEUE": "chaos"}
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         worker_env = dict(os.environ)
         worker_env.update(common, CHAOS_BROKER_URL=f"redis://127.0.0.1:{self.broker_proxy.port}/0",
@@ -277,8 +287,8 @@ class Chaos:
 
     def send_one(self) -> None:
         rng = self.send_rng
-        kind = rng.choices(("plain", "keyed", "multi", "fair", "weighted", "rated"),
-                           (20, 25, 20, 15, 12, 8))[0]
+        kind = rng.choices(("plain", "keyed", "multi", "fair", "weighted", "rated", "upstream",
+                            "learned"), (17, 22, 17, 13, 10, 7, 9, 5))[0]
         hold = round(rng.uniform(0.05, 0.75), 3)
         options: Dict[str, object] = {}
         if kind in ("plain", "rated"):
@@ -289,6 +299,11 @@ class Chaos:
                 options["headers"] = {"semaphore_priority": 5}
         elif kind == "keyed":
             args = [rng.randrange(chaos_app.KEYS), hold]
+        elif kind == "upstream":  # one call in four backs off once, asking for 0.5-2.5 s
+            backoff = round(rng.uniform(0.5, 2.5), 3) if rng.random() < 0.25 else 0.0
+            args = [rng.randrange(chaos_app.UPSTREAM_KEYS), backoff, hold]
+        elif kind == "learned":  # one call in four reports overload once (Backoff())
+            args = [rng.random() < 0.25, hold]
         elif kind == "multi":
             args = [rng.choice(chaos_app.TENANTS), hold]
         else:  # a skewed mix of tenants, so fair shares have something to do
@@ -353,19 +368,21 @@ class Chaos:
         return seconds
 
     def running_pids(self) -> set:
-        """Processes running a body now, by the probe."""
-        open_: Dict[tuple, int] = {}
+        """Processes running a body now, by the probe (and the backoff log: a body that
+        raised Backoff has stopped), as the checker reads them."""
         try:
             with open(self.probe_path) as f:
-                for line in f:
-                    parts = line.split()
-                    if len(parts) != 8:
-                        continue
-                    key = (parts[1], parts[4], parts[5])
-                    open_[key] = open_.get(key, 0) + (1 if parts[0] == "start" else -1)
+                runs = parse_probe(f)
         except FileNotFoundError:
             return set()
-        return {int(key[1]) for key, n in open_.items() if n > 0}
+        try:
+            with open(self.backoff_path) as f:
+                attach_backoffs(runs, parse_backoffs(f))
+        except FileNotFoundError:
+            pass
+        horizon = time.monotonic_ns()
+        close_unended(runs, self.faults, horizon)
+        return {run.pid for run in runs if run.end is None and run.cut_at == horizon}
 
     def fault_child_kill(self) -> Fault:
         prefork = [s for s in self.slots if s.pool == "prefork" and s.alive()]
@@ -533,10 +550,12 @@ class Chaos:
         held = self.held()
         horizon = time.monotonic_ns()
         say(f"drained in {time.monotonic() - began - soak:.0f} s")
-        with open(self.probe_path) as probe:
+        if not os.path.exists(self.backoff_path):
+            open(self.backoff_path, "a").close()
+        with open(self.probe_path) as probe, open(self.backoff_path) as backoffs:
             report = check(seconds=soak, sends=self.sends, probe_lines=probe,
                            faults=self.faults, ttl=s.lease_ttl, declared=chaos_app.limit_of,
-                           held_at_end=held, horizon=horizon)
+                           held_at_end=held, horizon=horizon, backoff_lines=backoffs)
         report.details["send_failures"] = self.send_failures
         with open(self.probe_path) as probe:
             starts = sorted(r.start for r in parse_probe(probe) if chaos_app.RATED in r.names)

@@ -31,13 +31,28 @@ def body(task, start, end, **kw):
                                                   if end is not None else [])
 
 
-def run_check(lines, sends=None, faults=(), held=None, horizon=100.0, declared=None):
+def run_check(lines, sends=None, faults=(), held=None, horizon=100.0, declared=None,
+              backoffs=()):
     if sends is None:
         sends = {ln.split()[1]: 0 for ln in lines}
     ordered = sorted(lines, key=lambda x: int(x.split()[2]))
     return check(seconds=60, sends=sends, probe_lines=ordered,
                  faults=list(faults), ttl=5.0, declared=declared or LIMITS.__getitem__,
-                 held_at_end=held or {}, horizon=int(horizon * NS))
+                 held_at_end=held or {}, horizon=int(horizon * NS), backoff_lines=backoffs)
+
+
+def granted_start(task, t, pid, granted, names="a", node="w0-1@h"):
+    """A start mark whose wall clock is its monotonic clock, granted at ``granted`` s."""
+    return f"start {task} {int(t * NS)} {int(t * NS)} {pid} 1 {node} {names} " \
+           f"{int(granted * 1_000_000)}"
+
+
+def backoff(task, t, pid, seconds=None, names="a", node="w0-1@h"):
+    """The backoff log's line of a body that raised Backoff at ``t`` (wall clock = monotonic
+    clock), asking for ``seconds`` of pause (None: no time)."""
+    until = "-" if seconds is None else str(int((t + seconds) * 1_000_000))
+    return (f"backoff {task} {int(t * NS)} {int(t * NS)} {pid} 1 {node} {names} "
+            f"{'-' if seconds is None else seconds} {until}")
 
 
 def test_a_clean_history_passes():
@@ -235,6 +250,94 @@ def test_a_body_killed_mid_run_and_run_again_is_not_a_duplicate():
     assert report.ok and report.duplicates == 0 and report.details["runs_cut_short"] == 1
 
 
+def test_a_run_that_raised_backoff_stopped_there_and_its_call_must_run_again():
+    """t1 raised Backoff at 1.5 s (its line in the backoff log, no end mark) and ran again to
+    its end: a re-run, neither a duplicate nor lost; t2 and t3 then fill the limit of 2. Read
+    without the backoff log, t1's first run would run on to the end of the run (over the
+    limit); with no completed run after its Backoff, the call was given back and lost."""
+    lines = (body("t1", 1, None, pid=1) + body("t2", 2, 5, pid=2) + body("t3", 3, 4, pid=3)
+             + body("t1", 6, 7, pid=4))
+    report = run_check(lines, backoffs=[backoff("t1", 1.5, 1)])
+    assert report.ok, report.summary()
+    assert (report.backoffs, report.duplicates, report.lost, report.over_limit) == (1, 0, 0, 0)
+    assert report.details["runs_backed_off"] == 1 and report.details["runs_cut_short"] == 0
+    assert run_check(lines).over_limit == 1  # t1's first run never stops
+    given_back = lines[:-2]  # t1 never ran again
+    report = run_check(given_back, backoffs=[backoff("t1", 1.5, 1)])
+    assert (report.backed_off_not_rerun, report.lost) == (1, 1) and not report.ok
+    assert report.details["backed_off_not_rerun"] == ["t1"]
+    # a completed run before the Backoff does not count as its re-run
+    early = body("t1", 0.1, 0.5, pid=5) + given_back
+    report = run_check(early, backoffs=[backoff("t1", 1.5, 1)])
+    assert report.backed_off_not_rerun == 1 and report.lost == 0
+
+
+def test_a_body_granted_while_a_backoff_pause_is_in_force_is_a_start_in_the_pause():
+    """t1 raised Backoff(retry_after=2) at 1 s: semaphore a is paused from 1.25 s (the lag
+    the checker allows the pause to be made in) to 3 s (less the 0.05 s clock slack). A body
+    of a granted at 2 s started in the pause; granted at 3.01 s, or at 1.1 s (before the
+    pause could be in force) and started at 2 s, it did not; nor one of another semaphore."""
+    rerun = [granted_start("t1", 3.02, 4, 3.01), line("end", "t1", 3.5, pid=4)]
+
+    def figures(granted, start=None, faults=(), names="a", seconds=2.0):
+        lines = (body("t1", 0.5, None, pid=1) + rerun
+                 + [granted_start("t2", start or granted, 2, granted, names=names),
+                    line("end", "t2", 4.5, pid=2, names=names)])
+        report = run_check(lines, faults=faults, backoffs=[backoff("t1", 1.0, 1, seconds)])
+        return report.started_in_pause, report.started_in_pause_outside_documented_windows
+
+    assert figures(granted=2.0) == (1, 1)
+    assert figures(granted=3.01) == (0, 0)
+    assert figures(granted=2.94) == (1, 1)
+    assert figures(granted=2.96) == (0, 0)  # within the clock slack of the end
+    assert figures(granted=1.1, start=2.0) == (0, 0)
+    assert figures(granted=2.0, names="b") == (0, 0)
+    assert figures(granted=2.0, seconds=None) == (0, 0)  # Backoff(): nothing paused
+    report = run_check(body("t1", 0.5, None, pid=1) + rerun + body("t2", 2, 4.5, pid=2),
+                       backoffs=[backoff("t1", 1.0, 1, 2.0)])  # no epoch: its start counts
+    assert report.started_in_pause_outside_documented_windows == 1 and not report.ok
+    # the call's own next run granted before its pause's end is a start in the pause too
+    early = [granted_start("t1", 2.5, 4, 2.4), line("end", "t1", 3, pid=4)]
+    report = run_check(body("t1", 0.5, None, pid=1) + early,
+                       backoffs=[backoff("t1", 1.0, 1, 2.0)])
+    assert report.started_in_pause_outside_documented_windows == 1
+    assert report.details["rerun_granted_after_pause_end_s"] == {"min": -0.6, "max": -0.6}
+
+
+def test_a_start_in_a_pause_is_excused_only_when_a_fault_may_have_kept_the_pause_away():
+    """The same start in t1's pause (raised at 1 s by pid 1 on w0-1, until 3 s), with one
+    fault: excused when the fault met the pause's making (1 to 1.25 s: a backend or broker
+    outage, the raiser killed or frozen) or wiped it before the grant; not when the backend
+    restarted with its data after the pause was made, nor for a kill of another process."""
+    lines = (body("t1", 0.5, None, pid=1) + [granted_start("t1", 3.02, 4, 3.01)]
+             + [line("end", "t1", 3.5, pid=4), granted_start("t2", 2.0, 2, 2.0),
+                line("end", "t2", 4.5, pid=2)])
+
+    def outside(*faults):
+        report = run_check(lines, faults=faults, backoffs=[backoff("t1", 1.0, 1, 2.0)])
+        assert report.started_in_pause == 1
+        return report.started_in_pause_outside_documented_windows
+
+    def at(kind, start, end=None, **kw):
+        return Fault(kind, int(start * NS), int((start if end is None else end) * NS), **kw)
+
+    assert outside() == 1
+    assert outside(at("backend_cut", 0.5, 1.1)) == 0
+    assert outside(at("backend_freeze", 1.2, 4.0)) == 0
+    assert outside(at("backend_restart", 0.2, 0.9)) == 1  # back before the raise
+    assert outside(at("backend_restart", 1.5, 1.9)) == 1  # the pause was made: persisted
+    assert outside(at("backend_wipe", 1.5, 1.9, window_ns=5 * NS)) == 0  # forgotten
+    assert outside(at("backend_wipe", 2.5, 2.9, window_ns=5 * NS)) == 1  # after the grant
+    assert outside(at("broker_cut", 0.0, 0.5)) == 0  # reconnecting until 10.5 s
+    assert outside(at("broker_restart", -20.0, -11.0)) == 1  # reconnected by then
+    assert outside(at("child_kill", 1.1, killed=[1])) == 0
+    assert outside(at("child_kill", 1.1, killed=[7])) == 1
+    assert outside(at("child_kill", 1.5, killed=[1])) == 1  # the pause was made by then
+    assert outside(at("worker_kill", 1.2, 2.0, node="w0-1@h", killed=[99])) == 0
+    assert outside(at("worker_freeze", 0.8, 7.0, frozen=[1, 99])) == 0
+    assert outside(at("worker_freeze", 0.8, 7.0, frozen=[7])) == 1
+
+
 def test_slots_held_after_the_drain_with_no_body_running_are_stuck():
     lines = body("t1", 1, 2)
     assert run_check(lines, held={"a": 1}).stuck_slots_at_end == 1
@@ -302,7 +405,9 @@ def test_a_minute_of_chaos(tmp_path):
     with open(tmp_path / "report.json") as f:
         assert set(json.load(f)["details"]["faults_by_kind"]) == set(CI_FAULTS.split(","))
     assert result["tasks_sent"] >= 300, result
+    assert result["backoffs"] >= 1, result  # the mix backs off (issue #36)
     zeros = ("lost", "duplicates", "over_limit_outside_documented_windows",
-             "stuck_slots_at_end")
+             "stuck_slots_at_end", "backed_off_not_rerun",
+             "started_in_pause_outside_documented_windows")
     assert {k: result[k] for k in zeros} == dict.fromkeys(zeros, 0), done.stdout[-20000:]
     assert done.returncode == 0
