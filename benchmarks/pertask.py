@@ -15,7 +15,7 @@ order (unguarded first in odd rounds, guarded first in even ones). Per round and
 
 ``python -m benchmarks.pertask [--tasks N] [--hold S] [--rounds R] [--profile]``; ``--profile``
 records a py-spy profile of one worker's main process during each guarded round (the flame
-graphs go next to the probe file; ``py-spy`` must be installed).
+graphs go next to the probe file; ``py-spy`` comes with the ``bench`` extra).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from collections import Counter
@@ -179,7 +180,9 @@ def _send_and_wait(bench_app: Any, probe: Probe, task: str, prefix: str, n: int,
 
 def _start_profile(pid: int, tmp: str, label: str) -> Any:
     out = os.path.join(tmp, f"profile-{label}.txt")
-    return subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--rate", "250",
+    beside = os.path.join(os.path.dirname(sys.executable), "py-spy")  # the venv's (bench)
+    spy = beside if os.path.exists(beside) else "py-spy"
+    return subprocess.Popen([spy, "record", "--pid", str(pid), "--rate", "250",
                              "--format", "raw", "--output", out, "--nonblocking", "--gil"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), out
 
