@@ -38,6 +38,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from celery import shared_task
+from celery.local import Proxy
 
 from . import traffic
 from .backends.base import Meta
@@ -359,6 +360,8 @@ class Guards:
             if not _CALL_HEADERS.intersection(headers):
                 self._fixed[task.name] = None
             return None
+        if isinstance(task, Proxy):  # a task of an app not finalized yet (``@app.task``)
+            task = task._get_current_object()
         settings = self.task_settings(task)
         fair = None
         if settings.fair_by is not None:

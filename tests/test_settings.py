@@ -120,6 +120,28 @@ def test_templates_fill_from_arguments_and_defaults():
     assert guards.resolve(FakeRequest(call, (7,), headers={"semaphore": "api:7"})).limit == 9
 
 
+def test_a_task_of_an_app_not_finalized_yet_keeps_its_declared_limit():
+    """``@app.task`` before the app is finalized gives a PromiseProxy: its ``limit`` option is
+    read from the task behind it (before: the proxy hid it and the default limit, 1, applied
+    silently, depending on whether anything had finalized the app)."""
+    from celery.local import PromiseProxy
+
+    app = make_app()
+    install(app)
+
+    @app.task(semaphore="api:{customer_id}", limit=2, shared=False)
+    def call(customer_id):
+        pass
+
+    assert isinstance(call, PromiseProxy) and not app.finalized
+    guards = Guards(Settings.from_app(app))
+    assert guards.resolve_call(call, (3,), {}, {}).limit == 2
+    assert guards.resolve(FakeRequest(call, (4,))).limit == 2
+    app.finalize()
+    assert Guards(Settings.from_app(app)).resolve(FakeRequest(app.tasks[call.name], (5,))).limit \
+        == 2
+
+
 def test_the_fair_key_fills_from_the_call_and_a_missing_argument_is_named():
     app = make_app(semaphore_backend="memory://fair")
     install(app)

@@ -149,6 +149,9 @@ class Gate:
         #: semaphore -> the calls given back by a Backoff that wait for its pause to reach
         #: the backend (it is being made, or retried while the backend does not answer)
         self._pausing: Dict[str, List[core.Redeliver]] = {}
+        #: semaphore -> the acquire attempts (by claim) held back while its pause is being
+        #: made: a call sent meanwhile must not be admitted before the pause lands either
+        self._held_attempts: Dict[str, Dict[int, Tuple[Claim, str, int, bool]]] = {}
         self._warned_pause = False
         self._rejects: List[Callable[[], Any]] = []
         self._tick_timer: Any = None
@@ -278,6 +281,11 @@ class Gate:
         if claim.state not in (State.QUEUED, State.AHEAD):
             return
         guard = claim.guard
+        for name in guard.names if self._pausing else ():
+            if name in self._pausing:  # its pause has not reached the backend yet
+                self._held_attempts.setdefault(name, {})[id(claim)] = (claim, holder, sent,
+                                                                       ahead)
+                return
         wait = claim.waits and not ahead
         requested_at = time.monotonic()
         meta = {**self.meta(claim), FIRST_WAIT_META: claim.first_wait}
@@ -556,6 +564,8 @@ class Gate:
                 del self._pausing[name]
             for redeliver in held:
                 self._redeliver(redeliver)
+            for attempt_args in self._held_attempts.pop(name, {}).values():
+                self._acquire(*attempt_args)
 
         attempt(0.0)
 
