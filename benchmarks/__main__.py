@@ -84,17 +84,18 @@ def markdown(data) -> str:
             "unit_utilization", "ideal_fifo_utilization", "vs_ideal", "max_units",
             "makespan_s", "deliveries_per_task"]),
         "W9, the gate's cost per task: N tasks on one semaphore whose limit (1,000) never "
-        "binds, beside the same tasks unguarded on the same two workers (x 4 prefork), rounds "
+        "binds (and W6's 1,000 x 1: one task per key, limit 1 per key, 20 ms), beside the "
+        "same tasks unguarded on the same two workers (x 4 prefork), rounds "
         "in alternating order; the workers' main processes (every thread): CPU seconds per "
         "1,000 tasks and context switches per task; commands per task on the backend (a Redis "
         "of its own: scripts' own commands included) and on the broker (the shared server):",
         table([r for r in data.get("pertask", []) if r.get("kind") == "guarded"],
-              ["tasks", "round", "makespan_s", "vs_unguarded", "cpu_s_per_1000",
+              ["workload", "tasks", "round", "makespan_s", "vs_unguarded", "cpu_s_per_1000",
                "cpu_vs_unguarded", "switches_per_task", "backend_cmds_per_task",
                "broker_cmds_per_task"]),
         table([r for r in data.get("pertask", []) if r.get("kind") == "unguarded"],
-              ["tasks", "round", "makespan_s", "cpu_s_per_1000", "switches_per_task",
-               "broker_cmds_per_task"]),
+              ["workload", "tasks", "round", "makespan_s", "cpu_s_per_1000",
+               "switches_per_task", "broker_cmds_per_task"]),
         "W11, cost as workers grow: 400 x 10 ms on one semaphore of limit 2, workers of "
         "concurrency 1, the backend on a Redis of its own; commands per task inside scripts "
         "included:",
@@ -185,7 +186,8 @@ def main(argv=None) -> int:
         print("the gate's cost per task (W9):", flush=True)
         broker = workload.broker_url(url)
         data["pertask"] = (pertask.run(broker, 3000, 0.001, rounds=2)
-                           + pertask.run(broker, 2000, 0.0, rounds=2))
+                           + pertask.run(broker, 2000, 0.0, rounds=2)
+                           + pertask.run(broker, 1000, 0.02, rounds=2, shape="w6"))
         print("cost as workers grow (W11):", flush=True)
         data["scaling"] = scaling.run(broker)
         print("many keys (W6):", flush=True)

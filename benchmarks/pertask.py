@@ -13,7 +13,12 @@ order (unguarded first in odd rounds, guarded first in even ones). Per round and
   counts only the semaphore's commands, those run inside scripts included) and on the broker
   (the shared Redis server's ``INFO commandstats``: other clients of that server count too).
 
-``python -m benchmarks.pertask [--tasks N] [--hold S] [--rounds R] [--profile]``; ``--profile``
+``--shape w6`` measures W6's 1,000 x 1 instead (one task per key of the template ``t:{key}`` at
+limit 1, 20 ms; the same task unguarded): a key with room, the other case where the gate has
+nothing to decide.
+
+``python -m benchmarks.pertask [--shape w9|w6] [--tasks N] [--hold S] [--rounds R]
+[--profile]``; ``--profile``
 records a py-spy profile of one worker's main process during each guarded round (the flame
 graphs go next to the probe file; ``py-spy`` comes with the ``bench`` extra).
 """
@@ -29,7 +34,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import redis
 
@@ -38,6 +43,13 @@ from tests.probe import Probe, probe_for
 
 HOLD = 0.001
 TASKS = 3000
+
+#: shape -> (workload label, unguarded task, guarded task, the arguments of call i)
+SHAPES: Dict[str, Tuple[str, str, str, Callable[[str, int, float], Tuple[Any, ...]]]] = {
+    "w9": ("W9", "unguarded", "wide", lambda prefix, i, hold: (f"{prefix}{i}", hold)),
+    "w6": ("W6 1000 x 1", "keyed_plain", "keyed",
+           lambda prefix, i, hold: (f"{prefix}{i}", 0, hold)),
+}
 
 
 def _stat(pid: int) -> Tuple[float, int]:
@@ -86,8 +98,10 @@ def _private_redis() -> Tuple[Any, str, str]:
 
 
 def run(broker: str, tasks: int = TASKS, hold: float = HOLD, rounds: int = 2,
-        profile: bool = False, backend: Optional[str] = None) -> List[Dict[str, Any]]:
-    """W9 rows: one per round and kind, and a summary row per kind (ranges over rounds)."""
+        profile: bool = False, backend: Optional[str] = None, shape: str = "w9"
+        ) -> List[Dict[str, Any]]:
+    """Rows of ``shape`` (W9 by default): one per round and kind, with the ratios per round."""
+    label, plain, guarded, call_args = SHAPES[shape]
     server, own_backend, workdir = (None, backend, None) if backend else _private_redis()
     assert own_backend is not None
     tmp, tag, env, bench_app = new_run("w9", broker, own_backend, 1000)
@@ -101,10 +115,10 @@ def run(broker: str, tasks: int = TASKS, hold: float = HOLD, rounds: int = 2,
     rows: List[Dict[str, Any]] = []
     try:
         # warm up both paths (imports, connections, scripts loaded)
-        for kind, task in (("warm-u", "unguarded"), ("warm-g", "wide")):
-            _send_and_wait(bench_app, probe, task, f"{kind}:", 50, hold)
+        for kind, task in (("warm-u", plain), ("warm-g", guarded)):
+            _send_and_wait(bench_app, probe, task, f"{kind}:", 50, hold, call_args)
         for r in range(rounds):
-            order = (("unguarded", "unguarded"), ("guarded", "wide"))
+            order = (("unguarded", plain), ("guarded", guarded))
             if r % 2:
                 order = order[::-1]
             pair: Dict[str, Dict[str, Any]] = {}
@@ -112,14 +126,15 @@ def run(broker: str, tasks: int = TASKS, hold: float = HOLD, rounds: int = 2,
                 prefix = f"r{r}{kind[0]}:"
                 before = _snapshot(pids, backend_client, broker_client)
                 spy = _start_profile(pids[0], tmp, f"{kind}-{r}") if profile else None
-                makespan = _send_and_wait(bench_app, probe, task, prefix, tasks, hold)
+                makespan = _send_and_wait(bench_app, probe, task, prefix, tasks, hold,
+                                          call_args)
                 if spy is not None:
                     _stop_profile(spy)
                 after = _snapshot(pids, backend_client, broker_client)
                 switches = after["switches"] - before["switches"]
                 backend_cmds = after["backend"] - before["backend"]
                 broker_cmds = after["broker"] - before["broker"]
-                row = {"workload": "W9", "round": r, "kind": kind,
+                row = {"workload": label, "round": r, "kind": kind,
                        "tasks": f"{tasks} x {hold * 1000:g} ms", "makespan_s": round(makespan, 3),
                        "tasks_per_s": round(tasks / makespan, 1),
                        "cpu_s_per_1000": round((after["cpu"] - before["cpu"]) * 1000 / tasks, 3),
@@ -159,19 +174,20 @@ def run(broker: str, tasks: int = TASKS, hold: float = HOLD, rounds: int = 2,
 
 
 def _send_and_wait(bench_app: Any, probe: Probe, task: str, prefix: str, n: int,
-                   hold: float) -> float:
+                   hold: float, call_args: Callable[[str, int, float], Tuple[Any, ...]]
+                   ) -> float:
     send = bench_app.app.tasks[f"benchmarks.bench_app.{task}"]
     base = probe.ended()
     began = time.monotonic_ns()
     for i in range(n):
-        send.delay(f"{prefix}{i}", hold)
+        send.delay(*call_args(prefix, i, hold))
     deadline = time.monotonic() + 600
     while True:  # a cheap count (the record is parsed once, at the end)
         done = probe.ended() - base
         if done >= n:
             break
         if time.monotonic() > deadline:
-            raise RuntimeError(f"W9 {task}: {done} of {n} ran")
+            raise RuntimeError(f"{task}: {done} of {n} ran")
         time.sleep(0.1)
     ends = [e for key, runs in probe.intervals().items() if key.startswith(prefix)
             for _, e in runs if e is not None]
@@ -196,14 +212,17 @@ def _stop_profile(spy: Any) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.pertask")
-    parser.add_argument("--tasks", type=int, default=TASKS)
-    parser.add_argument("--hold", type=float, default=HOLD)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="w9")
+    parser.add_argument("--tasks", type=int)
+    parser.add_argument("--hold", type=float)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args(argv)
     from tests.servers import redis_url
 
-    run(broker_url(redis_url()), args.tasks, args.hold, args.rounds, args.profile)
+    tasks, hold = (TASKS, HOLD) if args.shape == "w9" else (1000, 0.02)
+    run(broker_url(redis_url()), args.tasks or tasks, args.hold if args.hold is not None else hold,
+        args.rounds, args.profile, shape=args.shape)
     return 0
 
 

@@ -4,6 +4,7 @@ Real ``celery worker`` subprocesses; concurrency and starts are read from the pr
 """
 
 import json
+import os
 import re
 import socket
 import subprocess
@@ -157,15 +158,18 @@ def test_a_waiter_is_woken_promptly_once_its_backend_is_back(redis_url, tmp_path
 def one_running_five_waiting(cluster, key, first="slow"):
     """One slow task (of task ``first``) holds the slot, five wait in the worker's gate; every
     message has been delivered (kombu's Redis transport loses one it has popped but not yet
-    recorded as unacked when the server dies: the transport's own window, not the gate's)."""
+    recorded as unacked when the server dies: the transport's own window, not the gate's).
+    The slow one runs until the test creates the file returned (``go``): on a loaded machine
+    a fixed hold could end before the fault it is meant to span."""
     slow = cluster.task("slow")
-    # 4 s: outlasts rabbitmqctl's start (1.5 s or more)
-    results = [cluster.task(first).delay(f"{key}0", 4.0)]
+    go = os.path.join(os.path.dirname(cluster.env["CS_PROBE"]), f"go-{key}")
+    results = [cluster.task(first).delay(f"{key}0", go)]
     assert wait_until(lambda: cluster.started(f"slow:{key}0"))
     results += [slow.delay(f"{key}{i}", 0.05) for i in range(1, 6)]
     worker = cluster.workers[0]
     assert wait_until(lambda: worker.output().count(" received") == 6, timeout=10)
-    return worker, results
+    assert cluster.probe.completed(f"slow:{key}0") == {f"slow:{key}0": 0}  # (waits for go)
+    return worker, results, go
 
 
 def waiting_back(output):
@@ -174,6 +178,12 @@ def waiting_back(output):
     waiting room are restored apart, each kind on its own line)."""
     return sum(int(n) for n in re.findall(
         r"(\d+) tasks that were waiting when the broker connection was lost", output))
+
+
+def said_when_lost(output):
+    """The worker's lines about the lost broker connection (for a failing assertion)."""
+    return "\n".join(line for line in output.splitlines()
+                     if "celery-semaphore" in line or "broker" in line)
 
 
 def all_ran_once_quietly(cluster, worker, results, key):
@@ -200,14 +210,15 @@ def test_a_redis_broker_outage_loses_no_worker_and_no_task(redis_url, tmp_path):
     broker = PersistentRedis(tmp_path / "broker")
     cluster = Cluster(str(tmp_path), redis_url, broker.url, redis_url, workers=1)
     try:
-        worker, results = one_running_five_waiting(cluster, "r")
+        worker, results, go = one_running_five_waiting(cluster, "r")
         broker.kill()
         assert wait_until(lambda: "Cannot connect to redis" in worker.output()
                           or "re-establish" in worker.output(), timeout=10)
         time.sleep(2)  # an outage, not a blip: the worker retries its connection meanwhile
         broker.start()
+        open(go, "w").close()
         output = all_ran_once_quietly(cluster, worker, results, "r")
-        assert waiting_back(output) == 5
+        assert waiting_back(output) == 5, said_when_lost(output)
     finally:
         cluster.stop()
         broker.kill()
@@ -222,19 +233,23 @@ def test_a_redis_broker_outage_does_not_run_a_running_task_again(redis_url, tmp_
     broker = PersistentRedis(tmp_path / "broker")
     cluster = Cluster(str(tmp_path), redis_url, broker.url, redis_url, workers=1)
     try:
-        worker, results = one_running_five_waiting(cluster, "a", first="slow_late")
+        worker, results, go = one_running_five_waiting(cluster, "a", first="slow_late")
         broker.kill()
         assert wait_until(lambda: "Cannot connect to redis" in worker.output()
                           or "re-establish" in worker.output(), timeout=10)
         # the body ends while the broker is away: its acknowledgement cannot be made now
+        open(go, "w").close()
         assert wait_until(lambda: cluster.probe.completed("slow:a0"), timeout=20)
         broker.start()
         assert [r.get(timeout=60) for r in results] == [f"a{i}" for i in range(6)]
         client = redis.Redis.from_url(broker.url)
+        def left() -> dict:
+            lists = {k: client.llen(k) for k in client.scan_iter("*") if client.type(k) == b"list"}
+            return {"unacked": client.hlen("unacked"), **{k: n for k, n in lists.items() if n}}
+
         try:  # every message settled in the broker: nothing left to deliver again
-            assert wait_until(lambda: client.hlen("unacked") == 0
-                              and not any(client.llen(k) for k in client.scan_iter("*")
-                                          if client.type(k) == b"list"), timeout=20)
+            assert wait_until(lambda: left() == {"unacked": 0}, timeout=20), (
+                left(), said_when_lost(worker.output()))
         finally:
             client.close()
         assert cluster.probe.completed("slow:a") == {f"slow:a{i}": 1 for i in range(6)}
@@ -242,7 +257,7 @@ def test_a_redis_broker_outage_does_not_run_a_running_task_again(redis_url, tmp_
         output = worker.output()
         assert len(re.findall(r"closed with \d+ tasks waiting for a slot", output)) == 1, (
             output[-3000:])
-        assert waiting_back(output) == 5
+        assert waiting_back(output) == 5, said_when_lost(output)
         assert "1 tasks that left for the pool stay unacknowledged" in output, output[-3000:]
         assert "delivered again" not in output.replace("(not delivered again)", "")
         assert worker.proc.poll() is None
@@ -258,10 +273,11 @@ def test_a_rabbitmq_reconnect_is_logged_once_and_loses_nothing(redis_url, amqp_u
     traceback per request from rejecting on the dead channel, and every task runs once."""
     cluster = Cluster(str(tmp_path), redis_url, amqp_url, redis_url, workers=1)
     try:
-        worker, results = one_running_five_waiting(cluster, "q")
+        worker, results, go = one_running_five_waiting(cluster, "q")
         subprocess.run([servers.rabbitmqctl(), "close_all_connections", "--vhost", "/",
                         "celery-semaphore test"], check=True, capture_output=True, timeout=60)
         assert wait_until(lambda: "re-establish" in worker.output(), timeout=10)
+        open(go, "w").close()
         all_ran_once_quietly(cluster, worker, results, "q")
     finally:
         cluster.stop()
