@@ -10,7 +10,7 @@ import platform
 import sys
 from datetime import datetime, timezone
 
-from benchmarks import backends, backlog, keys, pertask, scaling, traffic, workload
+from benchmarks import backends, backlog, keys, pertask, scaling, traffic, upstream, workload
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -87,21 +87,37 @@ def markdown(data) -> str:
         "binds (and W6's 1,000 x 1: one task per key, limit 1 per key, 20 ms), beside the "
         "same tasks unguarded on the same two workers (x 4 prefork), rounds "
         "in alternating order; the workers' main processes (every thread): CPU seconds per "
-        "1,000 tasks and context switches per task; commands per task on the backend (a Redis "
+        "1,000 tasks and context switches per task; the whole machine's CPU seconds per 1,000 "
+        "tasks (machine_cpu) and how busy its cores were (machine_busy); the backend server's "
+        "CPU seconds per 1,000 tasks; commands per task on the backend (a Redis "
         "of its own: scripts' own commands included) and on the broker (the shared server):",
         table([r for r in data.get("pertask", []) if r.get("kind") == "guarded"],
               ["workload", "tasks", "round", "makespan_s", "vs_unguarded", "cpu_s_per_1000",
-               "cpu_vs_unguarded", "switches_per_task", "backend_cmds_per_task",
+               "cpu_vs_unguarded", "machine_cpu_vs_unguarded", "backend_server_cpu_s_per_1000",
+               "machine_busy", "switches_per_task", "backend_cmds_per_task",
                "broker_cmds_per_task"]),
         table([r for r in data.get("pertask", []) if r.get("kind") == "unguarded"],
               ["workload", "tasks", "round", "makespan_s", "cpu_s_per_1000",
-               "switches_per_task", "broker_cmds_per_task"]),
+               "machine_cpu_s_per_1000", "machine_busy", "switches_per_task",
+               "broker_cmds_per_task"]),
         "W11, cost as workers grow: 400 x 10 ms on one semaphore of limit 2, workers of "
         "concurrency 1, the backend on a Redis of its own; commands per task inside scripts "
         "included:",
         table(data.get("scaling", []), ["workers", "tasks", "limit", "backend_cmds_per_task",
                                         "cmds_vs_smallest", "utilization", "makespan_s",
                                         "max_concurrent"]),
+        "W10, an API behind the task: a partner API on loopback (20 ms a call) that answers "
+        "429 past limits of its own; the library's way beside Celery's own (`autoretry_for` "
+        "the 429, `retry_backoff`) and an oracle that knows the API's limits, in the same run "
+        "(W10a a window quota and Backoff(retry_after) from the header; W10b an unknown "
+        "concurrency that halves halfway, Adaptive and Backoff(); W10c a token budget, a "
+        "quota in tokens, settle() after each call). `early_calls`: calls that reached the API "
+        "more than 0.1 s after it answered a 429 and before that 429's Retry-After ran out:",
+        table(data.get("upstream", []), ["workload", "way", "calls", "goodput_per_s",
+                                         "vs_oracle", "share_429", "share_429_after_10s",
+                                         "recovered_s", "celery_retries", "early_calls",
+                                         "max_calls_in_a_window", "max_tokens_in_a_window",
+                                         "least_share_used", "makespan_s"]),
         "The waiting room under a deep backlog: guarded tasks sent while their semaphore is "
         "full reach one worker (-c 4), parked on send (the default) or parked by the worker "
         "(`semaphore_park_on_send = False`). `parked_per_s`: on send, the sender's rate into "
@@ -194,6 +210,8 @@ def main(argv=None) -> int:
         data["keys"] = keys.run(url, rabbit, workload.broker_url(url))
         print("rates and costs (W7, W8):", flush=True)
         data["traffic"] = traffic.run(url)
+        print("an API behind the task (W10):", flush=True)
+        data["upstream"] = upstream.run(url)
         print("backlog:", flush=True)
         broker = workload.broker_url(url)
         data["backlog"] = []

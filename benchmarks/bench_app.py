@@ -137,9 +137,9 @@ class TooManyRequests(Exception):
     """The API answered 429 (Celery's own way retries on it)."""
 
 
-def api_call(key, settle=False):
-    """One call to the partner API, recorded by the probe; 429: :class:`.Backoff` from its
-    ``Retry-After``."""
+def api_call(key, settle=False, too_many=None):
+    """One call to the partner API, recorded by the probe; 429: ``too_many(answer)`` raised,
+    by default :class:`.Backoff` from its ``Retry-After``."""
     from benchmarks.partner_api import call
 
     probe.mark("start", key)
@@ -148,6 +148,8 @@ def api_call(key, settle=False):
     finally:
         probe.mark("end", key)
     if answer.status == 429:
+        if too_many is not None:
+            raise too_many(answer)
         raise celery_semaphore.Backoff.from_response(answer, reason="429 from the partner API")
     if settle:
         celery_semaphore.current_lease().settle(answer.tokens)
@@ -164,48 +166,31 @@ def api_backoff(key):
           max_retries=None, shared=False)
 def api_celery(key):
     """W10, Celery's own way: no semaphore; a 429 is retried with exponential backoff."""
-    from benchmarks.partner_api import call
-
-    probe.mark("start", key)
-    try:
-        answer = call(API, key)
-    finally:
-        probe.mark("end", key)
-    if answer.status == 429:
-        raise TooManyRequests()
-    return answer.tokens
+    return api_call(key, too_many=lambda answer: TooManyRequests())
 
 
-@app.task(semaphore="apiq", limit=64, semaphore_quota=os.environ.get("BENCH_QUOTA") or None,
-          shared=False)
-def api_quota(key):
-    """W10a's oracle: the API's window quota as semaphore_quota."""
-    return api_call(key)
+# (quotas, adaptive limits and settled costs need such a backend too: the W1 run on the
+# RabbitMQ backends would refuse to start with them)
+if not (os.environ.get("BENCH_SEMAPHORE_BACKEND") or "").startswith("amqp"):
+    @app.task(semaphore="apiq", limit=64, semaphore_quota=os.environ.get("BENCH_QUOTA") or None,
+              shared=False)
+    def api_quota(key):
+        """W10a's oracle: the API's window quota as semaphore_quota."""
+        return api_call(key)
 
+    @app.task(semaphore="apia", limit=celery_semaphore.Adaptive(min=1, max=64), shared=False)
+    def api_adaptive(key):
+        """W10b: the limit learned; a 429 gives the call back and signals overload."""
+        return api_call(key, too_many=lambda answer: celery_semaphore.Backoff(
+            reason="429 from the partner API"))
 
-@app.task(semaphore="apia", limit=celery_semaphore.Adaptive(min=1, max=64), shared=False)
-def api_adaptive(key):
-    """W10b: the limit learned; a 429 gives the call back and signals overload."""
-    from benchmarks.partner_api import call
+    @app.task(semaphore="apic", limit=int(os.environ.get("BENCH_CAPACITY", "8")), shared=False)
+    def api_capacity(key):
+        """W10b's oracle: limit = the API's concurrency (resized when it halves)."""
+        return api_call(key)
 
-    probe.mark("start", key)
-    try:
-        answer = call(API, key)
-    finally:
-        probe.mark("end", key)
-    if answer.status == 429:
-        raise celery_semaphore.Backoff(reason="429 from the partner API")
-    return answer.tokens
-
-
-@app.task(semaphore="apic", limit=int(os.environ.get("BENCH_CAPACITY", "8")), shared=False)
-def api_capacity(key):
-    """W10b's oracle: limit = the API's concurrency (resized when it halves)."""
-    return api_call(key)
-
-
-@app.task(semaphore="apit", limit=64, semaphore_quota=os.environ.get("BENCH_TOKENS") or None,
-          semaphore_units=50, shared=False)
-def api_tokens(key):
-    """W10c: a quota in tokens, 50 estimated at admission, the actual tokens settled."""
-    return api_call(key, settle=True)
+    @app.task(semaphore="apit", limit=64, semaphore_quota=os.environ.get("BENCH_TOKENS") or None,
+              semaphore_units=50, shared=False)
+    def api_tokens(key):
+        """W10c: a quota in tokens, 50 estimated at admission, the actual tokens settled."""
+        return api_call(key, settle=True)

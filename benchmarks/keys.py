@@ -4,7 +4,9 @@ the same tasks with no semaphore on the same two workers (x 4 prefork) in the sa
 Redis broker and on a RabbitMQ broker.
 
 Per shape: makespan (first send to last end) guarded and unguarded and their ratio
-(``vs_unguarded`` = unguarded makespan / guarded makespan: 1.0 is "costs nothing"), the
+(``vs_unguarded`` = unguarded makespan / guarded makespan: 1.0 is "costs nothing"), the time
+the send loop took (``*_send_s``: a guarded send of a key the sender has not seen lately asks
+the backend whether that key has a backlog, one round trip), the
 probe's most concurrent bodies of one key (never above 1), deliveries per task (from the
 workers' "received" log lines), and the workers' main-process CPU seconds per 1,000 tasks
 (``/proc/<pid>/stat``), guarded and unguarded. Per broker: the broker's queues (RabbitMQ) or
@@ -79,6 +81,7 @@ def run_broker(label: str, broker: str, backend: str,
                 for r in range(per_key):
                     for k in range(keys):
                         send.delay(f"{prefix}{k}", r, HOLD)
+                row[f"{kind}_send_s"] = round((time.monotonic_ns() - began) / 1e9, 3)
                 total = keys * per_key
                 wait_for_ends(probe, base, total, prefix, 600, f"W6 {label} {kind}")
                 ends = [e for key, runs in probe.intervals().items() if key.startswith(prefix)

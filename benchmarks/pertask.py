@@ -6,9 +6,13 @@ order (unguarded first in odd rounds, guarded first in even ones). Per round and
 
 * makespan (first send to the last body's end, from the probe file the bodies write) and
   throughput; ``vs_unguarded`` = unguarded makespan / guarded makespan of the same round pair;
-* the workers' main processes (every thread): CPU seconds per 1,000 tasks (``/proc/<pid>/stat``)
-  and context switches per task, voluntary and not, summed over their threads
-  (``/proc/<pid>/task/*/status``), with the busiest threads by name;
+* CPU seconds per 1,000 tasks of the workers' main processes (every thread; ``/proc/<pid>/
+  stat``), of the backend's and the broker's Redis servers (``INFO cpu``) and of the whole
+  machine (``/proc/stat``: pool processes, sender and everything else included) and of the
+  sending process (this one, ``time.process_time``), and how busy
+  the machine's cores were during the round (``machine_busy``, 1.0: every core all the time);
+* the workers' main processes' context switches per task, voluntary and not, summed over
+  their threads (``/proc/<pid>/task/*/status``), with the busiest threads by name;
 * commands per task: on the backend (a Redis server of its own, so that ``INFO commandstats``
   counts only the semaphore's commands, those run inside scripts included) and on the broker
   (the shared Redis server's ``INFO commandstats``: other clients of that server count too).
@@ -79,13 +83,29 @@ def _commands(client: "redis.Redis[Any]") -> Counter:
     return Counter({key[len("cmdstat_"):]: value["calls"] for key, value in stats.items()})
 
 
+def _machine_busy() -> float:
+    """CPU seconds the whole machine spent not idle (every core, every process: /proc/stat)."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    idle = ticks[3] + ticks[4]  # idle, iowait
+    return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _server_cpu(client: Any) -> float:
+    """CPU seconds a Redis server has used (``INFO cpu``: its main thread and the rest)."""
+    info = client.info("cpu")
+    return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+
+
 def _snapshot(pids: Sequence[int], backend: Any, broker: Any) -> Dict[str, Any]:
     switches: Counter[str] = Counter()
     for pid in pids:
         switches.update(_switches(pid))
     return {"cpu": sum(_stat(pid)[0] for pid in pids), "switches": switches,
             "threads": sum(_stat(pid)[1] for pid in pids),
-            "backend": _commands(backend), "broker": _commands(broker)}
+            "backend": _commands(backend), "broker": _commands(broker),
+            "backend_cpu": _server_cpu(backend), "broker_cpu": _server_cpu(broker),
+            "machine": _machine_busy()}
 
 
 def _private_redis() -> Tuple[Any, str, str]:
@@ -126,8 +146,8 @@ def run(broker: str, tasks: int = TASKS, hold: float = HOLD, rounds: int = 2,
                 prefix = f"r{r}{kind[0]}:"
                 before = _snapshot(pids, backend_client, broker_client)
                 spy = _start_profile(pids[0], tmp, f"{kind}-{r}") if profile else None
-                makespan = _send_and_wait(bench_app, probe, task, prefix, tasks, hold,
-                                          call_args)
+                makespan, sender_cpu = _send_and_wait(bench_app, probe, task, prefix, tasks,
+                                                      hold, call_args)
                 if spy is not None:
                     _stop_profile(spy)
                 after = _snapshot(pids, backend_client, broker_client)
@@ -138,6 +158,15 @@ def run(broker: str, tasks: int = TASKS, hold: float = HOLD, rounds: int = 2,
                        "tasks": f"{tasks} x {hold * 1000:g} ms", "makespan_s": round(makespan, 3),
                        "tasks_per_s": round(tasks / makespan, 1),
                        "cpu_s_per_1000": round((after["cpu"] - before["cpu"]) * 1000 / tasks, 3),
+                       "backend_server_cpu_s_per_1000": round(
+                           (after["backend_cpu"] - before["backend_cpu"]) * 1000 / tasks, 3),
+                       "broker_server_cpu_s_per_1000": round(
+                           (after["broker_cpu"] - before["broker_cpu"]) * 1000 / tasks, 3),
+                       "machine_cpu_s_per_1000": round(
+                           (after["machine"] - before["machine"]) * 1000 / tasks, 3),
+                       "sender_cpu_s_per_1000": round(sender_cpu * 1000 / tasks, 3),
+                       "machine_busy": round((after["machine"] - before["machine"])
+                                             / (makespan * os.cpu_count()), 3),
                        "switches_per_task": round(sum(switches.values()) / tasks, 2),
                        "switches_by_thread": {k: round(v / tasks, 2)
                                               for k, v in switches.most_common(6)},
@@ -155,9 +184,11 @@ def run(broker: str, tasks: int = TASKS, hold: float = HOLD, rounds: int = 2,
             pair["guarded"]["vs_unguarded"] = round(ratio, 3)
             pair["guarded"]["cpu_vs_unguarded"] = round(
                 pair["guarded"]["cpu_s_per_1000"] / pair["unguarded"]["cpu_s_per_1000"], 3)
-            print(json.dumps({"round": r, "vs_unguarded": pair["guarded"]["vs_unguarded"],
-                              "cpu_vs_unguarded": pair["guarded"]["cpu_vs_unguarded"]}),
-                  flush=True)
+            pair["guarded"]["machine_cpu_vs_unguarded"] = round(
+                pair["guarded"]["machine_cpu_s_per_1000"]
+                / pair["unguarded"]["machine_cpu_s_per_1000"], 3)
+            print(json.dumps({"round": r, **{k: pair["guarded"][k] for k in (
+                "vs_unguarded", "cpu_vs_unguarded", "machine_cpu_vs_unguarded")}}), flush=True)
     finally:
         for proc in procs:
             proc.terminate()
@@ -175,12 +206,14 @@ def run(broker: str, tasks: int = TASKS, hold: float = HOLD, rounds: int = 2,
 
 def _send_and_wait(bench_app: Any, probe: Probe, task: str, prefix: str, n: int,
                    hold: float, call_args: Callable[[str, int, float], Tuple[Any, ...]]
-                   ) -> float:
+                   ) -> Tuple[float, float]:
+    """(makespan, CPU seconds this process spent sending)."""
     send = bench_app.app.tasks[f"benchmarks.bench_app.{task}"]
     base = probe.ended()
-    began = time.monotonic_ns()
+    began, cpu = time.monotonic_ns(), time.process_time()
     for i in range(n):
         send.delay(*call_args(prefix, i, hold))
+    cpu = time.process_time() - cpu
     deadline = time.monotonic() + 600
     while True:  # a cheap count (the record is parsed once, at the end)
         done = probe.ended() - base
@@ -191,7 +224,7 @@ def _send_and_wait(bench_app: Any, probe: Probe, task: str, prefix: str, n: int,
         time.sleep(0.1)
     ends = [e for key, runs in probe.intervals().items() if key.startswith(prefix)
             for _, e in runs if e is not None]
-    return (max(ends) - began) / 1e9
+    return (max(ends) - began) / 1e9, cpu
 
 
 def _start_profile(pid: int, tmp: str, label: str) -> Any:

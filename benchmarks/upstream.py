@@ -178,6 +178,7 @@ def w10c(broker: str, backend: str, calls: int = 300) -> List[Dict[str, Any]]:
         busy = list(spent.values())[1:-1]  # whole windows while calls waited
         row["max_tokens_in_a_window"] = max(spent.values()) if spent else 0
         row["least_share_used"] = round(min(busy) / BUDGET, 3) if busy else None
+        row["workload"] = "W10c"
         rows.append(row)
     return rows
 
