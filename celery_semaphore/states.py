@@ -33,7 +33,8 @@ PRECEDES = "STARTED"
 #: The ``task-waiting`` event's fields that Celery's event state keeps for a task (Flower's
 #: ``/api/task/info``, ``/api/tasks`` and task page show ``Task._fields`` only). They keep
 #: their last values once the task runs (Celery's ``task-started`` event carries none of them).
-EVENT_FIELDS = ("semaphore", "semaphores", "limit", "position", "waits_for", "parked")
+EVENT_FIELDS = ("semaphore", "semaphores", "limit", "position", "waits_for", "waits_until",
+                "parked")
 
 
 def register_event_fields() -> None:

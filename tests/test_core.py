@@ -264,6 +264,31 @@ def test_on_full_skip_or_fail_makes_one_try_and_never_queues():
     assert "Cancel" not in kinds(commands) and "RaisePrefetch" not in kinds(commands)
 
 
+def test_a_call_waiting_out_a_pause_reports_until_when_and_again_when_the_pause_moves():
+    """Waiting for a pause (or a quota window): the report says until when, as a Unix time
+    (the backend's seconds left, counted from when the attempt was sent); a pause extended
+    by more than a second is reported again, the same end is not; waiting for a slot has no
+    end to report."""
+    core, w = make()
+    claim, _, _ = arrive(core, guard())
+    w.advance(0.5)  # the answer arrives 0.5 s after the attempt was sent (at now - 0.5)
+    commands = core.handle(answer(claim, wait_answer(waits_for="pause", due=30.0),
+                                  requested_at=w.now - 0.5))
+    (report,) = [c for c in commands if isinstance(c, ReportWaiting)]
+    assert report.until == round(w.wall + 29.5, 1)
+    w.advance(5.0)  # the same pause, asked again: nothing new to say
+    commands = core.handle(answer(claim, wait_answer(waits_for="pause", due=24.7),
+                                  requested_at=w.now))
+    assert not [c for c in commands if isinstance(c, ReportWaiting)]
+    commands = core.handle(answer(claim, wait_answer(waits_for="pause", due=60.0),
+                                  requested_at=w.now))  # another Backoff extended it
+    (report,) = [c for c in commands if isinstance(c, ReportWaiting)]
+    assert report.until == round(w.wall + 60.0, 1)
+    commands = core.handle(answer(claim, wait_answer(waits_for="slots"), requested_at=w.now))
+    (report,) = [c for c in commands if isinstance(c, ReportWaiting)]
+    assert report.until is None
+
+
 def test_several_semaphores_report_the_one_that_blocks_and_hold_every_grant():
     core, _ = make()
     g = Guard("a", 1, Settings(poll_interval=5.0), also=(("b", 2),))

@@ -40,6 +40,14 @@ def test_a_backoff_closes_the_semaphore_everywhere_and_the_call_runs_again_first
     status = cluster.backend.status("partner")
     assert status.pause_reason == "429 from the API"
     later = [partner.delay(key, 0.0) for key in ("b", "c", "d")]  # arrive during the pause
+
+    def shown_paused():  # what Flower and the result backend show of a waiting call
+        return next((r.info for r in later if r.state == "WAITING"
+                     and (r.info or {}).get("waits_for") == "pause"), None)
+
+    seen = []
+    assert wait_until(lambda: seen.append(shown_paused()) or seen[-1], timeout=10)
+    assert abs(seen[-1]["waits_until"] - status.paused_until) < 1.0  # (one host's clocks)
     assert first.get(timeout=30) == ["a", 0]  # no Celery retry was used
     assert [r.get(timeout=30) for r in later] == [["b", 0], ["c", 0], ["d", 0]]
     runs = cluster.probe.intervals()

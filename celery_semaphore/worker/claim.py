@@ -93,6 +93,8 @@ class Claim:
     blocking: Optional[str] = None
     #: What its last attempt said it waits for: "slots", "units" or "rate".
     waits_for: Optional[str] = None
+    #: the Unix time its pause or quota window lets it start (last reported), else None
+    waits_until: Optional[float] = None
     #: Monotonic time the first acquire was sent (None: it never reached the backend).
     first_sent: Optional[float] = None
     #: Acquire attempts sent so far; an answer to an older one than the last is stale.

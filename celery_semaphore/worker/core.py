@@ -423,11 +423,14 @@ class LowerPrefetch:
 @dataclass(frozen=True)
 class ReportWaiting:
     """Announce that ``claim`` waits (event, WAITING state): at ``position`` of the backend's
-    queue, or None (in this worker's line, behind those that wait for the same slot)."""
+    queue, or None (in this worker's line, behind those that wait for the same slot).
+    ``until``: when time alone lets it start, for a pause or a quota window (Unix time, as
+    this host's clock reads the backend's answer), else None."""
 
     claim: Claim
     position: Optional[int]
     limit: Any
+    until: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -638,13 +641,17 @@ class WorkerCore:
         if claim.attempts == 1 and self._told_to_wait(claim):
             return
         waits_for = getattr(attempt, "waits_for", None)
+        due = _due(attempt)
+        until = None
+        if due is not None and waits_for in ("pause", "quota"):  # (the answer's age counted)
+            until = round(self.wall_clock() + due - (self.clock() - answer.requested_at), 1)
         if (attempt.position != claim.position or blocking != claim.blocking
-                or waits_for != claim.waits_for):
-            claim.position, claim.blocking, claim.waits_for = (attempt.position, blocking,
-                                                               waits_for)
-            self._out.append(ReportWaiting(claim, attempt.position, attempt.limit))
+                or waits_for != claim.waits_for or not _same_moment(until, claim.waits_until)):
+            claim.position, claim.blocking, claim.waits_for, claim.waits_until = (
+                attempt.position, blocking, waits_for, until)
+            self._out.append(ReportWaiting(claim, attempt.position, attempt.limit, until))
         pause = answer.pause
-        if _due(attempt) is not None:
+        if due is not None:
             # Due counts from when the backend decided, which was after the attempt was sent:
             # count from the send, so the next try reaches it as its start falls due rather
             # than a round trip later (each late start delays every later one).
@@ -1165,6 +1172,11 @@ class WorkerCore:
             claim.lost = True
             self._out.append(LeaseLost(claim))
 
+
+
+def _same_moment(a: Optional[float], b: Optional[float]) -> bool:
+    """Two ``until`` times a report would not tell apart (within a second), or both None."""
+    return a == b or (a is not None and b is not None and abs(a - b) <= 1.0)
 
 
 def _due(attempt: Union[Attempt, MultiAttempt]) -> Optional[float]:

@@ -166,7 +166,8 @@ class Gate:
             core.Dropped: self._dropped, core.Settle: self._settle,
             core.RaisePrefetch: lambda _: consumer.qos.increment_eventually(),
             core.LowerPrefetch: lambda _: consumer.qos.decrement_eventually(),
-            core.ReportWaiting: lambda c: self.reporting.waiting(c.claim, c.position, c.limit),
+            core.ReportWaiting: lambda c: self.reporting.waiting(c.claim, c.position, c.limit,
+                                                                 until=c.until),
             core.Refill: lambda c: self.parking.refill(c.name),
         }
 

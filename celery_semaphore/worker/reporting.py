@@ -24,16 +24,19 @@ class Reporting:
         self.outcomes = outcomes
 
     def waiting(self, claim: Claim, position: Optional[int], limit: Any,
-                parked: bool = False) -> None:
+                parked: bool = False, until: Optional[float] = None) -> None:
         """``claim`` waits at ``position`` of the backend's queue, or in the parking queue:
         announce it (loop). A request under several semaphores: ``semaphore`` is the one whose
-        queue it waits in, ``semaphores`` lists them all."""
+        queue it waits in, ``semaphores`` lists them all. ``until``: the Unix time a pause
+        or a quota window lets it start (``waits_until``)."""
         fields = {"semaphore": claim.blocking or claim.guard.name, "limit": limit,
                   "position": position, "attempt": claim.requeues + 1}
         if claim.guard.multi:
             fields["semaphores"] = list(claim.guard.names)
-        if claim.waits_for is not None:  # slots, units (costs in play) or rate
+        if claim.waits_for is not None:  # slots, units (costs in play), rate, quota, pause
             fields["waits_for"] = claim.waits_for
+        if until is not None:
+            fields["waits_until"] = until
         if claim.guard.cost != 1:
             fields["cost"] = claim.guard.cost
         if claim.guard.priority:
