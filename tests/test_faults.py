@@ -156,7 +156,8 @@ def test_a_waiter_is_woken_promptly_once_its_backend_is_back(redis_url, tmp_path
 
 
 def one_running_five_waiting(cluster, key, first="slow"):
-    """One slow task (of task ``first``) holds the slot, five wait in the worker's gate; every
+    """One slow task (of task ``first``) holds the slot, five wait in the worker's gate (or,
+    past its bound of waiting requests, are on their way to the waiting room); every
     message has been delivered (kombu's Redis transport loses one it has popped but not yet
     recorded as unacked when the server dies: the transport's own window, not the gate's).
     The slow one runs until the test creates the file returned (``go``): on a loaded machine
@@ -184,6 +185,27 @@ def said_when_lost(output):
     """The worker's lines about the lost broker connection (for a failing assertion)."""
     return "\n".join(line for line in output.splitlines()
                      if "celery-semaphore" in line or "broker" in line)
+
+
+def parked_back(output):
+    """How many tasks the worker was parking (past its bound of waiting requests) when the
+    broker went away: each is put back in its queue with a backoff instead (and runs once)."""
+    return len(set(re.findall(r"requeueing (\S+) with a backoff of [\d.]+s: the waiting room "
+                              r"could not take it", output)))
+
+
+def left_for_pool(output):
+    """How many tasks the worker said had left for the pool when the broker connection was
+    lost (they stay unacknowledged until they end)."""
+    return sum(int(n) for n in re.findall(
+        r"(\d+) tasks that left for the pool stay unacknowledged", output))
+
+
+def accounted(output):
+    """Every task the worker held when the broker went away, as it reported them: waiting and
+    back in their queue, on their way to the waiting room and put back, or gone to the pool
+    (where one of the five waiting ones sometimes is already, on a loaded machine)."""
+    return waiting_back(output) + parked_back(output) + left_for_pool(output)
 
 
 def all_ran_once_quietly(cluster, worker, results, key):
@@ -218,7 +240,8 @@ def test_a_redis_broker_outage_loses_no_worker_and_no_task(redis_url, tmp_path):
         broker.start()
         open(go, "w").close()
         output = all_ran_once_quietly(cluster, worker, results, "r")
-        assert waiting_back(output) == 5, said_when_lost(output)
+        # (r0 was acknowledged as it started: it is not among them)
+        assert accounted(output) == 5 and waiting_back(output) >= 4, said_when_lost(output)
     finally:
         cluster.stop()
         broker.kill()
@@ -257,8 +280,9 @@ def test_a_redis_broker_outage_does_not_run_a_running_task_again(redis_url, tmp_
         output = worker.output()
         assert len(re.findall(r"closed with \d+ tasks waiting for a slot", output)) == 1, (
             output[-3000:])
-        assert waiting_back(output) == 5, said_when_lost(output)
-        assert "1 tasks that left for the pool stay unacknowledged" in output, output[-3000:]
+        # a0 among them: acknowledged late, it stays unacknowledged until it ends
+        assert accounted(output) == 6 and waiting_back(output) >= 4, said_when_lost(output)
+        assert left_for_pool(output) >= 1, said_when_lost(output)
         assert "delivered again" not in output.replace("(not delivered again)", "")
         assert worker.proc.poll() is None
     finally:

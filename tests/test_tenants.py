@@ -22,7 +22,8 @@ def test_keys_with_room_go_the_plain_way(redis_url, tmp_path):
     nothing is parked, no doorbell is rung, and the broker holds nothing of the waiting room
     afterwards."""
     broker = servers.redis_broker(redis_url)
-    cluster = Cluster(str(tmp_path), redis_url, broker, redis_url, workers=2, names="plain")
+    # (a name no other test's workers start with: `workers` asks every worker on the broker)
+    cluster = Cluster(str(tmp_path), redis_url, broker, redis_url, workers=2, names="roomy")
     try:
         per_customer = cluster.task("per_customer")
         results = [per_customer.delay(1000 + k, f"k{k}", 0.01) for k in range(40)]
@@ -30,7 +31,7 @@ def test_keys_with_room_go_the_plain_way(redis_url, tmp_path):
         logs = "".join(worker.output() for worker in cluster.workers)
         assert logs.count(" received") == 40  # one delivery each
         replies = json.loads(run_cli(cluster.env, "workers", "--json").stdout)
-        ours = [info for name, info in replies.items() if name.startswith("plain")]
+        ours = [info for name, info in replies.items() if name.startswith("roomy")]
         assert len(ours) == 2
         assert all(not info["parked"] and not info["pulled"] for info in ours)
         client = redis.Redis.from_url(broker)
