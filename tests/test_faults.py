@@ -201,11 +201,12 @@ def left_for_pool(output):
         r"(\d+) tasks that left for the pool stay unacknowledged", output))
 
 
-def accounted(output):
-    """Every task the worker held when the broker went away, as it reported them: waiting and
-    back in their queue, on their way to the waiting room and put back, or gone to the pool
-    (where one of the five waiting ones sometimes is already, on a loaded machine)."""
-    return waiting_back(output) + parked_back(output) + left_for_pool(output)
+def told_back(output):
+    """The waiting tasks the worker said go back to their queue at the loss: those waiting in
+    its gate, and those it was parking (put back with a backoff). A fifth one on its way to
+    the waiting room as the connection drops (published there, its acknowledgement made again
+    once the broker answers) is in neither: it runs from the waiting room."""
+    return waiting_back(output) + parked_back(output)
 
 
 def all_ran_once_quietly(cluster, worker, results, key):
@@ -240,8 +241,7 @@ def test_a_redis_broker_outage_loses_no_worker_and_no_task(redis_url, tmp_path):
         broker.start()
         open(go, "w").close()
         output = all_ran_once_quietly(cluster, worker, results, "r")
-        # (r0 was acknowledged as it started: it is not among them)
-        assert accounted(output) == 5 and waiting_back(output) >= 4, said_when_lost(output)
+        assert 4 <= told_back(output) <= 5, said_when_lost(output)
     finally:
         cluster.stop()
         broker.kill()
@@ -280,8 +280,8 @@ def test_a_redis_broker_outage_does_not_run_a_running_task_again(redis_url, tmp_
         output = worker.output()
         assert len(re.findall(r"closed with \d+ tasks waiting for a slot", output)) == 1, (
             output[-3000:])
-        # a0 among them: acknowledged late, it stays unacknowledged until it ends
-        assert accounted(output) == 6 and waiting_back(output) >= 4, said_when_lost(output)
+        assert 4 <= told_back(output) <= 5, said_when_lost(output)
+        # a0, acknowledged late, stays unacknowledged until it ends
         assert left_for_pool(output) >= 1, said_when_lost(output)
         assert "delivered again" not in output.replace("(not delivered again)", "")
         assert worker.proc.poll() is None
