@@ -536,6 +536,32 @@ def test_an_idle_orphans_child_counts_as_moved_on_after_a_lease_ttl():
     assert "Settle" in kinds(core.handle(Tick()))
 
 
+def test_an_orphan_whose_job_no_child_started_is_put_back_once_its_child_moved_on():
+    """A child acknowledges a job as it starts it: one up and idle for a lease TTL, or busy
+    with a later request, that never acknowledged the orphan's job never got it (the job was
+    lost with the pipe of a child that exited, or with the pool's buffer). Its message goes
+    back to be delivered again; a job the child did take is acknowledged."""
+    core, world = make(processes=4)
+    idle, _, _ = arrive(core)
+    run(core, idle)
+    busy_after, _, _ = arrive(core)
+    run(core, busy_after)
+    took, _, _ = arrive(core)
+    run(core, took)
+    core.handle(PoolFlushed(((idle, 5), (busy_after, 6), (took, 7))))
+    world.children[5] = ChildFacts(5, alive=True, busy=False, up=True, took_job=False)
+    world.children[6] = ChildFacts(6, alive=True, busy=True, up=True, took_job=False)
+    world.children[7] = ChildFacts(7, alive=True, busy=False, up=True, took_job=True)
+    settled = [(c.claim, c.requeue) for c in core.handle(Tick()) if type(c).__name__ == "Settle"]
+    assert settled == [(busy_after, True)]  # it moved on without ever starting it
+    world.advance(GRANT.ttl + 1)
+    commands = core.handle(Tick())
+    assert [(c.claim, c.requeue) for c in commands if type(c).__name__ == "Settle"] == [
+        (idle, True), (took, False)]
+    assert sorted(releases(commands)) == sorted([(("s",), idle.holder), (("s",), took.holder)])
+    assert core.free_processes() == 4
+
+
 def test_a_request_celery_forgot_leaves_the_pool():
     core, world = make(processes=1)
     claim, _, request = arrive(core)

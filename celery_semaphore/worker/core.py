@@ -75,6 +75,9 @@ class ChildFacts(NamedTuple):
     alive: bool  # it runs (a zombie counts as gone)
     busy: bool  # an active request (one Celery knows it gave it) runs in it
     up: bool  # it has started and takes jobs
+    #: whether it acknowledged the orphan's job (a child acknowledges a job as it starts
+    #: it); None where the pool tells no such thing
+    took_job: Optional[bool] = None
 
 
 class Surroundings(Protocol):
@@ -1129,7 +1132,10 @@ class WorkerCore:
         whole lease TTL counts as moved on too: if it runs the job after all, that run has
         lost its lease (fencing tokens reject its writes), as a partitioned holder's would.
         Its message is acknowledged once the child moved on (it ran the job) and put back if
-        the child exited (it may have died before running it: at-least-once)."""
+        the child exited (it may have died before running it: at-least-once), or if the child
+        moved on without ever acknowledging the job (a child acknowledges a job as it starts
+        it, so the job never ran: it was lost with the pipe of a child that exited, or with
+        the pool's buffer)."""
         facts = self.surroundings.orphan_child(claim)
         if facts is None:  # its pipe waits for the pool to reap a child, or for its replacement
             return
@@ -1150,7 +1156,7 @@ class WorkerCore:
                            "after a broker reconnect; settling %s", claim.child,
                            claim.request.id)
         # (busy: it runs a request Celery knows of, after the orphan: it moved on)
-        self._out.append(Settle(claim, requeue=not facts.alive))
+        self._out.append(Settle(claim, requeue=not facts.alive or facts.took_job is False))
         self._from_pool(claim)
         self._done(claim)
 

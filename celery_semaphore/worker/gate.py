@@ -696,7 +696,8 @@ class Gate:
         if self.acked is not None:
             self.acked.pop(job_id, None)
         logger.info("celery-semaphore: settled %s (its job went to pool child %s, which %s): %s",
-                    claim.request.id, claim.child, "exited" if command.requeue else "moved on",
+                    claim.request.id, claim.child,
+                    "exited or never started it" if command.requeue else "moved on",
                     "put back in its queue" if command.requeue else "acknowledged")
         self.settlements.settle_kept(claim.request.message,
                                      Settle.REQUEUE if command.requeue else Settle.ACK)
@@ -789,8 +790,10 @@ class Gate:
     def _job_acked(self, job_id: int, pid: int) -> None:
         """Pool child ``pid`` acknowledged job ``job_id``, which the pool's cache has no more
         (the loop thread: billiard's result handler)."""
-        if self.acked is not None and len(self.acked) < 10_000:
+        if self.acked is not None:
             self.acked[job_id] = pid
+            if len(self.acked) > 10_000:  # the oldest, of an orphan long settled or gone
+                del self.acked[next(iter(self.acked))]
 
     def _orphan_child(self, claim: Claim) -> Optional[ChildFacts]:
         """:meth:`.Surroundings.orphan_child`: the child that acknowledged the job, else the
@@ -802,15 +805,15 @@ class Gate:
             return self._child(claim.child or 0)
         pid = (self.acked or {}).get(job_id) if job_id is not None else None
         if pid is not None:
-            return self._child(pid)
-        if self.acked is None:
+            return self._child(pid)._replace(took_job=True)
+        if self.acked is None or job_id is None:
             return self._child(written_to.pid)
         reader = celery_internals.pipe_reader(self.consumer.pool, written_to)
         if reader is None:  # the pool destroyed the pipe, the job unread with it
-            return ChildFacts(written_to.pid, False, False, False)
+            return ChildFacts(written_to.pid, False, False, False, took_job=False)
         if reader is celery_internals.PIPE_WAITS:
             return None
-        facts = self._child(reader.pid)
+        facts = self._child(reader.pid)._replace(took_job=False)  # (not yet, at least)
         # a dead child not reaped yet: celery's maintain_pool runs every 5 s at least
         return facts if facts.alive else None
 
