@@ -407,11 +407,13 @@ def plot(events: list, found: dict, limits: dict, t0: float, path: str, api_log:
 
 def report_partner(events: list, found: dict, api_log: list, samples: list) -> bool:
     """Print what happened to the orders. True when every order was answered 200 exactly once
-    and ran without a Celery retry, each 429 was followed within PAUSE_LATENCY by a pause of
-    "partner" lasting at least its Retry-After, no call was admitted while a pause was seen in
-    force, and each call that reached the API during a Retry-After had been admitted before
-    the 429 or within PAUSE_LATENCY of it."""
+    and ran without a Celery retry (a run ends IGNORED only on a 429, or given back before
+    its body because a pause closed "partner" after its grant), each 429 was followed within
+    PAUSE_LATENCY by a pause of "partner" lasting at least its Retry-After, no call was
+    admitted while a pause was seen in force, and each call that reached the API during a
+    Retry-After had been admitted before the 429 or within PAUSE_LATENCY of it."""
     ended = [e for e in events if e["task"] == "sync_order" and e["kind"] == "end"]
+    unstarted = [e for e in ended if e.get("unstarted")]  # given back before the body ran
     succeeded = {e["id"] for e in ended if e["state"] == "SUCCESS"}
     served = [e["id"] for e in api_log if e["status"] == 200]
     refused = [e for e in api_log if e["status"] == 429]
@@ -435,13 +437,15 @@ def report_partner(events: list, found: dict, api_log: list, samples: list) -> b
           f"({', '.join(f'{e - s:.1f}s, {why}' for s, e, why in seen) or 'none'})\n"
           f"         every 429 paused \"partner\" within {PAUSE_LATENCY}s until its Retry-After "
           f"was over: {'yes' if covered else 'NO'}\n"
-          f"         calls admitted while paused: {len(while_paused)}\n"
+          f"         calls admitted while paused: {len(while_paused)}; granted before a pause "
+          f"and given back\n         before they started (they ran later): {len(unstarted)}\n"
           f"         calls that reached the API during a Retry-After it had given: {len(early)}, "
           f"admitted before\n         the 429 or within {PAUSE_LATENCY}s of it: {len(before)} "
           "(a pause stops new starts, not calls already admitted)\n"
           f"         the limit in force went {changes} (the API's capacity: "
           f"{PARTNER['capacity']})")
-    return (len(succeeded) == ORDERS == len(ended) - len(refused)
+    return (len(succeeded) == ORDERS == len(ended) - len(refused) - len(unstarted)
+            and all(e["state"] == "IGNORED" for e in unstarted)
             and sorted(served) == sorted(succeeded) and retries == 0
             and covered and not while_paused
             and len(before) == len(early))

@@ -35,8 +35,10 @@ def task_started(task=None, **kwargs):
 
 
 @signals.task_postrun.connect
-def task_ended(task=None, state=None, **kwargs):
-    record("end", task, state=state)
+def task_ended(task=None, state=None, retval=None, **kwargs):
+    # unstarted: the run was given back before its body (its semaphore was paused after its
+    # grant): it ends IGNORED, having called nothing, and runs again
+    record("end", task, state=state, unstarted=bool(getattr(retval, "unstarted", False)))
 
 
 def read(path=PATH):
