@@ -164,3 +164,42 @@ def test_still_held_follows_celerys_worker_state():
     finally:
         worker_state.reserved_requests.discard(held)
     assert not celery_internals.still_held(held)
+
+
+def test_a_heartbeat_due_while_the_broker_is_away_does_not_hold_the_event_loop(tmp_path):
+    """Celery's worker heartbeat publishes with retry=True and no policy: kombu retries it
+    without end, on the event loop, once the broker it was connected to has gone (a worker
+    blocked there for a whole outage, its gate with it: unbounded, this send is still
+    retrying 40 s later). Once the gate's step has bounded it, a heartbeat sent after the
+    broker died returns at once, and the dispatcher keeps the event for later."""
+    import threading
+
+    from celery import Celery
+    from celery.worker import heartbeat
+
+    from tests import servers
+
+    assert celery_internals.bound_heartbeat_retries()
+    assert celery_internals.bound_heartbeat_retries()  # idempotent
+    port = servers.free_port()
+    proc, client = servers.start_redis(port, str(tmp_path))
+    client.close()
+    app = Celery("heartbeat", broker=f"redis://127.0.0.1:{port}/0")
+    connection = app.connection_for_write()
+    try:
+        dispatcher = app.events.Dispatcher(connection, hostname="hb@test", enabled=True)
+        heart = heartbeat.Heart(SimpleNamespace(), dispatcher, interval=2.0)
+        heart._send("worker-heartbeat")  # connected: it goes out
+        assert dispatcher._outbound_buffer == type(dispatcher._outbound_buffer)()
+        proc.kill()
+        proc.wait(10)
+        sent = threading.Thread(target=heart._send, args=("worker-heartbeat",), daemon=True)
+        sent.start()
+        sent.join(20)
+        assert not sent.is_alive(), "the heartbeat still retries its publish"
+        assert [event["type"] for event, _ in dispatcher._outbound_buffer] == [
+            "worker-heartbeat"]
+    finally:
+        proc.kill()
+        connection.release()
+        app.close()

@@ -174,6 +174,14 @@ def one_running_five_waiting(cluster, key, first="slow"):
     return worker, results, go
 
 
+#: The two Redis broker outage tests run one after the other (``xdist_group``, with make test's
+#: ``--dist loadgroup``): side by side, each killing its own broker, they failed in about half
+#: of 13 runs on this 2-core machine (a worker that never saw its broker go, its event loop
+#: idle in epoll, the gate's own connection finding the broker gone), where 16 runs one after
+#: the other (half beside two busy CPU loops) all saw it. Why is not known yet.
+OUTAGES_APART = "redis-broker-outage"
+
+
 def sees_the_broker_gone(worker) -> bool:
     """The worker said its broker connection is lost, or that it cannot connect."""
     output = worker.output()
@@ -186,10 +194,16 @@ def what_the_worker_does(worker) -> str:
     spy = os.path.join(os.path.dirname(sys.executable), "py-spy")
     stacks = ""
     if os.path.exists(spy):
-        dump = subprocess.run([spy, "dump", "--pid", str(worker.proc.pid)],
+        dump = subprocess.run([spy, "dump", "--locals", "--pid", str(worker.proc.pid)],
                               capture_output=True, text=True, timeout=60)
         stacks = dump.stdout + dump.stderr
-    return worker.output()[-5000:] + "\n-- stacks --\n" + stacks
+    lines, seen = [], {}
+    for line in worker.output().splitlines():  # a retried failure's line: its first 3 only
+        said = line.split("] ", 1)[-1]
+        seen[said] = seen.get(said, 0) + 1
+        if seen[said] <= 3:
+            lines.append(line)
+    return "\n".join(lines)[-8000:] + "\n-- stacks --\n" + stacks
 
 
 def waiting_back(output):
@@ -234,16 +248,18 @@ def all_ran_once_quietly(cluster, worker, results, key):
     assert worker.proc.poll() is None, worker.output()[-3000:]
     output = worker.output()
     assert "Couldn't reject" not in output and "CRITICAL" not in output, output[-3000:]
-    # said once; the waiting requests it pulled from the waiting room may have been let go
-    # just before, by the parking connection that found the broker gone first (counted by
-    # waiting_back all the same)
-    assert len(re.findall(r"closed with \d+ tasks waiting for a slot", output)) == 1
+    # said once at most; the waiting requests it pulled from the waiting room may have been
+    # let go just before, by the parking connection that found the broker gone first
+    # (counted by waiting_back all the same), all of them when every waiting one was pulled
+    assert len(re.findall(r"closed with \d+ tasks waiting for a slot", output)) <= 1, (
+        said_when_lost(output))
     assert cluster.probe.max_concurrent(f"slow:{key}") == 1
     assert all(n == 1 for k, n in cluster.probe.completed(f"slow:{key}").items()
                if k != f"slow:{key}0")
     return output
 
 
+@pytest.mark.xdist_group(OUTAGES_APART)
 def test_a_redis_broker_outage_loses_no_worker_and_no_task(redis_url, tmp_path):
     """The broker (Redis with an fsynced AOF) is killed while the worker holds waiting
     requests unacknowledged, and restarted: the worker survives (kombu 5.7's restore of
@@ -266,6 +282,7 @@ def test_a_redis_broker_outage_loses_no_worker_and_no_task(redis_url, tmp_path):
         broker.kill()
 
 
+@pytest.mark.xdist_group(OUTAGES_APART)
 def test_a_redis_broker_outage_does_not_run_a_running_task_again(redis_url, tmp_path):
     """As above, with the running task acknowledged late, and the broker down until its body
     has ended (its ack cannot reach the broker): the worker says 5 tasks waited, that those 5
@@ -294,11 +311,12 @@ def test_a_redis_broker_outage_does_not_run_a_running_task_again(redis_url, tmp_
                 left(), said_when_lost(worker.output()))
         finally:
             client.close()
-        assert cluster.probe.completed("slow:a") == {f"slow:a{i}": 1 for i in range(6)}
+        assert cluster.probe.completed("slow:a") == {f"slow:a{i}": 1 for i in range(6)}, (
+            worker.output()[-8000:])
         assert cluster.probe.max_concurrent("slow:a") == 1
         output = worker.output()
-        assert len(re.findall(r"closed with \d+ tasks waiting for a slot", output)) == 1, (
-            output[-3000:])
+        assert len(re.findall(r"closed with \d+ tasks waiting for a slot", output)) <= 1, (
+            said_when_lost(output))
         assert 4 <= told_back(output) <= 5, said_when_lost(output)
         # a0, acknowledged late, stays unacknowledged until it ends
         assert left_for_pool(output) >= 1, said_when_lost(output)

@@ -6,6 +6,7 @@ structure it expects is left alone (the function reports that it did nothing).
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
@@ -430,3 +431,52 @@ def consumed_queue(consumer: Any, request: Any) -> Optional[Any]:
         if exchange and exchange == getattr(queue.exchange, "name", None):
             return queue
     return None
+
+
+#: The retry policy of the worker's event heartbeat (below): one new connection, at once.
+HEARTBEAT_RETRY: Dict[str, Any] = {"max_retries": 1, "interval_start": 0, "interval_step": 1,
+                                   "interval_max": 1}
+
+
+class _BoundedRetries:
+    """An event dispatcher as the worker's heartbeat sees it: a send that asks to be retried
+    without a policy of its own is retried by :data:`HEARTBEAT_RETRY`."""
+
+    def __init__(self, dispatcher: Any) -> None:
+        self._dispatcher = dispatcher
+
+    def send(self, *args: Any, retry: bool = False, retry_policy: Optional[Dict[str, Any]] = None,
+             **kwargs: Any) -> Any:
+        if retry and retry_policy is None:
+            retry_policy = HEARTBEAT_RETRY
+        return self._dispatcher.send(*args, retry=retry, retry_policy=retry_policy, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._dispatcher, name)
+
+
+def bound_heartbeat_retries() -> bool:
+    """Celery 5.x's worker heartbeat (``celery.worker.heartbeat.Heart``, with events on)
+    publishes with ``retry=True`` and no retry policy, which kombu retries without end: a
+    heartbeat due after the broker went away and before the consumer saw it retries on the
+    event loop until the broker answers, and the worker, the gate with it (renewals, releases,
+    the waiting room), stands still for the whole outage. From this call on, every heartbeat
+    made in this process retries once (:data:`HEARTBEAT_RETRY`); one that still fails is
+    buffered by the dispatcher (or logged by the timer) and the loop goes on, so the consumer
+    sees the lost connection. Idempotent; False where ``Heart`` is not shaped as expected."""
+    try:
+        from celery.worker import heartbeat
+    except ImportError:  # pragma: no cover - every Celery 5 has it
+        return False
+    init = heartbeat.Heart.__init__
+    if getattr(init, "_celery_semaphore_bounded", False):
+        return True
+
+    @functools.wraps(init)
+    def bounded(self: Any, timer: Any, eventer: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, timer, _BoundedRetries(eventer), *args, **kwargs)
+
+    bounded._celery_semaphore_bounded = True  # type: ignore[attr-defined]
+    heartbeat.Heart.__init__ = bounded
+    return True
+

@@ -43,6 +43,9 @@ class SemaphoreStep(bootsteps.StartStopStep):
             raise ImproperlyConfigured(f"celery-semaphore: {exc}") from None
         self.gate = Gate(consumer, settings, backend)
         pause_board.create()  # before the pool forks: its processes share it
+        # a heartbeat due as the broker goes away must not hold the event loop (and the gate)
+        # for the whole outage
+        celery_internals.bound_heartbeat_retries()
         self.announced = self.limits_checked = False
         consumer.semaphore_gate = self.gate
 
