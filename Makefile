@@ -27,8 +27,8 @@ test: $(STAMP) servers docs
 	$(BIN)/ruff check celery_semaphore tests benchmarks chaos example_project scripts
 	$(BIN)/python scripts/check-negative-waits.py tests
 	$(BIN)/python -m mypy --config-file pyproject.toml
-	$(BIN)/python -m pytest -n $(PYTEST_JOBS) --dist loadgroup -m "not serial" --durations=25
-	$(BIN)/python -m pytest -m serial --durations=10
+	$(BIN)/python -m pytest -n $(PYTEST_JOBS) -m "not serial and not apart" --durations=25
+	$(BIN)/python -m pytest -m "serial or apart" --durations=10
 
 # make compat: the worker tests that touch Celery's internals, against every Celery minor that
 # setup.cfg claims (tox.ini: envs celery53 ... celery57, installed from PyPI), and on the oldest

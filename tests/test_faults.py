@@ -174,12 +174,12 @@ def one_running_five_waiting(cluster, key, first="slow"):
     return worker, results, go
 
 
-#: The two Redis broker outage tests run one after the other (``xdist_group``, with make test's
-#: ``--dist loadgroup``): side by side, each killing its own broker, they failed in about half
-#: of 13 runs on this 2-core machine (a worker that never saw its broker go, its event loop
-#: idle in epoll, the gate's own connection finding the broker gone), where 16 runs one after
-#: the other (half beside two busy CPU loops) all saw it. Why is not known yet.
-OUTAGES_APART = "redis-broker-outage"
+#: The two Redis broker outage tests run after make test's parallel part (marked ``apart``),
+#: one after the other, though each kills only its own broker: side by side they failed in
+#: about half of 13 runs on this 2-core machine (a worker that never saw its broker go, its
+#: event loop idle in epoll, the gate's own connection finding the broker gone), where 16 runs
+#: one after the other (half beside two busy CPU loops) all saw it. Why is not known yet.
+OUTAGES_APART = "the Redis broker outage tests"
 
 
 def sees_the_broker_gone(worker) -> bool:
@@ -259,7 +259,7 @@ def all_ran_once_quietly(cluster, worker, results, key):
     return output
 
 
-@pytest.mark.xdist_group(OUTAGES_APART)
+@pytest.mark.apart  # OUTAGES_APART
 def test_a_redis_broker_outage_loses_no_worker_and_no_task(redis_url, tmp_path):
     """The broker (Redis with an fsynced AOF) is killed while the worker holds waiting
     requests unacknowledged, and restarted: the worker survives (kombu 5.7's restore of
@@ -282,7 +282,7 @@ def test_a_redis_broker_outage_loses_no_worker_and_no_task(redis_url, tmp_path):
         broker.kill()
 
 
-@pytest.mark.xdist_group(OUTAGES_APART)
+@pytest.mark.apart  # OUTAGES_APART
 def test_a_redis_broker_outage_does_not_run_a_running_task_again(redis_url, tmp_path):
     """As above, with the running task acknowledged late, and the broker down until its body
     has ended (its ack cannot reach the broker): the worker says 5 tasks waited, that those 5

@@ -2,6 +2,7 @@
 a worker of a small app starts there with the gate on (before: ``[redis]`` lacked kombu's
 ``packaging`` and the worker died at start)."""
 
+import fcntl
 import os
 import subprocess
 import sys
@@ -39,8 +40,12 @@ APP = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory):
     out = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out),
-                    ROOT], check=True, capture_output=True, timeout=300)
+    # one build of the source tree at a time: two test processes building at once share its
+    # build/ folder, and one of their wheels came out empty
+    with open(os.path.join(ROOT, "build.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out),
+                        ROOT], check=True, capture_output=True, timeout=300)
     (built,) = out.glob("*.whl")
     return built
 
