@@ -197,8 +197,8 @@ def test_a_heartbeat_due_while_the_broker_is_away_does_not_hold_the_event_loop(t
         sent.start()
         sent.join(20)
         assert not sent.is_alive(), "the heartbeat still retries its publish"
-        assert [event["type"] for event, _ in dispatcher._outbound_buffer] == [
-            "worker-heartbeat"]
+        (kept,) = dispatcher._outbound_buffer  # (the event, ...): its shape varies by version
+        assert "worker-heartbeat" in repr(kept[0])
     finally:
         proc.kill()
         connection.release()
