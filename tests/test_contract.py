@@ -277,10 +277,12 @@ def test_a_dead_waiter_stops_blocking_the_queue(spec):
 # -- failure and expiry -------------------------------------------------------------------
 
 
-def _hold_forever(url, options, ready, ttl):
+def _hold_forever(url, options, ready, ttl, asked):
     from celery_semaphore import Semaphore
 
-    Semaphore("crash", 1, url, ttl=ttl, **options).acquire()
+    semaphore = Semaphore("crash", 1, url, ttl=ttl, **options)
+    asked.value = time.monotonic()  # the grant, and its lease's TTL, start after this
+    semaphore.acquire()
     ready.set()
     time.sleep(600)
 
@@ -289,15 +291,16 @@ def test_sigkilled_holder_slot_returns_after_ttl_not_before(spec):
     if not spec.multiprocess:
         pytest.skip("needs a process to kill")
     ttl = 2.0
-    ready = FORK.Event()
-    child = FORK.Process(target=_hold_forever, args=(spec.url, spec.options, ready, ttl))
+    ready, asked = FORK.Event(), FORK.Value("d", 0.0)
+    child = FORK.Process(target=_hold_forever, args=(spec.url, spec.options, ready, ttl, asked))
     child.start()
     assert ready.wait(15)
-    granted_about = time.monotonic()
+    granted_about = time.monotonic()  # after the grant (seen late on a loaded machine)
     os.kill(child.pid, signal.SIGKILL)
     child.join()
     sem = spec.semaphore("crash", 1)
-    while time.monotonic() - granted_about < ttl - 0.3:
+    # held until a TTL after the child asked, at the earliest (a margin for the clocks)
+    while time.monotonic() - asked.value < ttl - 0.3:
         assert sem.try_acquire() is None
         time.sleep(0.1)
     lease = sem.acquire(timeout=5)
