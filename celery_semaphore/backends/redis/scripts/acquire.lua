@@ -28,10 +28,15 @@ end
 local slot = 0
 while used[slot] do slot = slot + 1 end
 
+-- One read of config: what declare() needs, then the rest (declare writes none of the rest),
+-- then when this declared limit was last seen.
+local all = redis.call('HMGET', config, 'limit', 'pinned', 'dl', 'ds', 'ac', 'am', 'aM', 'ad',
+  'ai', 'touched', 'e:' .. slot, 'xh', 'xw', 'ri', 'rb', 'tat', 'pu', 'xu', 'rn', 'qd', 'ku',
+  'd:' .. declared_limit)
 -- The limit in force (the newest declaration's unless pinned); a new semaphore's is ours.
-local limit, ceiling = declare(declared_limit, tonumber(ARGV[#ARGV]), ARGV[21])
-local cfg = redis.call('HMGET', config, 'touched', 'e:' .. slot, 'xh', 'xw', 'ri', 'rb', 'tat',
-  'pu', 'xu', 'rn', 'qd', 'ku')
+local limit, ceiling = declare(declared_limit, tonumber(ARGV[#ARGV]), ARGV[21],
+  {unpack(all, 1, 9)})
+local cfg = {unpack(all, 10, 21)}
 local touched = cfg[1]
 -- a cost the limit could never admit: refused before anything but the declaration is stored
 if (tonumber(ARGV[12]) or 1) > ceiling then
@@ -51,20 +56,28 @@ if mine then  -- a current holder gets its grant back unchanged
   return {1, tonumber(held_slot), tonumber(epoch), expires, now, limit}
 end
 
-local rank, queued, round, ahead, spend = place(holder, fair_key, before, tr)
+local rank, queued, round, ahead, spend, fair = place(holder, fair_key, before, tr)
 local admitted, waits, due = verdict(tr, count, rank, ahead, limit, twin, spend)
 
 if admitted then
   -- count < limit, so the lowest free slot is below the limit.
   local epoch = grant(holder, slot, tonumber(cfg[2]) or 0, limit, declared_limit, ttl, meta,
-    queued, round, count, touched, tr)
+    queued, round, count, touched, tr, fair)
   wake(before)
-  -- the units still free that nobody waits for: a hint for callers that take slots ahead
-  local free = limit - count - 1 - tr.xh - (tr.cost - 1) - redis.call('ZCARD', queue)
+  -- the units still free that nobody waits for: a hint for callers that take slots ahead (the
+  -- queue was empty when this call began, before == nil, and it queued nobody)
+  local waiting = 0
+  if before then waiting = redis.call('ZCARD', queue) end
+  local free = limit - count - 1 - tr.xh - (tr.cost - 1) - waiting
   return {1, slot, epoch, now + ttl, now, limit, free}
 end
 
-redis.call('HSET', config, 'limit', limit, 'd:' .. declared_limit, int(now))
+-- The declaration is dated (the limit too: a config that expired on its own must not come back
+-- without one), unless config has a limit and dated it less than a second ago: status says
+-- when each declared limit was last seen to within a second.
+if not all[1] or not all[22] or now - tonumber(all[22]) > 1000000 then
+  redis.call('HSET', config, 'limit', limit, 'd:' .. declared_limit, int(now))
+end
 local position = -1
 if wait then
   queue_up(holder, queued, round, fair_key, meta, client, waiter_ttl, tr)
@@ -77,5 +90,7 @@ else
   keep(touched, tr.ku)
 end
 local retry = retry_after()
-wake(before)
+-- Nobody can be admitted while the units held fill the limit (admissible()'s first test; this
+-- call changed neither), so the wake is spared then.
+if limit - count - tr.xh > 0 then wake(before) end
 return {0, position, retry, now, limit, waits, due}

@@ -278,18 +278,23 @@ local function task_of(h) return string.match(h, '^(.*):') end
 -- force or while the rates allow the head no start (a waiter held back by time is told when to
 -- try); else the longest prefix of the queue whose costs fit in the free units and whose units
 -- fit in every quota, but those whose task another holder holds (they keep their place until
--- that twin goes).
-local function admissible()
+-- that twin goes). `view` (optional, wake's): filled with what was read on the way, for the
+-- grants that follow in the same script: config's fields `c`, the holders' `count`, whether
+-- the semaphore is `fair` and the slots `used` (nil when hinfo was not read).
+local function admissible(view)
   local c = redis.call('HMGET', config, 'limit', 'xh', 'xw', 'ri', 'rb', 'tat', 'pu', 'xu', 'rn',
     'qd')
   local limit = tonumber(c[1])
   if not limit then return {} end
   if c[7] and tonumber(c[7]) > now then return {} end
-  local free = limit - redis.call('ZCARD', holders) - (tonumber(c[2]) or 0)
+  local count = redis.call('ZCARD', holders)
+  local free = limit - count - (tonumber(c[2]) or 0)
   if free <= 0 then return {} end
   local rates, quotas = rates_of(c[4], c[5], c[6], c[9]), quotas_of(c[10])
   local first, out, held = nil, {}, nil
-  if redis.call('EXISTS', wfair) == 1 then
+  local fair = redis.call('EXISTS', wfair) == 1
+  if view then view.c, view.count, view.fair = c, count, fair end
+  if fair then
     first = {unpack(in_order(), 1, free)}
   else
     first = redis.call('ZRANGE', queue, 0, free - 1)
@@ -317,9 +322,19 @@ local function admissible()
     local task = task_of(h)
     if task and not held then
       held = {}
-      for _, k in ipairs(redis.call('HKEYS', hinfo)) do
-        local t = task_of(k)
-        if t then held[t] = true end
+      if view then  -- one read gives the grants their free slots too
+        local infos, used = redis.call('HGETALL', hinfo), {}
+        for j = 1, #infos, 2 do
+          local t = task_of(infos[j])
+          if t then held[t] = true end
+          used[tonumber(string.match(infos[j + 1], '^%d+'))] = true
+        end
+        view.used = used
+      else
+        for _, k in ipairs(redis.call('HKEYS', hinfo)) do
+          local t = task_of(k)
+          if t then held[t] = true end
+        end
       end
     end
     if not (task and held[task]) then table.insert(out, h) end
@@ -350,24 +365,27 @@ local push_grant
 -- queued it. A waiter queued by this very operation is never admissible, so when nobody waited
 -- before (before == nil) there is nobody to wake. With a rate, one grant at most is pushed per
 -- operation (each start moves the rate's next one); the others are woken and try.
+-- Returns whether it granted anyone.
 local function wake(before)
-  if not before then return end
-  local rated, pushed_tasks = nil, {}
-  for i, h in ipairs(admissible()) do
+  if not before then return false end
+  local view, pushed_tasks, granted = {}, {}, false
+  for i, h in ipairs(admissible(view)) do
     local info = redis.call('HGET', winfo, h)
     if info then
       local client, pushed = string.match(info, '^([^\n ]*) ?(%d*)')
-      if rated == nil then rated = redis.call('HEXISTS', config, 'ri') == 1 end
+      local rated = view.c[4] ~= false  -- config's 'ri': a rate
       local task = task_of(h)
       -- (two queued deliveries of one task: the second waits for its twin)
       if pushed ~= '' and (i == 1 or not rated) and not (task and pushed_tasks[task]) then
         if task then pushed_tasks[task] = true end
-        push_grant(h, info, tonumber(pushed), client)
+        push_grant(h, info, tonumber(pushed), client, view)
+        granted = true
       elseif not before[h] then
         redis.call('PUBLISH', channel_prefix .. client, name .. '\n' .. h)
       end
     end
   end
+  return granted
 end
 
 -- Expiry: a semaphore's keys must outlive its use by idle_ms, but a PEXPIRE on every key of
@@ -427,8 +445,9 @@ end
 
 -- acquire.lua and acquire_all.lua (model.py's State.place, grant, queue_up) ------------------
 
--- Take `holder` out of the queue (`xw`, `xu`: config's, nil: read them).
-local function unqueue(holder, xw, xu)
+-- Take `holder` out of the queue (`xw`, `xu`: config's, nil: read them; `fair`: false when the
+-- caller knows that wfair does not exist).
+local function unqueue(holder, xw, xu, fair)
   if not xw then
     local x = redis.call('HMGET', config, 'xw', 'xu')
     xw, xu = tonumber(x[1] or 0), tonumber(x[2] or 0)
@@ -442,12 +461,13 @@ local function unqueue(holder, xw, xu)
   redis.call('ZREM', queue, holder)
   redis.call('ZREM', wexp, holder)
   redis.call('HDEL', winfo, holder)
-  redis.call('HDEL', wfair, holder)
+  if fair ~= false then redis.call('HDEL', wfair, holder) end
 end
 
 -- The place of a caller that does not hold: its rank in the queue (as queued, or where it
 -- would queue), whether it is queued, its fair-share round, the units of the limit the waiters
--- ahead of it need, and the units of the rates and quotas they spend. `before` is begin()'s;
+-- ahead of it need, the units of the rates and quotas they spend, and whether the semaphore is
+-- fair (wfair exists). `before` is begin()'s;
 -- `tr` the caller's traffic (priority, weight, front) and config's xw and xu.
 local function place(holder, fair_key, before, tr)
   local rank, queued, round = 0, false, 0
@@ -495,7 +515,7 @@ local function place(holder, fair_key, before, tr)
       for _, info in ipairs(infos) do spend = spend + units_in(info) - 1 end
     end
   end
-  return rank, queued, round, ahead, spend
+  return rank, queued, round, ahead, spend, fair
 end
 
 -- Rates and quotas as a call declares them (traffic()'s ARGV): rates 'interval burst;...' (us)
@@ -586,10 +606,11 @@ local function verdict(tr, count, rank, ahead, limit, twin, spend)
 end
 
 -- Give `holder` the lowest free `slot` (whose last epoch was `last_epoch`), leaving the queue;
--- `count` holders held before. Its start spends its units of every rate and quota. Returns the
--- new epoch.
+-- `count` holders held before. Its start spends its units of every rate and quota. `fair`
+-- (false: wfair does not exist) and `entry` (its winfo entry, when queued and known) spare
+-- reads. Returns the new epoch.
 local function grant(holder, slot, last_epoch, limit, declared_limit, ttl, meta, queued, round,
-                     count, touched, tr)
+                     count, touched, tr, fair, entry)
   local epoch = math.max(last_epoch + 1, now)
   if declared_limit then
     redis.call('HSET', config, 'limit', limit, 'd:' .. declared_limit, int(now),
@@ -632,12 +653,13 @@ local function grant(holder, slot, last_epoch, limit, declared_limit, ttl, meta,
   -- the wait: from the caller's first wait (meta), else from its entry in the queue
   local since = tonumber(string.match(meta, '"first_wait":([%d%.]+)') or '')
   if since then since = since * 1000000
-  elseif queued then since = tonumber(string.match(redis.call('HGET', winfo, holder), '\n(%d+)'))
+  elseif queued then
+    since = tonumber(string.match(entry or redis.call('HGET', winfo, holder), '\n(%d+)'))
   else since = now end
   stat('acquired', 1)
   observe('wait', now - since)
-  if queued then unqueue(holder, tr.xw, tr.xu) end
-  if round > tonumber(redis.call('HGET', config, 'round') or 0) then
+  if queued then unqueue(holder, tr.xw, tr.xu, fair) end
+  if round > 0 and round > tonumber(redis.call('HGET', config, 'round') or 0) then
     redis.call('HSET', config, 'round', round)
   end
   if count == 0 then keep(touched, tr.ku, holders, hinfo) else keep(touched, tr.ku) end
@@ -646,11 +668,16 @@ end
 
 -- A pushed grant (wake): waiter `h` (its winfo entry `info`, the lease TTL it asked for, the
 -- client id of its process) is admissible: grant it the lowest free slot as acquire.lua would,
--- and publish 'name\nholder\nslot\nepoch\nexpires\nnow\nlimit' on its channel.
-push_grant = function(h, info, ttl, client)
-  local used = {}
-  for _, held in ipairs(redis.call('HVALS', hinfo)) do
-    used[tonumber(string.match(held, '^%d+'))] = true
+-- and publish 'name\nholder\nslot\nepoch\nexpires\nnow\nlimit' on its channel. `view`:
+-- admissible()'s, kept current here (the slot and the holder this grant adds).
+push_grant = function(h, info, ttl, client, view)
+  local used = view.used
+  if not used then
+    used = {}
+    for _, held in ipairs(redis.call('HVALS', hinfo)) do
+      used[tonumber(string.match(held, '^%d+'))] = true
+    end
+    view.used = used
   end
   local slot = 0
   while used[slot] do slot = slot + 1 end
@@ -659,10 +686,12 @@ push_grant = function(h, info, ttl, client)
   local tr = {cost = cost_in(info), units = units_in(info), xh = tonumber(c[4]) or 0,
               xw = tonumber(c[5]) or 0, xu = tonumber(c[9]) or 0,
               rates = rates_of(c[6], c[7], c[8], c[10]), quotas = quotas_of(c[11]), ku = c[12]}
-  local round = fair_entry(redis.call('HGET', wfair, h))
+  local round = 0
+  if view.fair then round = fair_entry(redis.call('HGET', wfair, h)) end
   local meta = string.match(info, '^[^\n]*\n[^\n]*\n(.*)$') or '{}'
   local epoch = grant(h, slot, tonumber(c[3]) or 0, tonumber(c[1]), nil, ttl, meta, true, round,
-    redis.call('ZCARD', holders), c[2], tr)
+    view.count, c[2], tr, view.fair, info)
+  used[slot], view.count = true, view.count + 1
   redis.call('PUBLISH', channel_prefix .. client, name .. '\n' .. h .. '\n' .. slot .. '\n' ..
     int(epoch) .. '\n' .. int(now + ttl) .. '\n' .. int(now) .. '\n' .. c[1])
 end
@@ -703,10 +732,10 @@ local function real(x) return string.format('%.17g', x) end
 -- the caller's declaration gives it: written by the caller) and the largest cost it can ever
 -- admit (an adaptive limit's max). Writes only what changed. A config stored before limits
 -- followed the code (no 'ds') keeps its limit pinned when no caller declared it: an upgrade
--- undoes no operator's resize.
-local function declare(declared, stamp, adaptive)
-  local cfg = redis.call('HMGET', config, 'limit', 'pinned', 'dl', 'ds', 'ac', 'am', 'aM', 'ad',
-    'ai')
+-- undoes no operator's resize. `cfg` (optional): config's DECLARE_FIELDS, read by the caller.
+local DECLARE_FIELDS = {'limit', 'pinned', 'dl', 'ds', 'ac', 'am', 'aM', 'ad', 'ai'}
+local function declare(declared, stamp, adaptive, cfg)
+  cfg = cfg or redis.call('HMGET', config, unpack(DECLARE_FIELDS))
   local limit, pinned, wanted, since = tonumber(cfg[1]), cfg[2] == '1', tonumber(cfg[3]),
     tonumber(cfg[4])
   local current = tonumber(cfg[5])

@@ -6,21 +6,28 @@ local removed = redis.call('ZREM', holders, ARGV[4])
 if removed == 1 then
   local info = redis.call('HGET', hinfo, ARGV[4])
   redis.call('HDEL', hinfo, ARGV[4])
-  if info and redis.call('EXISTS', config) == 1 then
+  -- config's limit: its presence says that config exists (every script that creates config
+  -- gives it one); then the adaptive limit's fields
+  local c = info and redis.call('HMGET', config, 'limit', 'ac', 'am', 'aM', 'ad', 'ai', 'at',
+    'pinned', 'xh', 'ak')
+  if info and c[1] then
+    table.remove(c, 1)
     local since = tonumber(string.match(info, '^%d+\n%d+\n(%d+)'))
     observe('hold', now - since)
-    if cost_in(info) > 1 then redis.call('HINCRBY', config, 'xh', 1 - cost_in(info)) end
+    local xh = tonumber(c[8]) or 0  -- after this release
+    if cost_in(info) > 1 then
+      redis.call('HINCRBY', config, 'xh', 1 - cost_in(info))
+      xh = xh + 1 - cost_in(info)
+    end
     local outcome = ARGV[5] or ''
     if outcome == 'ok' or outcome == 'overload' then
-      local c = redis.call('HMGET', config, 'ac', 'am', 'aM', 'ad', 'ai', 'at', 'pinned', 'xh',
-        'ak')
       local current = tonumber(c[1])
       if current and c[7] ~= '1' then
         local set = {}
         local ceiling = tonumber(c[9]) or 0
         if outcome == 'ok' then
           -- the units held before this release, its own included
-          local held = redis.call('ZCARD', holders) + (tonumber(c[8]) or 0) + cost_in(info)
+          local held = redis.call('ZCARD', holders) + xh + cost_in(info)
           if held >= current / 2 then
             local step = tonumber(c[5]) / current
             -- probing the limit that last overloaded: base.ADAPTIVE_PROBE_SLOWER times slower
@@ -41,6 +48,6 @@ if removed == 1 then
     end
   end
 end
-wake(before)
-forget_if_empty()
+-- (a grant the wake pushed holds: the semaphore is not empty)
+if not wake(before) then forget_if_empty() end
 return removed
