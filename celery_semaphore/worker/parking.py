@@ -155,6 +155,9 @@ class ParkingLot:
         # settlement)
         self._unsettled: Counter[str] = Counter()
         self.unsettled: Counter[str] = Counter()
+        #: when the parking connection's last call failed and none has succeeded since (I/O
+        #: thread): one warning per outage, not one per retried call
+        self._unavailable_since: Optional[float] = None
 
     def serve(self, line: Line) -> None:
         """Refill ``line`` (each needs the other: the line parks here, the room reads the
@@ -428,9 +431,23 @@ class ParkingLot:
     def _lost(self, exc: BaseException, what: str) -> None:
         """A call on the parking connection failed (I/O thread): the connection is dropped
         and every message pulled on it and not settled yet is settled by whoever holds it
-        (:meth:`reset`)."""
-        logger.warning("celery-semaphore: %s: broker unavailable: %s", what, exc)
+        (:meth:`reset`). The first failure of an outage is a warning, the next ones (a pull
+        retried while the broker is away) are logged at debug until a call succeeds again
+        (:meth:`_answered`)."""
+        if self._unavailable_since is None:
+            self._unavailable_since = time.monotonic()
+            logger.warning("celery-semaphore: %s: broker unavailable: %s (until it answers "
+                           "again, the next failures are logged at debug level)", what, exc)
+        else:
+            logger.debug("celery-semaphore: %s: broker still unavailable: %s", what, exc)
         self.reset()
+
+    def _answered(self) -> None:
+        """A call on the parking connection succeeded (I/O thread): an outage it was in ends."""
+        if self._unavailable_since is not None:
+            logger.info("celery-semaphore: the broker answers the worker's parking connection "
+                        "again, after %.1f s", time.monotonic() - self._unavailable_since)
+            self._unavailable_since = None
 
     def _let_go_of_pulled(self, channel: Any) -> None:  # loop thread
         """The parking connection of ``channel`` is gone: the requests pulled on it that still
@@ -479,6 +496,7 @@ class ParkingLot:
             self._lost(exc, f"parking {claim.request.id}, requeueing it")
             self.ctx.loop.post(self.parked, claim, lane, False)
             return
+        self._answered()
         self.ctx.loop.post(self._parked_then_ring, claim, lane, queue)
 
     def _parked_then_ring(self, claim: Claim, lane: str, queue: Queue) -> None:
@@ -540,6 +558,7 @@ class ParkingLot:
                 messages.append(message)
                 self._unsettled[lane] += 1  # unsettled from now on, whoever settles it
             self._reroute(queue.channel, messages)
+            self._answered()
         except Exception as exc:
             self._lost(exc, f"pulling parked requests of {semaphore_of(lane)!r}")
             for message in messages:  # never delivered: back to their queue (Redis; AMQP
