@@ -153,6 +153,33 @@ def test_idle_semaphores_leave_no_row_behind(postgres_url, schema, admin):
     assert get_backend(url, **options).names() == []
 
 
+
+def test_status_and_verify_do_not_wait_for_a_writers_row_lock(postgres_url, schema, admin):
+    """A reader (`top`, the exporter, a task's fencing check) reads the row as last committed
+    while a writer holds it FOR UPDATE (it waited for that lock before)."""
+    url = with_query(postgres_url, f"schema={schema}")
+    backend = get_backend(url, key_prefix="r:")
+    assert backend.acquire("s", "a:1", limit=2, ttl=30, meta={}, wait=False).grant
+    got = {}
+
+    def read():
+        status = backend.status("s")
+        got["holders"] = [h.holder for h in status.holders]
+        got["verified"] = backend.verify("s", "a:1"), backend.verify("s", "b:1")
+
+    with psycopg.connect(postgres_url) as writer:
+        writer.execute(sql.SQL("SELECT state FROM {} WHERE name = %s FOR UPDATE").format(
+            sql.Identifier(schema, "semaphores")), ("r:s",))
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(timeout=20)
+        alive = reader.is_alive()
+        writer.rollback()  # (a reader still waiting ends now)
+    reader.join(timeout=20)
+    assert not alive, "status waited for the writer's row lock"
+    assert got == {"holders": ["a:1"], "verified": (True, False)}
+    assert backend.release("s", "a:1")
+
 def test_notify_wakes_a_waiter_in_another_process(postgres_url):
     """A semaphore made and listened to before a fork, waited on in the child: the child
     listens on a connection of its own, and NOTIFY wakes it long before its poll."""

@@ -81,6 +81,27 @@ def test_reads_do_not_create_the_database_file(tmp_path):
     assert not path.exists()
 
 
+
+def test_status_and_verify_neither_wait_for_nor_hold_the_write_lock(tmp_path):
+    """A reader (`top`, the exporter, a task's fencing check) reads the last committed state
+    while another process holds the database's write lock (it took it with BEGIN IMMEDIATE
+    and waited out busy_timeout before, then failed: 'is locked')."""
+    import sqlite3
+
+    path = tmp_path / "s.db"
+    backend = get_backend(f"sqlite:///{path}", busy_timeout=2.0)
+    assert backend.acquire("s", "a:1", limit=2, ttl=30, meta={}, wait=False).grant
+    writer = sqlite3.connect(str(path), isolation_level=None)
+    try:
+        writer.execute("BEGIN IMMEDIATE")
+        status = backend.status("s")
+        assert [h.holder for h in status.holders] == ["a:1"] and status.limit == 2
+        assert backend.verify("s", "a:1") is True and backend.verify("s", "b:1") is False
+        writer.execute("ROLLBACK")
+        assert backend.release("s", "a:1")  # and a writer still gets the lock after them
+    finally:
+        writer.close()
+
 def test_a_blocked_wakeup_directory_costs_only_the_wakeups(tmp_path, caplog):
     """The socket directory's name is predictable: if it cannot be used (a file there, another
     user's directory), waiters poll instead of failing."""

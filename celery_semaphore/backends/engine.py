@@ -90,6 +90,13 @@ class DocumentBackend(Backend):
         """Open a transaction on ``name`` (see the module docstring)."""
         raise NotImplementedError
 
+    def _read(self, name: str) -> ContextManager[Transaction]:
+        """Open a transaction on ``name`` that stores nothing (``status``, ``verify``): a
+        consistent state, by default :meth:`_load`'s. A storage that can give one without the
+        writers' lock (SQLite in WAL mode, PostgreSQL's snapshot) overrides it, so that
+        readers (``celery semaphore top``, the exporter) never hold up an acquire."""
+        return self._load(name)
+
     def _commit(self, txn: Transaction) -> bool:
         """Store ``txn.state`` (None: delete it). False when another writer changed the state
         since :meth:`_load`: nothing was stored."""
@@ -132,7 +139,7 @@ class DocumentBackend(Backend):
         """Apply ``rule`` to ``name``'s state atomically and return its result; ``write``
         False: a read, nothing is stored."""
         for attempt in range(self.max_attempts):
-            with self._load(name) as txn:
+            with (self._load(name) if write else self._read(name)) as txn:
                 before = txn.state.admissible(txn.now) if txn.state is not None else set()
                 self._prune(txn)
                 result = rule(txn)

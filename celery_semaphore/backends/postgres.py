@@ -109,6 +109,11 @@ STATEMENTS = {
             "SELECT extract(epoch FROM clock_timestamp())::float8, l.state, "
             "extract(epoch FROM l.expires)::float8 "
             "FROM (VALUES (1)) AS one LEFT JOIN locked AS l ON true",
+    # a read (status, verify): the row as last committed, locked by nobody
+    "peek": "WITH seen AS (SELECT state, expires FROM {t} WHERE name = %s) "
+            "SELECT extract(epoch FROM clock_timestamp())::float8, l.state, "
+            "extract(epoch FROM l.expires)::float8 "
+            "FROM (VALUES (1)) AS one LEFT JOIN seen AS l ON true",
     "insert": "INSERT INTO {t} (name, state, expires) VALUES (%s, %s::jsonb, to_timestamp(%s)) "
               "ON CONFLICT (name) DO NOTHING",
     "update": "UPDATE {t} SET state = %s::jsonb, expires = to_timestamp(%s) WHERE name = %s",
@@ -417,17 +422,27 @@ class PostgresBackend(DocumentBackend):
         with self._load_many([name]) as (txn,):
             yield txn
 
+    @contextmanager
+    def _read(self, name: str) -> Iterator[Transaction]:
+        """Inside ``BEGIN``, the row as last committed, locked by nobody: a read neither waits
+        for a writer's lock nor holds one up."""
+        with self._load_many([name], lock=False) as (txn,):
+            yield txn
+
     multi_document = True
 
     @contextmanager
-    def _load_many(self, names: Sequence[str]) -> Iterator[List[Transaction]]:
-        """Inside one ``BEGIN``, each row locked ``FOR UPDATE`` in the (sorted) order given."""
+    def _load_many(self, names: Sequence[str], lock: bool = True
+                   ) -> Iterator[List[Transaction]]:
+        """Inside one ``BEGIN``, each row locked ``FOR UPDATE`` in the (sorted) order given
+        (``lock`` False: read as last committed)."""
         conn, fresh = self._connection()
         txns: List[Transaction] = []
+        query = self._sql["load" if lock else "peek"]
         try:
             conn.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
             for name in names:
-                row = conn.execute(self._sql["load"], (self.key_prefix + name,)).fetchone()
+                row = conn.execute(query, (self.key_prefix + name,)).fetchone()
                 assert row is not None
                 now, raw, expires = row
                 live = raw is not None and expires > now

@@ -109,15 +109,23 @@ class SQLiteBackend(DocumentBackend):
         with self._load_many([name]) as (txn,):
             yield txn
 
+    @contextmanager
+    def _read(self, name: str) -> Iterator[Transaction]:
+        """Inside a deferred ``BEGIN``: in WAL mode a reader sees the last committed state and
+        neither waits for the write lock nor holds it up."""
+        with self._load_many([name], begin="BEGIN") as (txn,):
+            yield txn
+
     multi_document = True
 
     @contextmanager
-    def _load_many(self, names: Sequence[str]) -> Iterator[List[Transaction]]:
-        """Every document inside one ``BEGIN IMMEDIATE`` (see :meth:`_load`)."""
+    def _load_many(self, names: Sequence[str], begin: str = "BEGIN IMMEDIATE"
+                   ) -> Iterator[List[Transaction]]:
+        """Every document inside one ``BEGIN IMMEDIATE`` (see :meth:`_load`), or ``begin``."""
         with _no_fork:
             conn = self._connection()
             try:
-                conn.execute("BEGIN IMMEDIATE")
+                conn.execute(begin)
             except sqlite3.Error as exc:
                 raise BackendUnavailable(
                     f"semaphore database {self.path} is locked: {exc}"
