@@ -147,3 +147,63 @@ def test_a_cancelled_call_keeps_nothing_alive():
     assert alive() is None
     assert scheduler.pending() == 1  # still in the heap, as an empty shell
     scheduler.stop()
+
+
+class _Hub:
+    """What LoopCaller uses of kombu's hub: the pipe's reader and the tick callbacks."""
+
+    def __init__(self):
+        self.readers = {}
+        self.on_tick = set()
+
+    def add_reader(self, fd, callback):
+        self.readers[fd] = callback
+
+    def remove_reader(self, fd):
+        self.readers.pop(fd, None)
+
+
+def _pipe_readable(fd) -> bool:
+    import select
+
+    return bool(select.select([fd], [], [], 0)[0])
+
+
+def _post_from_another_thread(caller, fn) -> None:
+    poster = threading.Thread(target=caller.post, args=(fn,))
+    poster.start()
+    poster.join()
+
+
+def test_a_post_racing_the_loops_drain_still_wakes_the_loop_for_the_next_one(monkeypatch):
+    """A post from another thread lands while the loop thread drains the pipe (between its
+    read and its bookkeeping): every later post must still leave the loop's pipe readable, so
+    that the hub wakes for it. Before, the loop cleared its "woken" flag before reading, the
+    racing post's byte was read with it, the flag stayed set with the pipe empty, and later
+    posts wrote nothing: the loop slept through them (the amqp:// token backend's stalls)."""
+    from celery_semaphore.worker import threads
+
+    caller = threads.LoopCaller()
+    caller.start(_Hub())  # this thread is the loop thread
+    ran = []
+    try:
+        _post_from_another_thread(caller, lambda: ran.append(1))
+        assert _pipe_readable(caller._rfd)
+        real_read, raced = os.read, []
+
+        def read_with_a_racing_post(fd, n):
+            if not raced:  # another thread posts just as the loop reads the pipe
+                raced.append(True)
+                _post_from_another_thread(caller, lambda: ran.append(2))
+            return real_read(fd, n)
+
+        monkeypatch.setattr(threads.os, "read", read_with_a_racing_post)
+        caller._drain()  # what the hub runs once the pipe is readable
+        monkeypatch.setattr(threads.os, "read", real_read)
+        assert ran == [1, 2] and raced
+        _post_from_another_thread(caller, lambda: ran.append(3))
+        assert _pipe_readable(caller._rfd), "the loop would sleep through this post"
+        caller._drain()
+        assert ran == [1, 2, 3]
+    finally:
+        caller.stop()

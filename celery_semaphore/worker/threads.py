@@ -113,12 +113,19 @@ class LoopCaller:
             self._drain_calls()
 
     def _drain(self) -> None:
-        self._woken = False  # first: a post after this writes again
+        # The pipe is read before the flag is cleared, and the calls run after: a post whose
+        # byte this read takes has queued its call already, so the drain below runs it; a
+        # post after the flag is cleared writes again. (Clearing the flag first lost
+        # wake-ups: a post between the two wrote a byte that this read took, leaving the flag
+        # set with the pipe empty, and every later post trusted the flag and wrote none. The
+        # loop then slept in epoll, its posted calls waiting for some other event: up to a
+        # second on the amqp:// token backend, whose answers come from another thread.)
         try:
             while os.read(self._rfd, 4096):
                 pass
         except (BlockingIOError, OSError):
             pass
+        self._woken = False
         self._drain_calls()
 
     def _drain_calls(self) -> None:
