@@ -499,11 +499,7 @@ class RedisClusterGroup(ServerGroup):
     def __init__(self, workdir: str, masters: int = 3) -> None:
         self.workdir = workdir
         super().__init__()
-        self.ports = [free_cluster_port() for _ in range(masters * 2)]
-        for port in self.ports:
-            self.start_node(port, wait=False)
-        for port in self.ports:
-            self._wait_answers(port)
+        self.ports = [self._start_fresh_node() for _ in range(masters * 2)]
         done = subprocess.run(
             [shutil.which("redis-cli") or "redis-cli", "--cluster", "create",
              *[f"127.0.0.1:{port}" for port in self.ports], "--cluster-replicas", "1",
@@ -521,18 +517,40 @@ class RedisClusterGroup(ServerGroup):
             [shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind",
              "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", self.workdir,
              "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
-             "--cluster-node-timeout", "1000"],
+             "--cluster-node-timeout", "1000", "--logfile", f"node-{port}.log"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.clients[port] = redis.Redis(port=port, decode_responses=True)
         if wait:
             self._wait_answers(port)
 
-    def _wait_answers(self, port: int) -> None:
-        deadline = time.monotonic() + 10
+    def _start_fresh_node(self) -> int:
+        """A node on a free port, answering. Its port or its bus port (+10000) can be taken
+        between the check and the node's bind (an ephemeral port of another connection): then
+        the node exits, and another port is tried (a fresh-clone CI run saw a node not start)."""
+        for _ in range(5):
+            port = free_cluster_port()
+            self.start_node(port, wait=False)
+            if self._answers_within(port, 20):
+                return port
+            proc = self.procs.pop(port)
+            proc.kill()
+            proc.wait(10)
+            self.clients.pop(port).close()
+        pytest.fail("no cluster node started on any of 5 free ports (their logs: "
+                    f"{self.workdir}/node-*.log)", pytrace=False)
+
+    def _answers_within(self, port: int, seconds: float) -> bool:
+        deadline = time.monotonic() + seconds
         while not answers(self.clients[port]):
-            if time.monotonic() > deadline:
-                pytest.fail(f"cluster node on port {port} did not start", pytrace=False)
+            if self.procs[port].poll() is not None or time.monotonic() > deadline:
+                return False
             time.sleep(0.02)
+        return True
+
+    def _wait_answers(self, port: int) -> None:
+        if not self._answers_within(port, 20):
+            pytest.fail(f"cluster node on port {port} did not start (its log: "
+                        f"{self.workdir}/node-{port}.log)", pytrace=False)
 
     @property
     def url(self) -> str:
