@@ -9,7 +9,9 @@ the send loop took (``*_send_s``: a guarded send of a key the sender has not see
 the backend whether that key has a backlog, one round trip), the
 probe's most concurrent bodies of one key (never above 1), deliveries per task (from the
 workers' "received" log lines), and the workers' main-process CPU seconds per 1,000 tasks
-(``/proc/<pid>/stat``), guarded and unguarded. Per broker: the broker's queues (RabbitMQ) or
+(``/proc/<pid>/stat``), guarded and unguarded, and how long a freed pool process waited for
+its next body (``*_turnaround_*_ms``, from the probe's marks: what a handoff costs where the
+limit is per key and the baseline has none). Per broker: the broker's queues (RabbitMQ) or
 keys (Redis) and the backend's keys with the run's prefix before the first shape, right after
 the last one, and 60 s later.
 """
@@ -23,7 +25,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import redis
 
-from benchmarks.workload import _start_worker, new_run, wait_for_ends
+from benchmarks.workload import _start_worker, new_run, turnaround, wait_for_ends
 from tests.probe import probe_for
 
 SHAPES: Tuple[Tuple[int, int], ...] = ((1000, 1), (500, 2), (50, 20), (10000, 1))
@@ -87,6 +89,8 @@ def run_broker(label: str, broker: str, backend: str,
                 ends = [e for key, runs in probe.intervals().items() if key.startswith(prefix)
                         for _, e in runs if e is not None]
                 row[f"{kind}_s"] = round((max(ends) - began) / 1e9, 3)
+                row.update({f"{kind}_{figure}": value for figure, value
+                            in turnaround(probe, prefix, began).items()})
                 row[f"{kind}_cpu_s_per_1000"] = round(
                     (sum(_cpu_seconds(p.pid) for p in procs) - cpu) * 1000 / total, 3)
                 row[f"{kind}_deliveries"] = round((_received(logs) - received) / total, 3)

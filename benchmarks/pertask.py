@@ -11,6 +11,8 @@ order (unguarded first in odd rounds, guarded first in even ones). Per round and
   machine (``/proc/stat``: pool processes, sender and everything else included) and of the
   sending process (this one, ``time.process_time``), and how busy
   the machine's cores were during the round (``machine_busy``, 1.0: every core all the time);
+* how long a freed pool process waited for its next body (``turnaround_*_ms``: from a body's
+  end to the next start in the same process, by the probe's marks; mean, p50 and p99);
 * the workers' main processes' context switches per task, voluntary and not, summed over
   their threads (``/proc/<pid>/task/*/status``), with the busiest threads by name;
 * commands per task: on the backend (a Redis server of its own, so that ``INFO commandstats``
@@ -42,7 +44,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import redis
 
-from benchmarks.workload import _start_worker, broker_url, new_run
+from benchmarks.workload import _start_worker, broker_url, new_run, turnaround
 from tests.probe import Probe, probe_for
 
 HOLD = 0.001
@@ -177,6 +179,7 @@ def run(broker: str, tasks: int = TASKS, hold: float = HOLD, rounds: int = 2,
                        "broker_cmds_per_task": round(sum(broker_cmds.values()) / tasks, 2),
                        "broker_cmds": {k: round(v / tasks, 2)
                                        for k, v in broker_cmds.most_common(8)}}
+                row.update(turnaround(probe, prefix, 0))
                 pair[kind] = row
                 print(json.dumps(row), flush=True)
                 rows.append(row)

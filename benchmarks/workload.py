@@ -155,6 +155,18 @@ def analyse(probe: Probe, limit: int, sent_at: int, prefix: str = "") -> Dict[st
     }
 
 
+def turnaround(probe: Probe, prefix: str, since_ns: int) -> Dict[str, Any]:
+    """How long a freed pool process waited for its next body (:meth:`.Probe.turnarounds`),
+    for bodies of ``prefix`` that ended from ``since_ns`` on: mean, p50 and p99 in ms. Where a
+    limit never binds, what the gate adds to it is what it costs in throughput."""
+    gaps = sorted(probe.turnarounds(prefix, since_ns))
+    if not gaps:
+        return {}
+    return {"turnaround_mean_ms": round(statistics.fmean(gaps), 2),
+            "turnaround_p50_ms": round(statistics.median(gaps), 2),
+            "turnaround_p99_ms": round(gaps[int(len(gaps) * 0.99)], 2)}
+
+
 def uniform(workload: str, tasks: int, hold: float, limit: int, broker: str,
             setups: List[Tuple[str, str, str]]) -> List[Dict[str, Any]]:
     """One semaphore, ``tasks`` bodies of ``hold`` seconds sent at once; a row per setup and

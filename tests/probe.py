@@ -81,6 +81,23 @@ class Probe:
             best = max(best, current)
         return best
 
+    def turnarounds(self, prefix: str = "", since_ns: int = 0) -> List[float]:
+        """Milliseconds each process sat between the end of a body whose key starts with
+        ``prefix`` and the start of its next body (any key), for ends at or after
+        ``since_ns``: how long a freed pool process waited for its next task, by the
+        bodies' own marks (a process's last body counts nothing)."""
+        by_pid: Dict[int, List[Tuple[int, str, str]]] = defaultdict(list)
+        for kind, key, ns, pid in self.events():
+            by_pid[pid].append((ns, kind, key))
+        gaps = []
+        for marks in by_pid.values():
+            marks.sort()
+            for (ended, kind, key), (began, next_kind, _) in zip(marks, marks[1:]):
+                if (kind == "end" and next_kind == "start" and key.startswith(prefix)
+                        and ended >= since_ns):
+                    gaps.append((began - ended) / 1e6)
+        return gaps
+
     def run_twice_at_once(self, prefix: str = "", killed_at: Optional[int] = None) -> List[str]:
         """Keys starting with ``prefix`` whose bodies ever overlapped (ends as in
         :meth:`spans`)."""
