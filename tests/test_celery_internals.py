@@ -203,3 +203,57 @@ def test_a_heartbeat_due_while_the_broker_is_away_does_not_hold_the_event_loop(t
         proc.kill()
         connection.release()
         app.close()
+
+
+def test_a_queued_job_is_written_to_the_child_that_freed_before_its_callback_goes_on():
+    """A real prefork pool of one process on a kombu hub: while the first job's callback
+    runs, the child is idle and the second job waits in the pool's outbound buffer; the loop
+    would write it only at its next turn, after the callback (and whatever it sends and
+    reads: the gate's release and its answer). ``write_queued_jobs`` writes it there and
+    then."""
+    import time
+
+    from celery import Celery
+    from celery.concurrency.prefork import TaskPool
+    from kombu.asynchronous import Hub
+
+    hub = Hub()
+    pool = TaskPool(1, initargs=(Celery("internals", set_as_current=False), "internals@test"),
+                    threads=False, putlocks=False)  # as a worker with an event loop makes it
+    pool.start()
+    try:
+        pool.register_with_event_loop(hub)
+        seen = {}
+        second = []
+
+        def first_done(*args):
+            seen["queued"] = second[0]._scheduled_for is None
+            seen["asked"] = celery_internals.write_queued_jobs(pool, hub)
+            seen["written"] = second[0]._scheduled_for is not None
+            seen["again"] = celery_internals.write_queued_jobs(pool, hub)  # nothing queued
+
+        pool.apply_async(time.sleep, (0.05,), callback=first_done)
+        second.append(pool.apply_async(time.sleep, (0,), callback=lambda *a: seen.setdefault(
+            "second done", True)))
+        loop = hub.create_loop()
+        deadline = time.monotonic() + 30
+        while "second done" not in seen and time.monotonic() < deadline:
+            next(loop)
+        assert seen == {"queued": True, "asked": True, "written": True, "again": False,
+                        "second done": True}
+    finally:
+        pool.terminate()
+        hub.close()
+
+
+def test_writing_queued_jobs_asks_nothing_of_a_pool_that_has_no_outbound_buffer():
+    hub = SimpleNamespace(consolidate_callback=lambda fds: calls.append(fds))
+    calls = []
+    thread_pool = SimpleNamespace(_pool=SimpleNamespace())  # the thread pool's executor
+    assert not celery_internals.write_queued_jobs(thread_pool, hub)
+    assert not celery_internals.write_queued_jobs(SimpleNamespace(), SimpleNamespace())
+    empty = SimpleNamespace(_pool=SimpleNamespace(_all_inqueues={5}, outbound_buffer=[]))
+    assert not celery_internals.write_queued_jobs(empty, hub)
+    queued = SimpleNamespace(_pool=SimpleNamespace(_all_inqueues={5, 7}, outbound_buffer=[1]))
+    assert celery_internals.write_queued_jobs(queued, hub)
+    assert [sorted(fds) for fds in calls] == [[5, 7]]

@@ -156,6 +156,21 @@ def pipe_reader(pool: Any, child: Any) -> Any:
     return None
 
 
+def write_queued_jobs(pool: Any, hub: Any) -> bool:
+    """Prefork: write the jobs waiting in the pool's outbound buffer to its idle children now,
+    as the event loop would at its next turn (celery 5.x ``AsynPool``: ``schedule_writes``,
+    the hub's ``consolidate_callback``, over the children's inqueues; it skips a busy child,
+    one being written to and one gone). Called from a pool callback, it writes a job to the
+    child that just finished before whatever the callback does next. True if it asked."""
+    inner = getattr(pool, "_pool", None)
+    write = getattr(hub, "consolidate_callback", None)
+    inqueues = getattr(inner, "_all_inqueues", None)
+    if write is None or not inqueues or not getattr(inner, "outbound_buffer", None):
+        return False
+    write(list(inqueues))
+    return True
+
+
 def keep_running_jobs_on_flush(pool: Any) -> bool:
     """Celery 5.3 to 5.5 only: make the prefork pool's flush on a broker reconnect keep the
     jobs a pool child has accepted, as Celery 5.6 does. True if the pool was wrapped (once).
