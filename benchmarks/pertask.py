@@ -24,7 +24,9 @@ limit 1, 20 ms; the same task unguarded): a key with room, the other case where 
 nothing to decide.
 
 ``python -m benchmarks.pertask [--shape w9|w6] [--tasks N] [--hold S] [--rounds R]
-[--profile]``; ``--profile``
+[--workers W] [--concurrency C] [--profile]``; ``--workers 1 --concurrency 1`` measures the
+handoff inside one pool process, on an idle machine (the turnaround then is what the gate adds
+between two tasks, with no CPU contention); ``--profile``
 records a py-spy profile of one worker's main process during each guarded round (the flame
 graphs go next to the probe file; ``py-spy`` comes with the ``bench`` extra).
 """
@@ -120,16 +122,18 @@ def _private_redis() -> Tuple[Any, str, str]:
 
 
 def run(broker: str, tasks: int = TASKS, hold: float = HOLD, rounds: int = 2,
-        profile: bool = False, backend: Optional[str] = None, shape: str = "w9"
-        ) -> List[Dict[str, Any]]:
-    """Rows of ``shape`` (W9 by default): one per round and kind, with the ratios per round."""
+        profile: bool = False, backend: Optional[str] = None, shape: str = "w9",
+        workers: int = 2, concurrency: int = 4) -> List[Dict[str, Any]]:
+    """Rows of ``shape`` (W9 by default): one per round and kind, with the ratios per round;
+    on ``workers`` workers of ``concurrency`` prefork processes (W9's 2 x 4 by default)."""
     label, plain, guarded, call_args = SHAPES[shape]
     server, own_backend, workdir = (None, backend, None) if backend else _private_redis()
     assert own_backend is not None
     tmp, tag, env, bench_app = new_run("w9", broker, own_backend, 1000)
-    logs = [os.path.join(tmp, f"w{i}.log") for i in (1, 2)]
+    logs = [os.path.join(tmp, f"w{i}.log") for i in range(1, workers + 1)]
     env = dict(env, BENCH_LOGLEVEL="warning")
-    procs = [_start_worker(env, f"w9-{i}", 4, log) for i, log in zip((1, 2), logs)]
+    procs = [_start_worker(env, f"w9-{i}", concurrency, log)
+             for i, log in enumerate(logs, start=1)]
     probe = probe_for(env["BENCH_PROBE"])
     backend_client = redis.Redis.from_url(own_backend)
     broker_client = redis.Redis.from_url(broker)
@@ -253,12 +257,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--hold", type=float)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--concurrency", type=int, default=4)
     args = parser.parse_args(argv)
+    if args.workers < 1 or args.concurrency < 1:
+        parser.error("--workers and --concurrency must be at least 1")
     from tests.servers import redis_url
 
     tasks, hold = (TASKS, HOLD) if args.shape == "w9" else (1000, 0.02)
     run(broker_url(redis_url()), args.tasks or tasks, args.hold if args.hold is not None else hold,
-        args.rounds, args.profile, shape=args.shape)
+        args.rounds, args.profile, shape=args.shape, workers=args.workers,
+        concurrency=args.concurrency)
     return 0
 
 
