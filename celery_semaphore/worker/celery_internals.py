@@ -159,9 +159,11 @@ def pipe_reader(pool: Any, child: Any) -> Any:
 def write_queued_jobs(pool: Any, hub: Any) -> bool:
     """Prefork: write the jobs waiting in the pool's outbound buffer to its idle children now,
     as the event loop would at its next turn (celery 5.x ``AsynPool``: ``schedule_writes``,
-    the hub's ``consolidate_callback``, over the children's inqueues; it skips a busy child,
-    one being written to and one gone). Called from a pool callback, it writes a job to the
-    child that just finished before whatever the callback does next. True if it asked."""
+    the hub's ``consolidate_callback``, over the children's inqueues; it skips one being
+    written to, one gone, and with the fair strategy, Celery's default, a busy child). Called
+    from a pool callback, it writes a job to the child that just finished before whatever the
+    callback does next (the pool marks the child free before it runs the callbacks). True if
+    it asked."""
     inner = getattr(pool, "_pool", None)
     write = getattr(hub, "consolidate_callback", None)
     inqueues = getattr(inner, "_all_inqueues", None)
