@@ -188,6 +188,27 @@ def sees_the_broker_gone(worker) -> bool:
     return "Cannot connect to redis" in output or "re-establish" in output
 
 
+def results_of(results, worker, timeout: float = 60) -> list:
+    """The tasks' results, in order; a task that never ends fails the test with what the
+    worker said about it and about the outage (every line naming it or the gate, the first
+    3 of a repeated one), not only a timeout."""
+    from celery.exceptions import TimeoutError as ResultTimeout
+
+    try:
+        return [r.get(timeout=timeout) for r in results]
+    except ResultTimeout:
+        pending = [r.id for r in results if not r.ready()]
+        lines, seen = [], {}
+        for line in worker.output().splitlines():
+            said = line.split("] ", 1)[-1]
+            seen[said] = seen.get(said, 0) + 1
+            if seen[said] <= 3 and ("celery-semaphore" in line or "broker" in line
+                                    or any(task_id in line for task_id in pending)):
+                lines.append(line)
+        raise AssertionError(f"tasks {pending} never ended; the worker said:\n"
+                             + "\n".join(lines)[-12000:]) from None
+
+
 def what_the_worker_does(worker) -> str:
     """For a failing assertion: the end of the worker's log and the stacks of its threads
     (py-spy, where the bench extra installed it)."""
@@ -244,7 +265,7 @@ def told_back(output):
 
 def all_ran_once_quietly(cluster, worker, results, key):
     """Every task ran once, one at a time; the worker lives and said it once, at INFO."""
-    assert [r.get(timeout=60) for r in results] == [f"{key}{i}" for i in range(6)]
+    assert results_of(results, worker) == [f"{key}{i}" for i in range(6)]
     assert worker.proc.poll() is None, worker.output()[-3000:]
     output = worker.output()
     assert "Couldn't reject" not in output and "CRITICAL" not in output, output[-3000:]
@@ -302,7 +323,7 @@ def test_a_redis_broker_outage_does_not_run_a_running_task_again(redis_url, tmp_
         open(go, "w").close()
         assert wait_until(lambda: cluster.probe.completed("slow:a0"), timeout=20)
         broker.start()
-        assert [r.get(timeout=60) for r in results] == [f"a{i}" for i in range(6)]
+        assert results_of(results, worker) == [f"a{i}" for i in range(6)]
         client = redis.Redis.from_url(broker.url)
         def left() -> dict:
             lists = {k: client.llen(k) for k in client.scan_iter("*") if client.type(k) == b"list"}
