@@ -185,7 +185,9 @@ def test_cluster_a_master_dies_calls_ride_through_wake_ups_go_on_and_it_rejoins(
     during = in_thread(lambda: (lease.renew(), sem.try_acquire()))  # rides through
     assert wait_until(lambda: during, timeout=20)
     assert during == [("ok", (True, None))]  # the replica took over, with the lease
-    assert cluster.master_of(backend.key_names(name)["config"]) != listening
+    # the other nodes learn of the failover by gossip, a moment after the calls rode through
+    assert wait_until(lambda: cluster.master_of(backend.key_names(name)["config"]) != listening,
+                      timeout=10)
     assert wait_until(lambda: any(subscribed(cluster.clients[port], prefix)
                                   for port in cluster.live()), timeout=15)
     released_at = time.monotonic()
