@@ -281,4 +281,59 @@ def create_app(env):
     return app
 
 
+def kill_the_broker_at(point, armed):
+    """Fault injection for the broker outage tests (``CS_BROKER_KILL_AT``): in the worker, the
+    first time the waiting room reaches ``point`` once the file ``armed`` exists, SIGKILL the
+    broker (``CS_BROKER_PID``) and wait until its port refuses connections, then go on (the
+    call in progress meets a dead broker). Points: ``park-before-publish`` (a parked copy about
+    to be published), ``park-after-publish`` (published, the original not acked yet),
+    ``mid-pull`` (messages taken from a lane, not yet routed back to their task queue)."""
+    import signal
+    import socket
+    from urllib.parse import urlparse
+
+    from celery_semaphore.worker import celery_internals, parking
+
+    pid, port = int(os.environ["CS_BROKER_PID"]), urlparse(os.environ["CS_BROKER_URL"]).port
+    done = []
+
+    def kill():
+        if done or not os.path.exists(armed):
+            return
+        done.append(True)
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            except OSError:
+                return
+            time.sleep(0.01)
+
+    if point in ("park-before-publish", "park-after-publish"):
+        publish = parking.publish_copy
+
+        def publish_copy(*args, **kwargs):
+            if point == "park-before-publish":
+                kill()
+            publish(*args, **kwargs)
+            if point == "park-after-publish":
+                kill()
+
+        parking.publish_copy = publish_copy
+    elif point == "mid-pull":
+        reroute = celery_internals.reroute_unacked
+
+        def reroute_unacked(channel, reroutes):
+            if reroutes:
+                kill()
+            return reroute(channel, reroutes)
+
+        celery_internals.reroute_unacked = reroute_unacked
+    else:
+        raise ValueError(f"CS_BROKER_KILL_AT: no such point {point!r}")
+
+
 app = create_app(os.environ)
+if os.environ.get("CS_BROKER_KILL_AT"):
+    kill_the_broker_at(os.environ["CS_BROKER_KILL_AT"], os.environ["CS_BROKER_KILL_ARMED"])

@@ -18,7 +18,7 @@ import redis
 from celery_semaphore import ConfigurationError, InvalidHeader, Semaphore
 from celery_semaphore.backends.base import Attempt
 from tests import servers
-from tests.test_worker import Cluster
+from tests.test_worker import Cluster, _parked
 from tests.util import wait_until
 from tests.workers import NAME_SUFFIX
 
@@ -346,6 +346,70 @@ def test_a_redis_broker_outage_does_not_run_a_running_task_again(redis_url, tmp_
         assert "delivered again" not in output.replace("(not delivered again)", "")
         assert worker.proc.poll() is None
     finally:
+        cluster.stop()
+        broker.kill()
+
+
+def broker_left(url) -> dict:
+    """What a Redis broker still holds: its unacked hash's size and every non-empty list."""
+    client = redis.Redis.from_url(url)
+    try:
+        lists = {k: client.llen(k) for k in client.scan_iter("*") if client.type(k) == b"list"}
+        return {"unacked": client.hlen("unacked"), **{k: n for k, n in lists.items() if n}}
+    finally:
+        client.close()
+
+
+@pytest.mark.apart  # OUTAGES_APART
+@pytest.mark.parametrize("point", ["park-before-publish", "park-after-publish", "mid-pull"])
+def test_a_redis_broker_killed_inside_the_waiting_room_loses_no_task(point, redis_url,
+                                                                     tmp_path):
+    """The broker (Redis, fsynced AOF) is killed by the worker itself at one point of the
+    waiting room (tests/celery_app.py ``kill_the_broker_at``): as a parked copy is about to
+    be published, just after it was published (its original not acknowledged yet), or while
+    messages taken from a lane are on their way to the gate. Every message had reached the
+    worker before (kombu's own window, a message popped but not yet recorded as unacked, is
+    not the gate's). Once the broker is back, every task runs exactly once, one at a time,
+    and the broker holds nothing: no unacked message, no parked copy, no task left."""
+    broker = PersistentRedis(tmp_path / "broker")
+    armed = str(tmp_path / "armed")
+    cluster = Cluster(str(tmp_path), redis_url, broker.url, redis_url, workers=1,
+                      CS_BROKER_KILL_AT=point, CS_BROKER_KILL_ARMED=armed,
+                      CS_BROKER_PID=str(broker.proc.pid),
+                      CS_SETTINGS=json.dumps({"semaphore_worker_max_waiting": 1,
+                                              "semaphore_park_on_send": False}))
+    holder = Semaphore("slow", 1, redis_url, key_prefix=cluster.env["CS_KEY_PREFIX"], ttl=60)
+    lease = holder.acquire(timeout=10)  # the worker can only keep one waiting, and park
+    try:
+        slow, worker = cluster.task("slow"), cluster.workers[0]
+        results = [slow.delay(f"k{i}", 0.02) for i in range(6)]
+        assert wait_until(lambda: worker.output().count(" received") == 6, timeout=10)
+        assert wait_until(lambda: _parked(cluster, "slow") == 5, timeout=20), (
+            said_when_lost(worker.output()))
+        open(armed, "w").close()
+        if point.startswith("park"):  # the next one parked meets the kill
+            results.append(slow.delay("k6", 0.02))
+        else:  # the slot frees: the one waiting starts, and the worker pulls the next
+            lease.release()
+        assert wait_until(lambda: broker.proc.poll() is not None, timeout=20), (
+            what_the_worker_does(worker))
+        assert wait_until(lambda: sees_the_broker_gone(worker)
+                          or "broker unavailable" in worker.output(), timeout=30), (
+            what_the_worker_does(worker))
+        broker.start()
+        lease.release()
+        sent = [f"k{i}" for i in range(len(results))]
+        assert results_of(results, worker) == sent
+        assert cluster.probe.completed("slow:k") == {f"slow:{k}": 1 for k in sent}, (
+            said_when_lost(worker.output()))
+        assert cluster.probe.max_concurrent("slow:k") == 1
+        assert wait_until(lambda: broker_left(broker.url) == {"unacked": 0}, timeout=20), (
+            broker_left(broker.url), said_when_lost(worker.output()))
+        output = worker.output()
+        assert "CRITICAL" not in output and "Traceback" not in output, said_when_lost(output)
+        assert worker.proc.poll() is None
+    finally:
+        lease.release()
         cluster.stop()
         broker.kill()
 

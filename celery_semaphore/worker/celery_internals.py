@@ -295,6 +295,16 @@ def task_channel(consumer: Any) -> Any:
     return getattr(getattr(consumer, "task_consumer", None), "channel", None)
 
 
+def unacked_of_task(channel: Any, task_name: str) -> Set[str]:
+    """Delivery tags of the messages of task ``task_name`` unacked on ``channel`` (kombu's
+    Redis transport; an empty set for another transport)."""
+    qos = redis_qos(channel)
+    if qos is None:
+        return set()
+    return {tag for tag, message in list(qos._delivered.items())
+            if (getattr(message, "headers", None) or {}).get("task") == task_name}
+
+
 def forget_unacked(qos: Any) -> List[str]:
     """Forget every unacked message of a Redis transport's ``qos`` without touching the
     broker (they stay in its unacked hash); their delivery tags."""

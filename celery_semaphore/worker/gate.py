@@ -61,7 +61,7 @@ from ..settings import Settings
 from ..stats import FIRST_WAIT_META
 from ..task_lease import LEASE_KEY, lease_record_of_grants
 from ..urls import mask_url
-from ..waiting_room import FIRST_WAIT_HEADER, PARKED_HEADER
+from ..waiting_room import DOORBELL_TASK, FIRST_WAIT_HEADER, PARKED_HEADER
 from . import celery_internals, core
 from .claim import Claim, State
 from .context import GateContext, GateState
@@ -860,13 +860,15 @@ class Gate:
                     for key, job in self.jobs.items() if key in self.core.in_pool}
             handed = celery_internals.handed_to_pool(jobs) | {
                 r.message.delivery_tag for r in self.handoffs} | self.ctx.in_transit
-            others = self.settlements.detach(celery_internals.task_channel(self.consumer),
-                                             handed)
+            channel = celery_internals.task_channel(self.consumer)
+            # doorbells fetched by the consumer that the gate has not taken yet
+            arriving = celery_internals.unacked_of_task(channel, DOORBELL_TASK)
+            others = self.settlements.detach(channel, handed)
         tags = ([c.request.message.delivery_tag for c in detached]
                 + [m.delivery_tag for m in bells] + others)
         if tags:
             self.ctx.io.call(self.restore_detached, tags, core.RETRY_FIRST, len(detached),
-                             len(bells))
+                             len(bells) + len(arriving.intersection(others)))
         self.ctx.io.call(self.parking.reset)
         return self._on_connection_lost(exc)
 
@@ -887,8 +889,9 @@ class Gate:
         """Put messages detached by :meth:`on_connection_lost` back in their queue, retrying
         until the broker answers (or the worker stops: then the transport's visibility
         timeout restores them). ``waiting``: how many of them were requests waiting for a
-        slot, ``doorbells``: how many were doorbells this worker held; the others are requests
-        Celery held and had not handed to the pool (those it had stay: :class:`.Settlements`)."""
+        slot, ``doorbells``: how many were doorbells this worker held or had just received;
+        the others are requests Celery held and had not handed to the pool (those it had
+        stay: :class:`.Settlements`)."""
         try:
             celery_internals.restore_unacked(self.ctx.app, tags)
         except Exception as exc:
@@ -903,8 +906,8 @@ class Gate:
             logger.info("celery-semaphore: %d tasks that were waiting when the broker "
                         "connection was lost are back in their queue", waiting)
         if doorbells:
-            logger.info("celery-semaphore: %d doorbells held when the broker connection was "
-                        "lost are back in their queue", doorbells)
+            logger.info("celery-semaphore: %d doorbells held or arriving when the broker "
+                        "connection was lost are back in their queue", doorbells)
         if len(tags) > waiting + doorbells:
             logger.info("celery-semaphore: %d tasks not handed to the pool yet, not "
                         "acknowledged when the broker connection was lost, are back in their "
