@@ -69,6 +69,17 @@ def redis_cluster(tmp_path_factory):
     cluster.stop()
 
 
+@pytest.fixture
+def private_redis(tmp_path):
+    """A redis-server of this test alone (``(url, client)``): its command counts are ours."""
+    port = servers.free_port()
+    proc, client = servers.start_redis(port, str(tmp_path))
+    yield f"redis://127.0.0.1:{port}/0", client
+    client.close()
+    proc.terminate()
+    proc.wait(10)
+
+
 @pytest.fixture(scope="session")
 def amqp_url():
     url = servers.amqp_url()

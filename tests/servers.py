@@ -24,7 +24,7 @@ import subprocess
 import tempfile
 import time
 import uuid
-from typing import List, Optional, Set
+from typing import Any, Dict, List, Optional, Set
 from urllib.parse import urlsplit
 
 import pytest
@@ -182,6 +182,12 @@ def sweep_redis(url: str, everything: bool = False) -> int:
         return len(keys)
     finally:
         client.close()
+
+
+def command_calls(client: Any) -> Dict[str, int]:
+    """Calls per command of the Redis server ``client`` talks to (``INFO commandstats``, the
+    commands run inside scripts included)."""
+    return {k[len("cmdstat_"):]: v["calls"] for k, v in client.info("commandstats").items()}
 
 
 def start_redis(port: int, workdir: str, *options: str, client_url: str = ""):

@@ -1,9 +1,12 @@
 """What the gate reads of Celery's and kombu's internals (:mod:`celery_semaphore.worker.
 celery_internals`), on objects shaped as Celery 5.x makes them: which pool jobs a broker
-reconnect leaves running, and the route a rerouted message keeps."""
+reconnect leaves running, the route a rerouted message keeps, and how a parked message is
+taken from a Redis broker (against a redis-server of its own)."""
 
+import uuid
 from types import SimpleNamespace
 
+import pytest
 from celery.concurrency.prefork import TaskPool as PreforkPool
 from celery.worker import state as worker_state
 
@@ -257,3 +260,123 @@ def test_writing_queued_jobs_asks_nothing_of_a_pool_that_has_no_outbound_buffer(
     queued = SimpleNamespace(_pool=SimpleNamespace(_all_inqueues={5, 7}, outbound_buffer=[1]))
     assert celery_internals.write_queued_jobs(queued, hub)
     assert [sorted(fds) for fds in calls] == [[5, 7]]
+
+
+# -- taking a parked message from a Redis broker ---------------------------------------------
+
+
+def _calls(client):
+    from tests.servers import command_calls
+
+    return command_calls(client)
+
+
+def _publish(connection, queue, bodies, priority=None):
+    from kombu import Producer
+
+    producer = Producer(connection.default_channel)
+    for body in bodies:
+        producer.publish(body, exchange="", routing_key=queue.name, priority=priority,
+                         headers={"empty": [], "also": {}}, serializer="json")
+
+
+@pytest.mark.parametrize("prefix", ["", "pre:"])
+def test_a_message_taken_from_a_redis_queue_is_recorded_as_unacked_in_the_same_step(
+        private_redis, prefix):
+    """``take_unacked`` gives the messages kombu's own get gives, in the same order
+    (priorities first), each recorded in the broker's unacked hash and index exactly as
+    kombu records it, by one script: no moment when a message has left its queue and is not
+    recorded (a broker dying there lost it). Acks, requeues and the visibility timeout's
+    restore work on what it took; an empty queue gives None; an entry nobody can decode is
+    dropped with an error, as kombu drops it."""
+    from kombu import Connection, Queue
+    from kombu.utils.json import loads
+
+    url, client = private_redis
+    options = {"global_keyprefix": prefix} if prefix else {}
+    with Connection(url, transport_options=options) as connection:
+        channel = connection.default_channel
+        queue, twin = (Queue(n, routing_key=n)(channel) for n in ("lane", "twin"))
+        for q in (queue, twin):
+            q.declare()
+            _publish(connection, q, ["low-1", "low-2"])
+            _publish(connection, q, ["high"], priority=9)
+        kombus = [twin.get(no_ack=True).decode() for _ in range(3)]  # kombu's own order
+        assert sorted(kombus) == ["high", "low-1", "low-2"] and kombus[1:] != ["low-2", "low-1"]
+        before = _calls(client)
+        first = celery_internals.take_unacked(queue)
+        after = _calls(client)
+        # one script, no MULTI/EXEC pipeline after it (kombu's own get: RPOP, then one)
+        assert after.get("eval", 0) - before.get("eval", 0) == 1
+        assert after.get("exec", 0) == before.get("exec", 0)
+        taken = [first, celery_internals.take_unacked(queue),
+                 celery_internals.take_unacked(queue)]
+        assert [m.decode() for m in taken] == kombus
+        assert celery_internals.take_unacked(queue) is None
+        qos = channel.qos
+        assert set(qos._delivered) == {m.delivery_tag for m in taken}
+        entries = client.hgetall(f"{prefix}unacked")
+        assert {k.decode() for k in entries} == {m.delivery_tag for m in taken}
+        assert client.zcard(f"{prefix}unacked_index") == 3
+        for message in taken:
+            payload, exchange, routing_key = loads(entries[message.delivery_tag.encode()])
+            assert payload == message._raw and (exchange, routing_key) == ("", "lane")
+        assert taken[0].headers == {"empty": [], "also": {}}
+
+        taken[0].ack()  # gone from the hash
+        taken[1].reject(requeue=True)  # back at the head of its queue
+        assert {k.decode() for k in client.hgetall(f"{prefix}unacked")} == {
+            taken[2].delivery_tag}
+        again = celery_internals.take_unacked(queue)
+        assert again.decode() == kombus[1]
+        assert (again.headers["empty"], again.headers["also"]) == ([], {})  # (redelivered)
+        # a worker killed now: the visibility timeout's restore puts both back
+        qos._delivered.clear()  # (the restore takes what is older than the timeout)
+        client.zadd(f"{prefix}unacked_index", {again.delivery_tag: 0, taken[2].delivery_tag: 0})
+        qos.restore_visible(num=10)
+        assert sorted(m.decode() for m in (celery_internals.take_unacked(queue),
+                                           celery_internals.take_unacked(queue))) == sorted(
+            kombus[1:])
+
+        client.lpush(f"{prefix}lane", b"{not json")
+        with pytest.raises(ValueError):
+            celery_internals.take_unacked(queue)
+        assert celery_internals.take_unacked(queue) is None
+
+
+def test_an_entry_the_servers_json_cannot_read_is_recorded_as_kombu_records_it(
+        private_redis, monkeypatch):
+    """Where the script could not read an entry that kombu can, the message is recorded by
+    kombu's own two steps rather than dropped."""
+    from kombu import Connection, Queue
+
+    url, client = private_redis
+    unreadable = celery_internals._TAKE_SCRIPT.replace(
+        "if type(info) ~= 'table'", "if true or type(info) ~= 'table'")
+    monkeypatch.setattr(celery_internals, "_TAKE_SCRIPT", unreadable)
+    with Connection(url) as connection:
+        queue = Queue("lane", routing_key="lane")(connection.default_channel)
+        queue.declare()
+        _publish(connection, queue, ["one"])
+        message = celery_internals.take_unacked(queue)
+        assert message.decode() == "one"
+        assert client.hexists("unacked", message.delivery_tag)
+        message.ack()
+        assert client.hlen("unacked") == 0
+
+
+def test_taking_from_an_amqp_queue_is_kombus_own_get(amqp_url):
+    from kombu import Connection, Queue
+
+    with Connection(amqp_url) as connection:
+        name = f"cs-take-{uuid.uuid4().hex[:8]}"
+        queue = Queue(name, routing_key=name, auto_delete=True)(connection.default_channel)
+        queue.declare()
+        try:
+            _publish(connection, queue, ["a"])
+            message = celery_internals.take_unacked(queue)
+            assert message is not None and message.decode() == "a"
+            message.ack()
+            assert celery_internals.take_unacked(queue) is None
+        finally:
+            queue.delete()

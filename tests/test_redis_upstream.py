@@ -23,19 +23,7 @@ def prefix():
     return f"{servers.unique_tag()}:"
 
 
-@pytest.fixture
-def private_redis(tmp_path):
-    """A redis-server of this test alone: its command counts are ours."""
-    port = servers.free_port()
-    proc, client = servers.start_redis(port, str(tmp_path))
-    yield f"redis://127.0.0.1:{port}/0", client
-    client.close()
-    proc.terminate()
-    proc.wait(10)
-
-
-def commands(client):
-    return {k[len("cmdstat_"):]: v["calls"] for k, v in client.info("commandstats").items()}
+commands = servers.command_calls
 
 
 def counted(client, fn):

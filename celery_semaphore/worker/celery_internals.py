@@ -352,6 +352,71 @@ def handed_to_pool(jobs: Optional[Dict[int, Tuple[Any, Any]]] = None) -> Set[str
     return handed
 
 
+#: kombu's Redis ``basic_get`` in one server step: the first message of the queue's lists (by
+#: priority) is popped and recorded in the unacked index and hash as ``QoS.append`` records it
+#: (``[payload, exchange, routing_key]``, the route from the payload's ``delivery_info``).
+#: KEYS: the lists, then the unacked index and hash; ARGV[1]: the time (s) for the index.
+#: Returns ``{entry, 1}``, or ``{entry, 0}`` for an entry it cannot read (popped, not
+#: recorded: kombu's own get would drop it the same way), or nil when every list is empty.
+_TAKE_SCRIPT = """
+local lists = #KEYS - 2
+for i = 1, lists do
+  local item = redis.call('RPOP', KEYS[i])
+  if item then
+    local ok, payload = pcall(cjson.decode, item)
+    local properties = ok and type(payload) == 'table' and payload['properties']
+    local info = type(properties) == 'table' and properties['delivery_info']
+    local tag = type(properties) == 'table' and properties['delivery_tag']
+    if type(info) ~= 'table' or type(tag) ~= 'string' then return {item, 0} end
+    redis.call('ZADD', KEYS[lists + 1], ARGV[1], tag)
+    redis.call('HSET', KEYS[lists + 2], tag, '[' .. item .. ',' .. cjson.encode(info['exchange'])
+      .. ',' .. cjson.encode(info['routing_key']) .. ']')
+    return {item, 1}
+  end
+end
+return false
+"""
+
+
+def take_unacked(queue: Any) -> Any:
+    """``queue.get(no_ack=False)``: the next message of the bound ``queue``, or None when it is
+    empty. On kombu's Redis transport the message leaves the queue and enters the broker's
+    unacked hash in one server step (a script): kombu's own get pops it first and records it
+    with a second command, and a broker that dies between the two loses the message. Raises
+    what kombu's get raises (a lost connection; ``ValueError`` and the like for an entry that
+    cannot be decoded, which is dropped, as kombu drops it)."""
+    channel = queue.channel
+    qos = redis_qos(channel)
+    if qos is None or not hasattr(channel, "_q_for_pri"):
+        return queue.get(no_ack=False)
+    import time
+
+    from kombu.utils.encoding import bytes_to_str
+    from kombu.utils.json import loads
+
+    prefix = getattr(channel, "global_keyprefix", "") or ""
+    keys = [prefix + channel._q_for_pri(queue.name, pri) for pri in channel.priority_steps]
+    keys += [prefix + qos.unacked_index_key, prefix + qos.unacked_key]
+    with channel.conn_or_acquire() as client:
+        # EVAL with the keys prefixed here: kombu's prefixing client leaves EVAL alone
+        taken = client.eval(_TAKE_SCRIPT, len(keys), *keys, time.time())
+        channel._maybe_update_queues_expire(client, queue.name)
+    if not taken:
+        return None
+    from kombu.transport.virtual import QoS as VirtualQoS
+
+    item, recorded = taken
+    payload = loads(bytes_to_str(item))  # raises for what kombu could not decode either
+    message = channel.message_to_python(channel.Message(payload, channel=channel))
+    if recorded:  # in memory only: the script recorded it in the broker
+        VirtualQoS.append(qos, message, message.delivery_tag)
+    else:  # an entry the server's JSON could not read: recorded as kombu records it
+        qos.append(message, message.delivery_tag)
+    if message.errors:
+        message._reraise_error()
+    return message
+
+
 def reroute_unacked(channel: Any, reroutes: List[Tuple[Any, str, str]]) -> None:
     """Make every later restore of each pulled ``(message, exchange, routing_key)`` of
     ``channel`` (kombu's Redis transport: the visibility timeout's, a reject with requeue, the

@@ -545,7 +545,9 @@ class ParkingLot:
                 return
             while len(messages) < want:
                 try:
-                    message = queue.get(no_ack=False)
+                    # (on Redis taken and recorded as unacked in one step: never lost
+                    # between the two, should the broker die there)
+                    message = celery_internals.take_unacked(queue)
                 except (ValueError, TypeError, UnicodeDecodeError) as exc:
                     # kombu took an entry it cannot decode (on Redis, out of the list):
                     # it is set aside alone; the other messages stay as they are
