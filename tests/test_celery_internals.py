@@ -82,21 +82,26 @@ def test_the_pipe_of_a_dead_pool_child_is_read_by_the_child_given_its_queues():
     assert celery_internals.pipe_reader(consumer.pool, dead) is None
 
 
-def test_acks_of_jobs_the_pool_dropped_are_seen_and_passed_on():
-    from billiard.pool import ACK
+def test_acks_and_results_of_jobs_the_pool_dropped_are_seen_and_passed_on():
+    from billiard.pool import ACK, READY
 
-    passed, seen = [], []
-    handlers = {ACK: lambda *args: passed.append(args)}
+    passed, seen, ended = [], [], []
+    handlers = {ACK: lambda *args: passed.append(args),
+                READY: lambda *args: passed.append(("ready", *args))}
     consumer = prefork_consumer({7: object()})
     consumer.pool._pool._result_handler = SimpleNamespace(state_handlers=handlers)
     acked = lambda job, pid: seen.append((job, pid))  # noqa: E731
-    assert celery_internals.watch_job_acks(consumer.pool, acked)
-    assert celery_internals.watch_job_acks(consumer.pool, acked)  # once
+    assert celery_internals.watch_job_acks(consumer.pool, acked, ended.append)
+    assert celery_internals.watch_job_acks(consumer.pool, acked, ended.append)  # once
     handlers[ACK](7, 0, 1.0, 41, None)  # in the cache: billiard's own business
     handlers[ACK](8, 0, 1.0, 42, None)  # dropped by a flush
-    assert seen == [(8, 42)]
-    assert passed == [(7, 0, 1.0, 41, None), (8, 0, 1.0, 42, None)]
+    handlers[READY](7, 0, (True, "r7"), None)
+    handlers[READY](8, 0, (True, "r8"), None)  # its task ran to its end
+    assert seen == [(8, 42)] and ended == [8]
+    assert passed == [(7, 0, 1.0, 41, None), (8, 0, 1.0, 42, None),
+                      ("ready", 7, 0, (True, "r7"), None), ("ready", 8, 0, (True, "r8"), None)]
     assert not celery_internals.watch_job_acks(SimpleNamespace(), acked)  # not prefork
+
 
 def test_handed_counts_accepted_written_and_thread_pool_jobs_but_not_unwritten_ones():
     requests = [request(tag) for tag in "abcde"]

@@ -534,6 +534,37 @@ def test_an_idle_orphans_child_counts_as_moved_on_after_a_lease_ttl():
     assert "Settle" in kinds(core.handle(Tick()))
 
 
+def test_an_orphan_whose_child_reported_it_done_is_acknowledged_even_if_the_child_is_gone():
+    """Chaos seed 4242028: the job of an orphan went to the child that replaced a killed one,
+    which ran it to its end; the pool killed that child a moment later (its start-up message
+    unread while the worker reconnected and was frozen), and the gate put the message back
+    as from a child that "exited or never started it": the task ran twice. A child's report
+    that the job is done settles it as run (acknowledged, slot released) at the next tick,
+    alive or not, idle or not."""
+    core, world = make(processes=4)
+    gone, _, _ = arrive(core)
+    run(core, gone)
+    idle, _, _ = arrive(core)
+    run(core, idle)
+    core.handle(PoolFlushed(((gone, 5), (idle, 6))))
+    world.children[5] = ChildFacts(5, alive=False, busy=False, up=False, took_job=True,
+                                   ran_job=True)
+    world.children[6] = ChildFacts(6, alive=True, busy=False, up=True, took_job=True,
+                                   ran_job=True)
+    commands = core.handle(Tick())
+    assert [(c.claim, c.requeue, c.ran) for c in commands if type(c).__name__ == "Settle"] == [
+        (gone, False, True), (idle, False, True)]
+    assert sorted(releases(commands)) == sorted([(("s",), gone.holder), (("s",), idle.holder)])
+    assert core.free_processes() == 4
+    # without the report, a child that exited may have died before running it: put back
+    other, _, _ = arrive(core)
+    run(core, other)
+    core.handle(PoolFlushed(((other, 7),)))
+    world.children[7] = ChildFacts(7, alive=False, busy=False, up=False, took_job=True)
+    assert [(c.claim, c.requeue) for c in core.handle(Tick())
+            if type(c).__name__ == "Settle"] == [(other, True)]
+
+
 def test_an_orphan_whose_job_no_child_started_is_put_back_once_its_child_moved_on():
     """A child acknowledges a job as it starts it: one up and idle for a lease TTL, or busy
     with a later request, that never acknowledged the orphan's job never got it (the job was

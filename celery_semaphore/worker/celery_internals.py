@@ -103,22 +103,34 @@ def dropped_job_child(consumer: Any, request: Any, job: Any) -> Optional[Any]:
     return getattr(job, "_write_to", None)
 
 
-def watch_job_acks(pool: Any, acked: Callable[[int, int], None]) -> bool:
-    """Call ``acked(job_id, pid)`` for each job a prefork pool child acknowledges (it read the
-    job and runs it) that is no longer in the pool's cache: billiard's result handler drops
-    those acks, and a broker reconnect's flush takes every job no child had acknowledged out
-    of the cache, a job written to a child's pipe included (billiard 4.x
-    ``ResultHandler.state_handlers[ACK]``, called by its ``on_state_change`` for every
-    message a child sends, also those of a dead child drained as it is reaped). True once
-    wrapped (once per result handler)."""
-    from billiard.pool import ACK
-
+def _result_handlers(pool: Any) -> Optional[Tuple[Dict[int, Any], Any]]:
+    """A prefork pool's result handler's ``state_handlers`` and the pool's job cache (billiard
+    4.x), or None for another pool."""
     inner = getattr(pool, "_pool", None) if pool_forks(pool) else None
     handlers = getattr(getattr(inner, "_result_handler", None), "state_handlers", None)
     cache = getattr(inner, "_cache", None)
-    if not isinstance(handlers, dict) or ACK not in handlers or cache is None:
+    if not isinstance(handlers, dict) or cache is None:
+        return None
+    return handlers, cache
+
+
+def watch_job_acks(pool: Any, acked: Callable[[int, int], None],
+                   ended: Optional[Callable[[int], None]] = None) -> bool:
+    """Call ``acked(job_id, pid)`` for each job a prefork pool child acknowledges (it read the
+    job and runs it), and ``ended(job_id)`` for each job a child reports done (its result:
+    the task ran to its end, whatever its outcome), that is no longer in the pool's cache:
+    billiard's result handler drops those messages, and a broker reconnect's flush takes
+    every job no child had acknowledged out of the cache, a job written to a child's pipe
+    included (billiard 4.x ``ResultHandler.state_handlers[ACK]`` and ``[READY]``, called by
+    its ``on_state_change`` for every message a child sends, also those of a dead child
+    drained as it is reaped). True once wrapped (once per result handler)."""
+    from billiard.pool import ACK, READY
+
+    found = _result_handlers(pool)
+    if found is None or ACK not in found[0] or READY not in found[0]:
         return False
-    on_ack = handlers[ACK]
+    handlers, cache = found
+    on_ack, on_ready = handlers[ACK], handlers[READY]
     if getattr(on_ack, "watched_by_gate", False):
         return True
 
@@ -127,8 +139,13 @@ def watch_job_acks(pool: Any, acked: Callable[[int, int], None]) -> bool:
             acked(job, pid)
         return on_ack(job, i, time_accepted, pid, *args)
 
+    def watched_ready(job: int, *args: Any) -> Any:
+        if ended is not None and job not in cache:
+            ended(job)
+        return on_ready(job, *args)
+
     watched_ack.watched_by_gate = True  # type: ignore[attr-defined]
-    handlers[ACK] = watched_ack
+    handlers[ACK], handlers[READY] = watched_ack, watched_ready
     return True
 
 

@@ -78,6 +78,9 @@ class ChildFacts(NamedTuple):
     #: whether it acknowledged the orphan's job (a child acknowledges a job as it starts
     #: it); None where the pool tells no such thing
     took_job: Optional[bool] = None
+    #: whether it reported the orphan's job done (its task ran to its end, whatever became
+    #: of the child since); None where the pool tells no such thing
+    ran_job: Optional[bool] = None
 
 
 class Surroundings(Protocol):
@@ -407,10 +410,12 @@ class Dropped:
 @dataclass(frozen=True)
 class Settle:
     """Orphaned ``claim``'s child moved on (``requeue`` False: it ran; ack its message) or
-    exited (``requeue``: put its message back, at-least-once)."""
+    exited (``requeue``: put its message back, at-least-once); ``ran``: the child reported
+    the job done."""
 
     claim: Claim
     requeue: bool
+    ran: bool = False
 
 
 @dataclass(frozen=True)
@@ -1131,8 +1136,10 @@ class WorkerCore:
         reading it, and the slot would be held until the worker stops. So a child up for a
         whole lease TTL counts as moved on too: if it runs the job after all, that run has
         lost its lease (fencing tokens reject its writes), as a partitioned holder's would.
-        Its message is acknowledged once the child moved on (it ran the job) and put back if
-        the child exited (it may have died before running it: at-least-once), or if the child
+        Its message is acknowledged once the child reported the job done (whatever became of
+        the child since: one killed after it is not a reason to run the task again) or moved
+        on (it ran the job), and put back if the child exited without reporting it done (it
+        may have died before running it: at-least-once), or if the child
         moved on without ever acknowledging the job (a child acknowledges a job as it starts
         it, so the job never ran: it was lost with the pipe of a child that exited, or with
         the pool's buffer)."""
@@ -1143,6 +1150,11 @@ class WorkerCore:
             logger.info("celery-semaphore: %s's job is in pool child %s, not %s",
                         claim.request.id, facts.pid, claim.child)
             claim.child, claim.child_up = facts.pid, None
+        if facts.ran_job:  # its task ran to its end: acknowledged, even if the child is gone
+            self._out.append(Settle(claim, requeue=False, ran=True))
+            self._from_pool(claim)
+            self._done(claim)
+            return
         if facts.alive and not facts.busy:  # it runs the orphan still, or sits idle
             if not facts.up:
                 return

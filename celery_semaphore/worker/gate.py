@@ -139,9 +139,11 @@ class Gate:
         self.jobs: Dict[int, Any] = {}
         #: Orphans' jobs (claim id -> billiard's job id, the pool process it was written to),
         #: and billiard job id -> pid of the child that acknowledged it, for jobs no longer in
-        #: the pool's cache (:func:`.celery_internals.watch_job_acks`; None: not watched).
+        #: the pool's cache (:func:`.celery_internals.watch_job_acks`; None: not watched),
+        #: and the ids of such jobs a child reported done (their task ran to its end).
         self.orphans: Dict[int, Tuple[Any, Any]] = {}
         self.acked: Optional[Dict[int, int]] = None
+        self.finished: Dict[int, bool] = {}
         self._connected_at_stop = False
         self._flushing = False
         #: the backend closes a semaphore for a Backoff's time (else: a countdown)
@@ -460,8 +462,8 @@ class Gate:
         pool may call back at once)."""
         if self._flushing or not self.handoffs:
             return  # (a pool that runs a request as it is handed one calls back from inside)
-        if self.acked is None and celery_internals.watch_job_acks(self.consumer.pool,
-                                                                  self._job_acked):
+        if self.acked is None and celery_internals.watch_job_acks(
+                self.consumer.pool, self._job_acked, self._job_ended):
             self.acked = {}
         self._flushing = True
         try:
@@ -704,9 +706,11 @@ class Gate:
         job_id, _ = self.orphans.pop(id(claim), (None, None))
         if self.acked is not None:
             self.acked.pop(job_id, None)
+        self.finished.pop(job_id, None)
         logger.info("celery-semaphore: settled %s (its job went to pool child %s, which %s): %s",
                     claim.request.id, claim.child,
-                    "exited or never started it" if command.requeue else "moved on",
+                    "exited or never started it" if command.requeue else
+                    "ran it to its end" if command.ran else "moved on",
                     "put back in its queue" if command.requeue else "acknowledged")
         self.settlements.settle_kept(claim.request.message,
                                      Settle.REQUEUE if command.requeue else Settle.ACK)
@@ -804,6 +808,13 @@ class Gate:
             if len(self.acked) > 10_000:  # the oldest, of an orphan long settled or gone
                 del self.acked[next(iter(self.acked))]
 
+    def _job_ended(self, job_id: int) -> None:
+        """A pool child reported job ``job_id`` done, which the pool's cache has no more (the
+        loop thread: billiard's result handler)."""
+        self.finished[job_id] = True
+        if len(self.finished) > 10_000:  # the oldest, of an orphan long settled or gone
+            del self.finished[next(iter(self.finished))]
+
     def _orphan_child(self, claim: Claim) -> Optional[ChildFacts]:
         """:meth:`.Surroundings.orphan_child`: the child that acknowledged the job, else the
         one that reads the pipe it was written to (a job is written to a child the pool has
@@ -813,6 +824,8 @@ class Gate:
         if written_to is None:
             return self._child(claim.child or 0)
         pid = (self.acked or {}).get(job_id) if job_id is not None else None
+        if job_id is not None and job_id in self.finished:  # whatever became of the child
+            return self._child(pid or written_to.pid)._replace(took_job=True, ran_job=True)
         if pid is not None:
             return self._child(pid)._replace(took_job=True)
         if self.acked is None or job_id is None:
