@@ -417,7 +417,9 @@ def take_unacked(queue: Any) -> Any:
     with channel.conn_or_acquire() as client:
         # EVAL with the keys prefixed here: kombu's prefixing client leaves EVAL alone
         taken = client.eval(_TAKE_SCRIPT, len(keys), *keys, time.time())
-        channel._maybe_update_queues_expire(client, queue.name)
+        refresh = getattr(channel, "_maybe_update_queues_expire", None)  # kombu >= 5.4
+        if refresh is not None:
+            refresh(client, queue.name)
     if not taken:
         return None
     from kombu.transport.virtual import QoS as VirtualQoS
