@@ -350,6 +350,14 @@ def test_a_redis_broker_outage_does_not_run_a_running_task_again(redis_url, tmp_
         broker.kill()
 
 
+def other_tracebacks(output) -> list:
+    """The log lines that begin a traceback, but for the one Celery before 5.4 prints with
+    "Connection to broker lost" (its own, at WARNING)."""
+    lines = output.splitlines()
+    return [line for i, line in enumerate(lines) if line.startswith("Traceback")
+            and not (i and "Connection to broker lost" in lines[i - 1])]
+
+
 def broker_left(url) -> dict:
     """What a Redis broker still holds: its unacked hash's size and every non-empty list."""
     client = redis.Redis.from_url(url)
@@ -406,7 +414,7 @@ def test_a_redis_broker_killed_inside_the_waiting_room_loses_no_task(point, redi
         assert wait_until(lambda: broker_left(broker.url) == {"unacked": 0}, timeout=20), (
             broker_left(broker.url), said_when_lost(worker.output()))
         output = worker.output()
-        assert "CRITICAL" not in output and "Traceback" not in output, said_when_lost(output)
+        assert "CRITICAL" not in output and not other_tracebacks(output), output[-6000:]
         assert worker.proc.poll() is None
     finally:
         lease.release()

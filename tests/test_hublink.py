@@ -190,6 +190,30 @@ def test_a_reset_loop_fails_what_is_on_its_way_and_a_start_connects_again(redis_
         loop.close()
 
 
+def test_the_hubs_close_may_iterate_its_callbacks_as_kombu_5_3_does(redis_url):
+    """kombu 5.3's ``Hub.close`` calls each ``on_close`` callback while iterating the set
+    itself: the link's callback must leave the set alone there (it discarded itself, the
+    close raised "Set changed size during iteration", and the rest of the close was skipped
+    on every lost broker connection)."""
+    loop = Loop(redis_url)
+    try:
+        assert loop.call(Acquire("y", "a:1", 2, 30.0, META, True))[1] is None
+        out = []
+        loop.link.submit(Release("y", "a:1"), lambda result, error: out.append(error))
+        after = []
+        loop.hub.on_close.add(lambda hub: after.append(hub))
+        for callback in loop.hub.on_close:  # kombu 5.3's close, as it iterates
+            callback(loop.hub)
+        assert len(after) == 1  # every callback ran
+        assert len(out) == 1 and isinstance(out[0], BackendUnavailable)
+        loop.loop = loop.hub.create_loop()
+        loop.link.start()
+        assert loop.call(Release("y", "a:1")) == (True, None)
+    finally:
+        loop.backend.reset("y")
+        loop.close()
+
+
 def test_a_password_and_a_database_number_are_used(tmp_path):
     port = servers.free_port()
     proc, client = servers.start_redis(port, str(tmp_path), "--requirepass", "s3cret",

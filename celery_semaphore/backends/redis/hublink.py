@@ -363,11 +363,14 @@ class HubLink:
         self._subscribe()
 
     def close(self, reason: str = "the link closed") -> None:
-        self._started = False
-        self.hub.on_tick.discard(self.flush)
         on_close = getattr(self.hub, "on_close", None)
         if on_close is not None:
             on_close.discard(self._hub_closed)
+        self._shut(reason)
+
+    def _shut(self, reason: str) -> None:
+        self._started = False
+        self.hub.on_tick.discard(self.flush)
         for timer in (self._timer, self._retry):
             if timer is not None:
                 timer.cancel()
@@ -381,8 +384,12 @@ class HubLink:
         self._listening = False
 
     def _hub_closed(self, hub: Any) -> None:
-        """The hub forgot every socket (kombu resets it on a lost broker connection)."""
-        self.close(reason="the event loop was reset")
+        """The hub forgot every socket (kombu resets it on a lost broker connection). This
+        callback stays in the hub's ``on_close`` until the link closes or starts again: kombu
+        before 5.4 calls it while iterating that set, and a set changed meanwhile raised
+        there, which cut the hub's close short (the callbacks after this one and the work it
+        still had to do were skipped)."""
+        self._shut("the event loop was reset")
 
     # -- operations --------------------------------------------------------------------------
 
