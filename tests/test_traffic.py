@@ -287,9 +287,13 @@ def test_workers_keep_a_cluster_wide_rate_and_a_priority_goes_first(redis_url, t
         assert wait_until(lambda: cluster.backend.status("ranked").waiting == 3)
         high = ranked.apply_async(("high",), headers={"semaphore_priority": 9})
         assert wait_until(lambda: cluster.backend.status("ranked").waiting == 4)
-        # WAITING says what it waits for, and the priority it waits with
-        assert wait_until(lambda: high.state == "WAITING" and low[0].state == "WAITING")
-        assert high.info["waits_for"] == "slots" and high.info["priority"] == 9
+        # WAITING says what it waits for, and the priority it waits with (once the backend
+        # has answered: a request in the worker's line behind a full semaphore is announced
+        # WAITING before it asks, with no waits_for yet, and the queue entry the backend
+        # counts comes before the worker stores the answer)
+        assert wait_until(lambda: high.state == "WAITING" and low[0].state == "WAITING"
+                          and (high.info or {}).get("waits_for") == "slots")
+        assert high.info["priority"] == 9
         assert "priority" not in low[0].info
         assert [w.meta.get("priority", 0) for w in cluster.backend.status("ranked").waiters] \
             == [9, 0, 0, 0]
