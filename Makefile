@@ -21,7 +21,7 @@ servers:
 
 # Most tests wait on servers and worker processes, not on the CPU: they run in PYTEST_JOBS
 # processes; the few that stop or disconnect the shared broker (marked serial) run after them.
-PYTEST_JOBS ?= 3
+PYTEST_JOBS ?= 4
 
 test: $(STAMP) servers docs
 	$(BIN)/ruff check celery_semaphore tests benchmarks chaos example_project scripts

@@ -8,9 +8,10 @@ by ``semaphore_rate="50/s"`` and ``celery_paced`` by Celery's ``rate_limit="25/s
 """
 
 import os
+import sys
 import time
 
-from celery import Celery
+from celery import Celery, signals
 
 import celery_semaphore
 from tests.probe import probe_for
@@ -31,6 +32,13 @@ app.conf.update(
 )
 celery_semaphore.install(app)
 probe = probe_for(os.environ.get("BENCH_PROBE", "/tmp/bench-probe.log"))
+
+
+@signals.worker_ready.connect
+def _say_ready(sender=None, **_):
+    """The line the benchmarks wait for, at any log level (Celery logs its own "ready." at
+    info only)."""
+    print(f"bench worker {sender.hostname} ready.", file=sys.__stderr__, flush=True)
 
 
 def body(key, hold):

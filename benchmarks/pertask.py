@@ -27,8 +27,8 @@ nothing to decide.
 [--workers W] [--concurrency C] [--profile]``; ``--workers 1 --concurrency 1`` measures the
 handoff inside one pool process, on an idle machine (the turnaround then is what the gate adds
 between two tasks, with no CPU contention); ``--profile``
-records a py-spy profile of one worker's main process during each guarded round (the flame
-graphs go next to the probe file; ``py-spy`` comes with the ``bench`` extra).
+records a py-spy profile of one worker's main process during each round, guarded and
+unguarded (the flame graphs go next to the probe file; ``py-spy`` comes with the ``bench`` extra).
 """
 
 from __future__ import annotations

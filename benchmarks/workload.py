@@ -45,7 +45,7 @@ def _start_worker(env: Dict[str, str], name: str, concurrency: int, log: str,
                   extra: Sequence[str] = ()):
     cmd = [sys.executable, "-m", "celery", "-A", "benchmarks.bench_app", "worker", "-P",
            "prefork", "-c", str(concurrency), "-n", f"{name}@%h", "-Q", env["BENCH_QUEUE"],
-           "-l", os.environ.get("BENCH_LOGLEVEL", "info"), "--without-gossip", "--without-mingle",
+           "-l", env.get("BENCH_LOGLEVEL", "info"), "--without-gossip", "--without-mingle",
            "--without-heartbeat", *extra]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log, "wb"),
                             stderr=subprocess.STDOUT)
