@@ -31,6 +31,13 @@ class BackendUnavailable(SemaphoreError, ConnectionError):
     """The backend server could not be reached. The message names the URL, password masked."""
 
 
+class LinkClosed(BackendUnavailable):
+    """A call on a backend's event-loop link
+    (:class:`~celery_semaphore.backends.base.EventLoopLink`) that the link's close, or the
+    event loop's reset, failed, written or not: the backend did not fail, and the call may or
+    may not have been made. The caller may make it again elsewhere at once."""
+
+
 class SemaphoreTimeout(SemaphoreError, TimeoutError):
     """No slot became free before the timeout passed."""
 

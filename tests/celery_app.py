@@ -334,6 +334,49 @@ def kill_the_broker_at(point, armed):
         raise ValueError(f"CS_BROKER_KILL_AT: no such point {point!r}")
 
 
+def fail_a_pull(armed):
+    """Fault injection (``CS_PULL_FAULT_ARMED``): in the worker, the first take of a parked
+    message once the file ``armed`` exists raises an ``AttributeError``, as a bug in the
+    waiting room's pull would, with the broker answering."""
+    from celery_semaphore.worker import celery_internals
+
+    take, done = celery_internals.take_unacked, []
+
+    def take_unacked(queue):
+        if not done and os.path.exists(armed):
+            done.append(True)
+            raise AttributeError("injected: a bug in the pull")
+        return take(queue)
+
+    celery_internals.take_unacked = take_unacked
+
+
+def hold_backend_calls(armed):
+    """Fault injection (``CS_HOLD_CALLS_ARMED``): in the worker, once the file ``armed``
+    exists, the calls asked on the event loop's link to the Redis backend are kept there,
+    never written (as calls still on their way when the worker stops), and the worker says
+    so once, on stderr: "test: backend calls held"."""
+    import sys
+
+    from celery_semaphore.backends.redis import hublink
+
+    flush, said = hublink._Connection.flush, []
+
+    def held_flush(self):
+        if self.role == "commands" and os.path.exists(armed):
+            if self.queued and not said:
+                said.append(True)
+                print("test: backend calls held", file=sys.__stderr__, flush=True)
+            return
+        flush(self)
+
+    hublink._Connection.flush = held_flush
+
+
 app = create_app(os.environ)
+if os.environ.get("CS_HOLD_CALLS_ARMED"):
+    hold_backend_calls(os.environ["CS_HOLD_CALLS_ARMED"])
+if os.environ.get("CS_PULL_FAULT_ARMED"):
+    fail_a_pull(os.environ["CS_PULL_FAULT_ARMED"])
 if os.environ.get("CS_BROKER_KILL_AT"):
     kill_the_broker_at(os.environ["CS_BROKER_KILL_AT"], os.environ["CS_BROKER_KILL_ARMED"])

@@ -350,6 +350,22 @@ def test_a_redis_broker_outage_does_not_run_a_running_task_again(redis_url, tmp_
         broker.kill()
 
 
+def parking_worker(tmp_path, redis_url, broker, **env):
+    """One worker on ``broker`` that keeps one request waiting and parks the rest (in the
+    worker, not on send), and a lease on its semaphore "slow" (limit 1) held outside it: what
+    the worker gets of task ``slow`` waits, and parks, until the test releases the lease.
+    ``env``: the worker's extra environment (a fault to inject)."""
+    cluster = Cluster(str(tmp_path), redis_url, broker, redis_url, workers=1,
+                      CS_SETTINGS=json.dumps({"semaphore_worker_max_waiting": 1,
+                                              "semaphore_park_on_send": False}), **env)
+    holder = Semaphore("slow", 1, redis_url, key_prefix=cluster.env["CS_KEY_PREFIX"], ttl=60)
+    try:
+        return cluster, holder.acquire(timeout=10)
+    except BaseException:
+        cluster.stop()
+        raise
+
+
 def other_tracebacks(output) -> list:
     """The log lines that begin a traceback, but for the one Celery before 5.4 prints with
     "Connection to broker lost" (its own, at WARNING)."""
@@ -381,13 +397,9 @@ def test_a_redis_broker_killed_inside_the_waiting_room_loses_no_task(point, redi
     and the broker holds nothing: no unacked message, no parked copy, no task left."""
     broker = PersistentRedis(tmp_path / "broker")
     armed = str(tmp_path / "armed")
-    cluster = Cluster(str(tmp_path), redis_url, broker.url, redis_url, workers=1,
-                      CS_BROKER_KILL_AT=point, CS_BROKER_KILL_ARMED=armed,
-                      CS_BROKER_PID=str(broker.proc.pid),
-                      CS_SETTINGS=json.dumps({"semaphore_worker_max_waiting": 1,
-                                              "semaphore_park_on_send": False}))
-    holder = Semaphore("slow", 1, redis_url, key_prefix=cluster.env["CS_KEY_PREFIX"], ttl=60)
-    lease = holder.acquire(timeout=10)  # the worker can only keep one waiting, and park
+    cluster, lease = parking_worker(tmp_path, redis_url, broker.url, CS_BROKER_KILL_AT=point,
+                                    CS_BROKER_KILL_ARMED=armed,
+                                    CS_BROKER_PID=str(broker.proc.pid))
     try:
         slow, worker = cluster.task("slow"), cluster.workers[0]
         results = [slow.delay(f"k{i}", 0.02) for i in range(6)]
@@ -420,6 +432,65 @@ def test_a_redis_broker_killed_inside_the_waiting_room_loses_no_task(point, redi
         lease.release()
         cluster.stop()
         broker.kill()
+
+
+def test_a_bug_in_the_waiting_rooms_pull_is_an_error_with_its_traceback_not_an_outage(
+        redis_url, tmp_path):
+    """A pull of parked requests that fails with the broker answering (a bug: an injected
+    ``AttributeError``, tests/celery_app.py ``fail_a_pull``) is logged as an error with its
+    traceback and not as "broker unavailable" (before, the pull took every failure for an
+    outage: one warning that named the wrong cause, then debug lines). The waiting room
+    recovers as after a lost connection: every task runs once, one at a time."""
+    armed = str(tmp_path / "armed")
+    cluster, lease = parking_worker(tmp_path, redis_url, servers.redis_broker(redis_url),
+                                    CS_PULL_FAULT_ARMED=armed)
+    try:
+        slow, worker = cluster.task("slow"), cluster.workers[0]
+        results = [slow.delay(f"k{i}", 0.02) for i in range(5)]
+        assert wait_until(lambda: _parked(cluster, "slow") == 4, timeout=20), worker.output()
+        open(armed, "w").close()
+        lease.release()  # the one waiting starts, and the worker pulls the next: it fails
+        assert results_of(results, worker) == [f"k{i}" for i in range(5)]
+        assert cluster.probe.completed("slow:k") == {f"slow:k{i}": 1 for i in range(5)}
+        assert cluster.probe.max_concurrent("slow:k") == 1
+        output = worker.output()
+        said = [line for line in output.splitlines() if "not because the broker" in line]
+        assert len(said) == 1 and "ERROR" in said[0] and "pulling parked requests" in said[0], (
+            output[-6000:])
+        assert "AttributeError: injected: a bug in the pull" in output, output[-6000:]
+        assert "broker unavailable" not in output, output[-6000:]
+    finally:
+        lease.release()
+        cluster.stop()
+
+
+def test_a_release_still_on_its_way_when_the_worker_stops_is_made_before_it_exits(
+        redis_url, tmp_path):
+    """A task ends and its release is asked, but not sent yet when the worker is told to
+    stop (tests/celery_app.py ``hold_backend_calls`` keeps the event loop's calls from being
+    written): closing the loop's link fails the call, and the gate makes it again through its
+    thread before the worker exits, quietly (the link was closed on purpose: the backend did
+    not fail). The slot is free once the worker has exited, not a lease TTL later."""
+    armed, go = str(tmp_path / "armed"), str(tmp_path / "go")
+    cluster = Cluster(str(tmp_path), redis_url, servers.redis_broker(redis_url), redis_url,
+                      workers=1, CS_HOLD_CALLS_ARMED=armed)
+    try:
+        worker = cluster.workers[0]
+        result = cluster.task("slow").delay("k0", go)
+        assert wait_until(lambda: cluster.started("slow:k0"))
+        assert cluster.held("slow") == 1
+        open(armed, "w").close()
+        open(go, "w").close()
+        assert result.get(timeout=20) == "k0"
+        assert wait_until(lambda: "test: backend calls held" in worker.output(), timeout=10)
+        assert cluster.held("slow") == 1  # the release waits in the link
+        worker.stop()
+        assert worker.proc.returncode == 0, worker.output()[-4000:]
+        assert cluster.held("slow") == 0, worker.output()[-4000:]
+        output = worker.output()
+        assert "releasing 'slow'" not in output, output[-4000:]
+    finally:
+        cluster.stop()
 
 
 @pytest.mark.serial

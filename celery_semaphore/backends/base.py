@@ -482,7 +482,8 @@ class EventLoopLink(Protocol):
         """(Re)connect on the loop; wake-ups flow from now on."""
 
     def close(self) -> None:
-        """Drop the connections; every call queued or on its way gets ``BackendUnavailable``."""
+        """Drop the connections; every call queued or on its way gets
+        :class:`~celery_semaphore.exceptions.LinkClosed`."""
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,7 @@ from ..backends.base import (
     new_holder_id,
 )
 from ..backoff import Backoff, outcome_of
-from ..exceptions import ConfigurationError, SemaphoreError
+from ..exceptions import ConfigurationError, LinkClosed, SemaphoreError
 from ..guards import Guards
 from ..settings import Settings
 from ..stats import FIRST_WAIT_META
@@ -359,10 +359,16 @@ class Gate:
     def _perform_until(self, op: Any, until: float, what: str,
                        retry: float = 0.0) -> None:
         """Make ``op``; while the backend does not answer, again (0.1 s doubling to 2 s)
-        until ``until`` (monotonic): the backend's expiry frees what it holds then."""
+        until ``until`` (monotonic): the backend's expiry frees what it holds then. A call the
+        loop's link dropped as it closed (the consumer stops: :class:`.LinkClosed`) is made
+        again at once, through the gate's thread, and nothing is logged: the backend did not
+        fail (a worker that stops right after a task ended still releases its slot)."""
 
         def done(result: Any, error: Optional[BaseException]) -> None:
             if error is None:
+                return
+            if isinstance(error, LinkClosed) and self.ctx.running:
+                self._perform_until(op, until, what, retry)
                 return
             delay = min(max(retry * 2, core.RETRY_FIRST), core.RETRY_MAX)
             if self.ctx.running and time.monotonic() + delay < until:

@@ -43,6 +43,7 @@ from typing import Any, Deque, Dict, Iterable, List, Optional, Protocol, Set, Tu
 
 from celery.worker.control import control_command
 from kombu import Producer, Queue
+from kombu.exceptions import OperationalError
 from vine import promise
 
 from ..exceptions import SemaphoreTimeout
@@ -120,6 +121,10 @@ class ParkedTask:
     deadline: Optional[float]  # Unix time semaphore_max_wait runs out
 
 
+class BrokerRefused(RuntimeError):
+    """The broker answered, and would not take what the waiting room gave it."""
+
+
 class ParkingLot:
     """Parks and pulls one worker's guarded requests. See the module docstring."""
 
@@ -158,6 +163,8 @@ class ParkingLot:
         #: when the parking connection's last call failed and none has succeeded since (I/O
         #: thread): one warning per outage, not one per retried call
         self._unavailable_since: Optional[float] = None
+        #: failures not the broker's already logged with their traceback (:meth:`_lost`)
+        self._faults_seen: Set[Tuple[str, str]] = set()
 
     def serve(self, line: Line) -> None:
         """Refill ``line`` (each needs the other: the line parks here, the room reads the
@@ -433,7 +440,22 @@ class ParkingLot:
         and every message pulled on it and not settled yet is settled by whoever holds it
         (:meth:`reset`). The first failure of an outage is a warning, the next ones (a pull
         retried while the broker is away) are logged at debug until a call succeeds again
-        (:meth:`_answered`)."""
+        (:meth:`_answered`). A failure that is not the broker's (:meth:`_broker_failed`: a
+        bug, in the gate or below it) is recovered from the same way, but logged as an error
+        with its traceback, the first time each kind of it happens, never as an outage."""
+        if not self._broker_failed(exc):
+            fault = (type(exc).__qualname__, str(exc))
+            if fault not in self._faults_seen:
+                if len(self._faults_seen) < 100:
+                    self._faults_seen.add(fault)
+                logger.error("celery-semaphore: %s failed, and not because the broker is "
+                             "unavailable: %r (the parking connection is reset and what the "
+                             "call held goes back, as after a lost connection; this is a "
+                             "bug, please report it)", what, exc, exc_info=exc)
+            else:
+                logger.debug("celery-semaphore: %s failed again: %r", what, exc)
+            self.reset()
+            return
         if self._unavailable_since is None:
             self._unavailable_since = time.monotonic()
             logger.warning("celery-semaphore: %s: broker unavailable: %s (until it answers "
@@ -441,6 +463,21 @@ class ParkingLot:
         else:
             logger.debug("celery-semaphore: %s: broker still unavailable: %s", what, exc)
         self.reset()
+
+    def _broker_failed(self, exc: BaseException) -> bool:
+        """Whether ``exc`` comes from the broker or the way to it: the transport's connection
+        and channel errors, kombu's ``OperationalError``, an ``OSError``, or the broker
+        refusing a parked copy (:class:`BrokerRefused`)."""
+        if isinstance(exc, (OSError, OperationalError, BrokerRefused)):
+            return True
+        connection = self._connection
+        if connection is None:
+            return False
+        try:
+            errors = tuple(connection.connection_errors) + tuple(connection.channel_errors)
+        except Exception:  # a transport that cannot say: as before, every failure is one
+            return True
+        return isinstance(exc, errors)
 
     def _answered(self) -> None:
         """A call on the parking connection succeeded (I/O thread): an outage it was in ends."""
@@ -490,8 +527,8 @@ class ParkingLot:
                     break
                 self._declared.discard(parking.name)  # expired unused: declare it again
             else:
-                raise RuntimeError(f"the broker returned the parked copy three times "
-                                   f"(parking queue {parking.name})")
+                raise BrokerRefused(f"the broker returned the parked copy three times "
+                                    f"(parking queue {parking.name})")
         except Exception as exc:
             self._lost(exc, f"parking {claim.request.id}, requeueing it")
             self.ctx.loop.post(self.parked, claim, lane, False)

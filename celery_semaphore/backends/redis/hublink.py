@@ -17,7 +17,8 @@ registered with the hub, as kombu's Redis transport does with the broker's:
 Guarantees: an operation's callback runs exactly once, on the loop thread: with its result, or
 with :class:`~celery_semaphore.exceptions.BackendUnavailable` when the connection is lost
 before its reply (it may or may not have run: callers treat that as they treat a lost reply
-today), when no reply came within ``socket_timeout``, or when the link closes. The scripts are
+today), when no reply came within ``socket_timeout``, or with
+:class:`~celery_semaphore.exceptions.LinkClosed` when the link closes. The scripts are
 loaded on each new connection before any call (a call that still meets ``NOSCRIPT``, after a
 ``SCRIPT FLUSH``, is sent again as ``EVAL``). A lost wake-up connection is made again with a
 pause from 0.05 s doubling to 0.25 s; once subscribed again ``on_listening`` is told (what was
@@ -39,7 +40,7 @@ import time
 from collections import deque
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
-from ...exceptions import BackendUnavailable, ConfigurationError
+from ...exceptions import BackendUnavailable, ConfigurationError, LinkClosed
 from ...urls import mask_url
 from ..base import LISTENER_RETRY_FIRST, LISTENER_RETRY_MAX, AcquireAll, Operation, PushedGrant
 from . import deployments
@@ -377,7 +378,7 @@ class HubLink:
         self._timer = self._retry = None
         for connection in (self.commands, self.wakeups):
             if connection.connected:
-                connection.failed(BackendUnavailable(
+                connection.failed(LinkClosed(
                     f"semaphore backend {mask_url(self.backend.url)}: {reason}"))
             connection.down_until = 0.0
             connection.backoff = LISTENER_RETRY_FIRST
@@ -412,8 +413,9 @@ class HubLink:
             if len(replies) < count:
                 return
             error = next((r for r in replies if isinstance(r, Exception)), None)
-            if error is not None:
-                done(None, self._error(error))
+            if error is not None:  # a reply error, or the connection's failure (as it is)
+                done(None, error if isinstance(error, (BackendUnavailable, ConfigurationError))
+                     else self._error(error))
                 return
             try:
                 result = parse(replies)
