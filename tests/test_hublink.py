@@ -179,7 +179,9 @@ def test_a_reset_loop_fails_what_is_on_its_way_and_a_start_connects_again(redis_
         out = []
         loop.link.submit(Acquire("z", "b:1", 2, 30.0, META, True),
                          lambda result, error: out.append(error))
+        assert loop.link.running
         loop.hub.reset()  # kombu's on a lost broker connection: every socket forgotten
+        assert not loop.link.running  # (the gate's calls go through its thread meanwhile)
         # the link's own close: the caller may make the call again elsewhere at once
         assert len(out) == 1 and isinstance(out[0], LinkClosed), out
         assert str(out[0]).count("semaphore backend") == 1, out  # said once, not wrapped
@@ -190,6 +192,7 @@ def test_a_reset_loop_fails_what_is_on_its_way_and_a_start_connects_again(redis_
         assert isinstance(out[0], BackendUnavailable) and not isinstance(out[0], LinkClosed)
         loop.loop = loop.hub.create_loop()  # as Celery's loop does after a reset
         loop.link.start()
+        assert loop.link.running
         assert loop.call(Release("z", "a:1")) == (True, None)
     finally:
         loop.backend.reset("z")

@@ -481,6 +481,12 @@ class EventLoopLink(Protocol):
     def start(self) -> None:
         """(Re)connect on the loop; wake-ups flow from now on."""
 
+    @property
+    def running(self) -> bool:
+        """Started, and neither closed nor reset with its loop since (kombu closes its hub
+        before the consumer's steps stop on Celery 5.3's shutdown): calls made meanwhile go
+        elsewhere."""
+
     def close(self) -> None:
         """Drop the connections; every call queued or on its way gets
         :class:`~celery_semaphore.exceptions.LinkClosed`."""

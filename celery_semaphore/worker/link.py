@@ -60,8 +60,10 @@ class BackendLink:
 
     @property
     def on_loop(self) -> bool:
-        """Calls go out on the loop (the consumer runs, with a link)."""
-        return self.loop_link is not None and self.ctx.open and self.ctx.loop.on_loop()
+        """Calls go out on the loop (the consumer runs, with a link that runs: after the hub
+        was closed or reset, until the link starts again, they go through the thread)."""
+        return (self.loop_link is not None and self.loop_link.running and self.ctx.open
+                and self.ctx.loop.on_loop())
 
     @property
     def pushes(self) -> bool:

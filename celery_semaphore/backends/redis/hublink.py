@@ -348,6 +348,11 @@ class HubLink:
     def __repr__(self) -> str:
         return f"<HubLink {mask_url(self.backend.url)}>"
 
+    @property
+    def running(self) -> bool:
+        """Started, and neither closed nor reset with its hub since: calls go out."""
+        return self._started
+
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> None:
