@@ -57,7 +57,9 @@ class Loop:
 
 
 @pytest.fixture
-def private_redis(tmp_path):
+def stoppable_redis(tmp_path):
+    """A redis-server of this test alone, ``(port, process, client)``, that the test may
+    SIGSTOP (conftest's ``private_redis`` gives a URL, and no process)."""
     port = servers.free_port()
     proc, client = servers.start_redis(port, str(tmp_path))
     yield port, proc, client
@@ -112,8 +114,8 @@ def test_a_pushed_grant_reaches_the_waiters_loop_on_its_wake_channel(redis_url):
         loop.close()
 
 
-def test_scripts_flushed_on_the_server_are_sent_again(private_redis):
-    port, _, client = private_redis
+def test_scripts_flushed_on_the_server_are_sent_again(stoppable_redis):
+    port, _, client = stoppable_redis
     loop = Loop(f"redis://127.0.0.1:{port}/0")
     try:
         assert loop.call(Acquire("f", "a:1", 2, 30.0, META, True))[0].grant is not None
@@ -126,8 +128,8 @@ def test_scripts_flushed_on_the_server_are_sent_again(private_redis):
 
 
 def test_a_server_that_does_not_answer_fails_the_calls_in_time_and_the_link_recovers(
-        private_redis):
-    port, proc, _ = private_redis
+        stoppable_redis):
+    port, proc, _ = stoppable_redis
     loop = Loop(f"redis://127.0.0.1:{port}/0", socket_timeout=0.5)
     try:
         assert loop.call(Acquire("p", "a:1", 2, 30.0, META, True))[1] is None
