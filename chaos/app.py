@@ -160,10 +160,14 @@ def create_app(env: Mapping[str, str]) -> Celery:
         broker_connection_retry_on_startup=True,
         broker_connection_max_retries=None,
         # A killed worker's unacknowledged messages come back after 30 s (kombu's default is an
-        # hour), looked for every second.
+        # hour), looked for every second. The lock kombu takes to look for them lapses after
+        # 10 s, not 300: a broker cut between its taking and its release left it held, and no
+        # worker restored anything for five minutes (seed 4242028: three tasks of a killed
+        # worker never came back; docs/operations/reliability.md).
         broker_transport_options={"polling_interval": 0.05, "visibility_timeout": 30,
                                   "unacked_restore_interval": 1,
-                                  "unacked_restore_throttle": 1},
+                                  "unacked_restore_throttle": 1,
+                                  "unacked_mutex_expire": 10},
     )
     celery_semaphore.install(app)
     probe = env.get("CHAOS_PROBE", "/tmp/chaos-probe.log")

@@ -584,6 +584,50 @@ def test_malformed_internal_headers_fail_their_task_alone(redis_url, tmp_path):
         cluster.stop()
 
 
+def on_a_backend_to_kill(tmp_path, redis_url):
+    """A backend the test may kill and start again (Redis with an fsynced AOF) and one worker
+    on it, the broker being the shared Redis: ``(backend, cluster)``."""
+    backend = PersistentRedis(tmp_path / "backend")
+    try:
+        return backend, Cluster(str(tmp_path), redis_url, servers.redis_broker(redis_url),
+                                backend.url, workers=1)
+    except BaseException:
+        backend.kill()
+        raise
+
+
+def test_two_backoffs_of_one_semaphore_in_a_backend_outage_give_each_call_back_once(
+        redis_url, tmp_path):
+    """Two calls of one semaphore raise Backoff during a backend outage: two pauses of it are
+    retried until the backend answers, and the calls given back wait for them. Each call then
+    runs once more, not twice: before, the end of each pause handed every call held for the
+    semaphore to Celery again (found by the nemesis soak, seed 4242028: one task run
+    twice)."""
+    backend, cluster = on_a_backend_to_kill(tmp_path, redis_url)
+    worker, partner, go = cluster.workers[0], cluster.task("partner"), str(tmp_path / "go")
+    try:
+        calls = {key: partner.delay(key, 2.0, go) for key in ("a", "c")}
+        assert wait_until(lambda: cluster.started("api:a") and cluster.started("api:c"),
+                          timeout=20)
+        backend.kill()
+        open(go, "w").close()  # both bodies end and raise Backoff(2) during the outage
+        assert wait_until(lambda: worker.output().count("pausing 'partner' failed, retrying")
+                          == 2, timeout=10), worker.output()[-4000:]
+        backend.start()
+        assert {key: r.get(timeout=30) for key, r in calls.items()} == {"a": ["a", 0],
+                                                                        "c": ["c", 0]}
+        assert wait_until(lambda: cluster.held("partner") == 0, timeout=20)
+        runs = cluster.probe.intervals()
+        assert len(runs["api:a"]) == 2 and len(runs["api:c"]) == 2, runs  # backed off, ran
+        output = worker.output()
+        for result in calls.values():
+            assert output.count(f"{result.id}] backed off: it waits again") == 1, (
+                output[-4000:])
+    finally:
+        cluster.stop()
+        backend.kill()
+
+
 def test_a_backoff_raised_in_a_backend_outage_still_closes_the_semaphore_for_its_time(
         redis_url, tmp_path):
     """A call raises Backoff(retry_after=4) while its backend (Redis with an fsynced AOF) is
@@ -591,13 +635,9 @@ def test_a_backoff_raised_in_a_backend_outage_still_closes_the_semaphore_for_its
     the backend answers, for what is left of the time; the call given back waits for it, and
     neither it nor a call sent meanwhile starts before the 4 s are up (before: the failed
     pause was logged and dropped, and both ran as soon as the backend was back)."""
-    backend = PersistentRedis(tmp_path / "backend")
-    cluster = Cluster(str(tmp_path), redis_url, servers.redis_broker(redis_url), backend.url,
-                      workers=1)
-    worker = cluster.workers[0]
+    backend, cluster = on_a_backend_to_kill(tmp_path, redis_url)
+    worker, partner, go = cluster.workers[0], cluster.task("partner"), str(tmp_path / "go")
     try:
-        partner = cluster.task("partner")
-        go = str(tmp_path / "go")
         first = partner.delay("a", 4.0, go)
         assert wait_until(lambda: cluster.started("api:a"), timeout=20)
         backend.kill()

@@ -33,7 +33,7 @@ import functools
 import logging
 import os
 import time
-from collections import deque
+from collections import Counter, deque
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from celery import signals
@@ -148,9 +148,11 @@ class Gate:
         self._flushing = False
         #: the backend closes a semaphore for a Backoff's time (else: a countdown)
         self._pauses = "pause" in backend.traffic_options
-        #: semaphore -> the calls given back by a Backoff that wait for its pause to reach
-        #: the backend (it is being made, or retried while the backend does not answer)
+        #: semaphore -> the calls given back by a Backoff that wait for its pauses to reach
+        #: the backend (being made, or retried while the backend does not answer)
         self._pausing: Dict[str, List[core.Redeliver]] = {}
+        #: semaphore -> how many of its pauses are being made (the calls above wait for all)
+        self._pauses_made: Counter[str] = Counter()
         #: semaphore -> the acquire attempts (by claim) held back while its pause is being
         #: made: a call sent meanwhile must not be admitted before the pause lands either
         self._held_attempts: Dict[str, Dict[int, Tuple[Claim, str, int, bool]]] = {}
@@ -548,7 +550,8 @@ class Gate:
             return
 
         name, ends = command.name, time.monotonic() + command.seconds
-        held = self._pausing.setdefault(name, [])
+        self._pausing.setdefault(name, [])
+        self._pauses_made[name] += 1
 
         def attempt(retry: float) -> None:
             """Pause for what is left of the time; while the backend does not answer, again
@@ -578,9 +581,15 @@ class Gate:
             self.link.submit(Pause(name, left, command.reason), done)
 
         def finish() -> None:
-            if self._pausing.get(name) is held:
-                del self._pausing[name]
-            for redeliver in held:
+            """This pause is made, or given up: once every pause of the semaphore is, the
+            calls held for them go on, each once (two Backoffs of one semaphore in a backend
+            outage make two pauses: before, each one's end handed every held call to Celery
+            again, and each ran twice)."""
+            self._pauses_made[name] -= 1
+            if self._pauses_made[name] > 0:
+                return
+            del self._pauses_made[name]
+            for redeliver in self._pausing.pop(name, []):
                 self._redeliver(redeliver)
             for attempt_args in self._held_attempts.pop(name, {}).values():
                 self._acquire(*attempt_args)
