@@ -87,9 +87,12 @@ def test_parked_tasks_a_killed_worker_held_are_found_without_a_new_send(redis_ur
     broker's visibility timeout puts the pulled tasks back in the parking queue. The surviving
     worker, idle with room, runs them without any new send: the doorbell the killed worker
     held comes back with them (before: they waited for the next send of their semaphore)."""
-    settings = {"broker_transport_options": {  # kombu restores unacked messages 4 s old
+    # kombu restores unacked messages 4 s old, under a lock that lapses after 3 s (by default
+    # 300 s: a worker killed while it held the lock, as "first" below may be, kept the
+    # survivor from restoring anything for five minutes; docs/limitations.md)
+    settings = {"broker_transport_options": {
         "visibility_timeout": 4, "polling_interval": 0.05, "unacked_restore_interval": 1,
-        "unacked_restore_throttle": 1}}
+        "unacked_restore_throttle": 1, "unacked_mutex_expire": 3}}
     cluster = Cluster(str(tmp_path), redis_url, servers.redis_broker(redis_url), redis_url,
                       workers=0, CS_LEASE_TTL="3", CS_SETTINGS=json.dumps(settings))
     blocker = Semaphore("slow", 1, redis_url, key_prefix=cluster.env["CS_KEY_PREFIX"], ttl=60)
