@@ -28,7 +28,11 @@ def create_app(env):
         semaphore_retry_backoff_max=1.0,
         task_default_queue=env.get("CS_QUEUE", "celery"),
         worker_prefetch_multiplier=int(env.get("CS_PREFETCH", "4")),
-        broker_transport_options={"polling_interval": 0.05},
+        # kombu's restore lock lapses after 5 s, not 300: a worker a test kills while it
+        # holds the lock (in the broker database every test shares) would keep every other
+        # worker from restoring a killed worker's messages for five minutes
+        # (docs/limitations.md)
+        broker_transport_options={"polling_interval": 0.05, "unacked_mutex_expire": 5},
         worker_hijack_root_logger=False,
         broker_connection_retry_on_startup=True,
     )

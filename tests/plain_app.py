@@ -17,7 +17,11 @@ def create_app(env):
         semaphore_backend=env.get("CS_SEMAPHORE_BACKEND") or None,
         semaphore_key_prefix=env.get("CS_KEY_PREFIX", "semaphore:"),
         task_default_queue=env.get("CS_QUEUE", "celery"),
-        broker_transport_options={"polling_interval": 0.05},
+        # kombu's restore lock lapses after 5 s, not 300: a worker a test kills while it
+        # holds the lock (in the broker database every test shares) would keep every other
+        # worker from restoring a killed worker's messages for five minutes
+        # (docs/limitations.md)
+        broker_transport_options={"polling_interval": 0.05, "unacked_mutex_expire": 5},
         worker_hijack_root_logger=False,
     )
     probe = Probe(env.get("CS_PROBE", "/tmp/celery-semaphore-probe.log"))
