@@ -377,7 +377,26 @@ def hold_backend_calls(armed):
     hublink._Connection.flush = held_flush
 
 
+def record_acceptance(path):
+    """Test instrument (``CS_ACCEPTED_PROBE``): the worker's main process marks
+    ``accepted <task's short name>:<its first argument>`` in the file ``path`` (as ``guarded``'s
+    body names its key) when its pool accepts a task, before Celery acknowledges the task's
+    message (``acks_late`` off). A worker killed after that ack and before the body began lost
+    the task by Celery's own at-most-once, not by the waiting room: a test tells them apart."""
+    from celery.worker import request
+
+    accepted, probe = request.task_accepted, Probe(path)
+
+    def task_accepted(req, *args, **kwargs):
+        probe.mark("accepted", f"{req.task_name.rsplit('.', 1)[-1]}:{req.args[0]}")
+        return accepted(req, *args, **kwargs)
+
+    request.task_accepted = task_accepted
+
+
 app = create_app(os.environ)
+if os.environ.get("CS_ACCEPTED_PROBE"):
+    record_acceptance(os.environ["CS_ACCEPTED_PROBE"])
 if os.environ.get("CS_HOLD_CALLS_ARMED"):
     hold_backend_calls(os.environ["CS_HOLD_CALLS_ARMED"])
 if os.environ.get("CS_PULL_FAULT_ARMED"):

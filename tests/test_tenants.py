@@ -3,6 +3,7 @@ admission and nothing else (no parking queue, no doorbell), and the waiting room
 Celery's routing (a task runs only on a worker that consumes the queue it was sent to)."""
 
 import json
+import time
 
 import pytest
 import redis
@@ -122,11 +123,33 @@ def test_parked_tasks_a_killed_worker_held_are_found_without_a_new_send(redis_ur
         first.kill()
         lease.release()
         waiting.join(30)
-        assert sorted(r.get(timeout=120) for r in results) == [f"r{i}" for i in range(4)]
+        try:
+            ran = sorted(r.get(timeout=120) for r in results)
+        except Exception:
+            pytest.fail(_restore_diagnosis(cluster, results, survivor))
+        assert ran == [f"r{i}" for i in range(4)]
         assert cluster.probe.max_concurrent("slow:r") == 1
         assert wait_until(lambda: _parked(cluster, "slow") == 0)
     finally:
         cluster.stop()
+
+
+def _restore_diagnosis(cluster, results, survivor):
+    """What the broker and the survivor show when the killed worker's tasks were not run."""
+    client = redis.Redis.from_url(cluster.env["CS_BROKER_URL"])
+    try:
+        ids = {r.id for r in results}
+        tags = {}
+        for tag, raw in client.hgetall("unacked").items():
+            if json.loads(raw)[0]["headers"].get("id") in ids:
+                tags[tag] = client.zscore("unacked_index", tag)
+        queue = cluster.env["CS_QUEUE"]
+        return (f"states {[r.state for r in results]}; unacked {tags} at {time.time():.1f}; "
+                f"restore lock {client.get('unacked_mutex')!r} for {client.pttl('unacked_mutex')} "
+                f"ms; {queue}: {client.llen(queue)} messages; parked {_parked(cluster, 'slow')}; "
+                f"unacked in all {client.hlen('unacked')}\nsurvivor:\n{survivor.output()[-6000:]}")
+    finally:
+        client.close()
 
 
 def _unacked_routes(cluster, results):
