@@ -70,6 +70,24 @@ def redis_cluster(tmp_path_factory):
 
 
 @pytest.fixture
+def own_broker(tmp_path):
+    """A Redis server of the test's own as its broker (``redis://...``): for a test that cuts
+    every connection to its broker, which on the shared server would cut other tests' too, or
+    whose workers restore unacked messages by age (kombu keeps one record of them, and one
+    restore lock, per database)."""
+    workdir = tmp_path / "own-broker"
+    workdir.mkdir()
+    port = servers.free_port()
+    proc, client = servers.start_redis(port, str(workdir))
+    client.close()
+    try:
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+@pytest.fixture
 def private_redis(tmp_path):
     """A redis-server of this test alone (``(url, client)``): its command counts are ours."""
     port = servers.free_port()

@@ -83,18 +83,23 @@ def test_a_task_runs_only_on_workers_that_consume_its_queue(broker_kind, park_on
         cluster.stop()
 
 
-def test_parked_tasks_a_killed_worker_held_are_found_without_a_new_send(redis_url, tmp_path):
+def test_parked_tasks_a_killed_worker_held_are_found_without_a_new_send(redis_url, tmp_path,
+                                                                       own_broker):
     """Defect 2 of #27: a worker's main process is killed while it pulls a lane; the Redis
     broker's visibility timeout puts the pulled tasks back in the parking queue. The surviving
     worker, idle with room, runs them without any new send: the doorbell the killed worker
     held comes back with them (before: they waited for the next send of their semaphore)."""
     # kombu restores unacked messages 4 s old, under a lock that lapses after 3 s (by default
     # 300 s: a worker killed while it held the lock, as "first" below may be, kept the
-    # survivor from restoring anything for five minutes; docs/limitations.md)
+    # survivor from restoring anything for five minutes; docs/limitations.md). On a broker of
+    # its own: kombu keeps one unacked record and one restore lock per database, and these
+    # workers would restore every other test's messages held 4 s (three fresh-clone CI runs
+    # failed here in the shared database, the tasks never reaching the survivor; 12 runs
+    # alone beside two busy loops did not)
     settings = {"broker_transport_options": {
         "visibility_timeout": 4, "polling_interval": 0.05, "unacked_restore_interval": 1,
         "unacked_restore_throttle": 1, "unacked_mutex_expire": 3}}
-    cluster = Cluster(str(tmp_path), redis_url, servers.redis_broker(redis_url), redis_url,
+    cluster = Cluster(str(tmp_path), redis_url, own_broker, redis_url,
                       workers=0, CS_LEASE_TTL="3", CS_SETTINGS=json.dumps(settings))
     blocker = Semaphore("slow", 1, redis_url, key_prefix=cluster.env["CS_KEY_PREFIX"], ttl=60)
     lease = blocker.acquire(timeout=10)

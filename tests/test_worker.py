@@ -441,22 +441,6 @@ def test_worker_shutdown_releases_and_loses_nothing(how, redis_url, tmp_path):
         cluster.stop()
 
 
-@pytest.fixture
-def own_broker(tmp_path):
-    """A Redis server of the test's own as its broker (the test cuts every connection to it,
-    which on the shared server would cut other tests' too)."""
-    workdir = tmp_path / "own-broker"
-    workdir.mkdir()
-    port = servers.free_port()
-    proc, client = servers.start_redis(port, str(workdir))
-    client.close()
-    try:
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.kill()
-        proc.wait(10)
-
-
 def test_a_job_the_pool_drops_on_a_broker_reconnect_does_not_keep_its_slot(redis_url, tmp_path,
                                                                           own_broker):
     """On a broker reconnect the consumer drops the jobs no pool child has acknowledged, and
