@@ -42,9 +42,10 @@ def markdown(data) -> str:
         "processes, so no waiting):",
         table(data["backends"], ["backend", "processes", "pairs_per_s", "acquire_p50_ms",
                                  "acquire_p99_ms", "note"]),
-        "The last row divides a second by Redis's own time per acquire+release (two script "
-        "calls): the server's capacity. The runs above it are bound by the Python clients, "
-        "which share the machine's cores with Redis.",
+        "The row \"redis (server only)\" divides a second by Redis's own time per "
+        "acquire+release (two script calls): the server's capacity. The runs above it are "
+        "bound by the Python clients, which share the machine's cores with Redis. The row "
+        "after it says where one pair's server CPU goes.",
         "Celery workloads (`docs/benchmarks.md`), Redis broker; the gate (Redis backend "
         "unless named) and diy on 2 workers x 4 prefork processes, the dedicated queue on one "
         "worker with concurrency = limit, prefetch 1, acks late; `vs_dedicated` = utilization / "

@@ -80,6 +80,64 @@ def redis_server_cost(url: str) -> Dict[str, Any]:
                     f"{row['pairs_per_s']} pairs/s"}
 
 
+def redis_pair_cost(pairs: int = 5000) -> Dict[str, Any]:
+    """Where a Redis server's CPU goes for one uncontended acquire and release (W9's case),
+    one call per round trip, on a ``redis-server`` of its own: its CPU per pair (from /proc),
+    the time inside the two scripts (``INFO commandstats``), what the shared prelude costs per
+    call (a script of the prelude and ``return 1`` against one of ``TIME`` and ``return 1``),
+    and two ``PING`` round trips: what the server spends on a round trip itself."""
+    from celery_semaphore.backends.redis import backend as redis_backend
+    from tests.servers import free_port, start_redis
+
+    workdir = tempfile.mkdtemp(prefix="bench-pair-")
+    proc, client = start_redis(free_port(), workdir)
+
+    def server_cpu() -> float:
+        fields = open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def per_call(script: str, calls: int) -> float:
+        sha = client.script_load(script)
+        keys = [f"{{pair}}:{i}" for i in range(7)]
+        client.config_resetstat()
+        for _ in range(calls):
+            client.evalsha(sha, 7, *keys, "604800000", "pair:", "pair")
+        return float(client.info("commandstats")["cmdstat_evalsha"]["usec_per_call"])
+
+    try:
+        port = client.connection_pool.connection_kwargs["port"]
+        backend = redis_backend.RedisBackend(f"redis://127.0.0.1:{port}/0")
+        for i in range(200):  # scripts loaded, keys made
+            backend.acquire("pair", f"warm{i}", limit=1000, ttl=30, meta={}, wait=False)
+            backend.release("pair", f"warm{i}")
+        client.config_resetstat()
+        before = server_cpu()
+        for i in range(pairs):
+            backend.acquire("pair", f"t{i}", limit=1000, ttl=30, meta={"task_id": f"t{i}"},
+                            wait=False)
+            backend.release("pair", f"t{i}")
+        pair_us = (server_cpu() - before) * 1e6 / pairs
+        script_us = float(client.info("commandstats")["cmdstat_evalsha"]["usec_per_call"])
+        before = server_cpu()
+        for _ in range(pairs):
+            client.ping()
+            client.ping()
+        pings_us = (server_cpu() - before) * 1e6 / pairs
+        prelude_us = (per_call(redis_backend.prelude_source() + "\nreturn 1", pairs)
+                      - per_call("local t = redis.call('TIME') return 1", pairs))
+    finally:
+        client.close()
+        proc.terminate()
+        proc.wait(10)
+    return {"backend": "redis (one pair's server CPU)", "processes": 1,
+            "server_us_per_pair": round(pair_us), "in_scripts_us": round(2 * script_us),
+            "prelude_us_per_call": round(prelude_us, 1), "two_pings_us": round(pings_us),
+            "note": f"{pair_us:.0f} us of server CPU per pair: {2 * script_us:.0f} inside the "
+                    f"two scripts (the shared prelude {prelude_us:.1f} per call), two PING "
+                    f"round trips alone {pings_us:.0f}; {pairs} pairs, one call per round "
+                    f"trip, on a redis-server of its own"}
+
+
 CONSUL_NOTE = "measured against the test double (says nothing about a real Consul's speed)"
 
 
@@ -136,8 +194,8 @@ def run(redis_url: str, amqp_url: str, more: Dict[str, str]) -> List[Dict[str, A
             row = {"backend": name, **measure(url, processes)}
             print(f"  {row}", flush=True)
             rows.append(row)
-    row = redis_server_cost(redis_url)
-    print(f"  {row}", flush=True)
-    rows.append(row)
+    for row in (redis_server_cost(redis_url), redis_pair_cost()):
+        print(f"  {row}", flush=True)
+        rows.append(row)
     rows.extend(consul_rows())
     return rows

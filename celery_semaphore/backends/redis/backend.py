@@ -174,18 +174,23 @@ def _busy(exc: Exception) -> bool:
         "caused error: ")[2].startswith("BUSY ")
 
 
+def _read_script(name: str) -> str:
+    with open(os.path.join(_SCRIPTS_DIR, f"{name}.lua")) as f:
+        return f.read()
+
+
+def prelude_source() -> str:
+    """The prelude every script starts with (``scripts/prelude.lua`` and its constants)."""
+    buckets = ", ".join(str(int(bound * 1e6)) for bound in stats.BUCKETS)
+    return (f"local STAT_BUCKETS = {{{buckets}}}\n"
+            f"local EMPTY_MS = {int(EMPTY_TTL * 1000)}\n" + _read_script("prelude"))
+
+
 @functools.cache
 def _sources() -> Dict[str, Tuple[str, str]]:
     """Each operation's script, with the shared prelude in front, and its SHA1."""
-
-    def read(name: str) -> str:
-        with open(os.path.join(_SCRIPTS_DIR, f"{name}.lua")) as f:
-            return f.read()
-
-    buckets = ", ".join(str(int(bound * 1e6)) for bound in stats.BUCKETS)
-    prelude = (f"local STAT_BUCKETS = {{{buckets}}}\n"
-               f"local EMPTY_MS = {int(EMPTY_TTL * 1000)}\n" + read("prelude"))
-    sources = {name: prelude + "\n" + read(name) for name in _SCRIPTS}
+    prelude = prelude_source()
+    sources = {name: prelude + "\n" + _read_script(name) for name in _SCRIPTS}
     return {name: (source, hashlib.sha1(source.encode()).hexdigest())
             for name, source in sources.items()}
 
