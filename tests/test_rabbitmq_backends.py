@@ -289,29 +289,37 @@ def test_resize_up_and_down_under_load(rabbit, amqp_url, tokens):
     probe = Probe()
     stop = threading.Event()
     errors = []
+    entered = []  # one item per hold (list.append is atomic)
 
     def worker():
         try:
             while not stop.is_set():
                 with sem.acquire(timeout=30):
                     probe.enter()
+                    entered.append(1)
                     time.sleep(0.01)
                     probe.leave()
         except Exception as exc:  # pragma: no cover - reported below
             errors.append(exc)
 
+    def holds_seen(more):
+        """Wait until ``more`` holds begin after this call (a window of observed holds, not
+        of time: a loaded machine makes fewer of them in a second)."""
+        seen = len(entered)
+        assert wait_until(lambda: len(entered) >= seen + more, timeout=30)
+
     threads = [threading.Thread(target=worker) for _ in range(8)]
     for thread in threads:
         thread.start()
     try:
-        time.sleep(0.5)
+        holds_seen(20)
         assert probe.highest.value == 2
         sem.resize(4)
         assert wait_until(lambda: probe.highest.value == 4, timeout=10)
         sem.resize(1)
         assert wait_until(lambda: sem.status().held <= 1, timeout=10)
         probe.highest.value = 0
-        time.sleep(1.0)
+        holds_seen(20)
         assert probe.highest.value == 1
         sem.resize(3)
         assert wait_until(lambda: probe.highest.value == 3, timeout=10)
