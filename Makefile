@@ -8,7 +8,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test compat compat-ci demo bench chaos lint typecheck servers clean docs
+.PHONY: test compat compat-ci chaos-ci demo bench chaos lint typecheck servers clean docs
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,8 +27,13 @@ test: $(STAMP) servers docs
 	$(BIN)/ruff check celery_semaphore tests benchmarks chaos example_project scripts
 	$(BIN)/python scripts/check-negative-waits.py tests
 	$(BIN)/python -m mypy --config-file pyproject.toml
-	$(BIN)/python -m pytest -n $(PYTEST_JOBS) -m "not serial and not apart" --durations=25
-	$(BIN)/python -m pytest -m "serial or apart" --durations=10
+	$(BIN)/python -m pytest -n $(PYTEST_JOBS) -m "not serial and not apart and not soak" --durations=25
+	$(BIN)/python -m pytest -m "(serial or apart) and not soak" --durations=10
+
+# make chaos-ci: a minute of the nemesis soak, every kind of fault once, as a test
+# (tests/test_chaos.py, marked soak; .ci/run, after make test, which it would take past 10 min)
+chaos-ci: $(STAMP)
+	$(BIN)/python -m pytest -m soak --durations=5
 
 # make compat: the worker tests that touch Celery's internals, against every Celery minor that
 # setup.cfg claims (tox.ini: envs celery53 ... celery57, installed from PyPI), and on the oldest

@@ -4,7 +4,9 @@ The checker tests feed :func:`chaos.checker.check` histories with a known defect
 lost task, two completed runs, one body too many, a slot left held) and without, so each
 figure is shown to count what it claims and to excuse only the documented cases. The run
 itself (``test_a_minute_of_chaos``) starts its own private servers and workers and is marked
-``serial``: its CPU load would disturb the timing of the parallel tests.
+``soak``: CI runs it alone after ``make test`` (``make chaos-ci``), since its CPU load would
+disturb the timing of the parallel tests and its 72 s would take ``make test`` past ten
+minutes.
 """
 
 import json
@@ -389,7 +391,7 @@ CI_FAULTS = ("child_kill,worker_kill,worker_freeze,broker_restart,broker_cut,bac
 CI_SEED = "1930097"
 
 
-@pytest.mark.serial
+@pytest.mark.soak  # .ci/run: make chaos-ci, after make test
 @pytest.mark.timeout(600)
 def test_a_minute_of_chaos(tmp_path):
     """60 s of faults under load on private servers: nothing lost, nothing run twice, no
