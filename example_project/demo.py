@@ -4,7 +4,7 @@ Starts 2 ``celery worker`` processes with 4 pool processes each (8 tasks could r
 twice the "uploads" limit of 4) on kombu's filesystem transport and the SQLite semaphore
 backend. Sends 24 thumbnails, each of which sends its upload (limit 4 across both workers),
 18 calls to a partner API for 3 customers (limit 2 per customer, 1 for customer 3), and 20
-orders to a partner's HTTP API (partner_api.py, on 127.0.0.1) that serves 3 calls at once and
+orders to a partner's HTTP API (partner_api.py, on 127.0.0.1) that serves 2 calls at once and
 answers 429 with ``Retry-After: 1`` beyond: the "partner" semaphore's adaptive limit learns
 that capacity and each 429 pauses it on both workers. While they run it shows, per semaphore,
 which worker holds each slot and how many tasks run, wait and are done; at the end it writes
@@ -33,8 +33,8 @@ WORKERS, CONCURRENCY = 2, 4
 IMAGES, CUSTOMERS, CALLS, ORDERS = 24, (1, 2, 3), 6, 20  # CALLS per customer
 NAMES = ["uploads"] + [f"api:{c}" for c in CUSTOMERS] + ["partner"]
 TOTAL = {"uploads": IMAGES, **{f"api:{c}": CALLS for c in CUSTOMERS}, "partner": ORDERS}
-#: The partner's order API (partner_api.py): 3 calls at once, 0.25 s each, 429 beyond.
-PARTNER = {"capacity": 3, "service_time": 0.25, "retry_after": 1}
+#: The partner's order API (partner_api.py): 2 calls at once, 0.25 s each, 429 beyond.
+PARTNER = {"capacity": 2, "service_time": 0.25, "retry_after": 1}
 SAMPLE_EVERY = 0.01  # seconds between two samples of the "partner" semaphore's status
 #: Seconds from a 429 to its pause in force on the backend (the pool child raises Backoff, its
 #: worker stores the pause) that the report allows: 7 to 25 ms on a quiet 2-core machine, more

@@ -34,7 +34,7 @@ class PartnerAPI:
     :attr:`url`), :meth:`stop` ends it. Never more than ``capacity`` calls are served at
     once: the check and the count are one step under a lock."""
 
-    def __init__(self, log_path: str, capacity: int = 3, service_time: float = 0.25,
+    def __init__(self, log_path: str, capacity: int = 2, service_time: float = 0.25,
                  retry_after: int = 1, port: int = 0) -> None:
         self.log_path, self.capacity = log_path, capacity
         self.service_time, self.retry_after = service_time, retry_after
