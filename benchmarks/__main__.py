@@ -45,7 +45,8 @@ def markdown(data) -> str:
         "The row \"redis (server only)\" divides a second by Redis's own time per "
         "acquire+release (two script calls): the server's capacity. The runs above it are "
         "bound by the Python clients, which share the machine's cores with Redis. The row "
-        "after it says where one pair's server CPU goes.",
+        "after it says where one pair's server CPU goes, and the next what a script call costs "
+        "the server beside 1 to 256 other holders.",
         "Celery workloads (`docs/benchmarks.md`), Redis broker; the gate (Redis backend "
         "unless named) and diy on 2 workers x 4 prefork processes, the dedicated queue on one "
         "worker with concurrency = limit, prefetch 1, acks late; `vs_dedicated` = utilization / "

@@ -12,7 +12,8 @@ import os
 import statistics
 import tempfile
 import time
-from typing import Any, Dict, Iterator, List
+import uuid
+from typing import Any, Dict, Iterator, List, Sequence
 
 from tests.servers import RedisClusterGroup, SentinelGroup, slots_url, unique_tag
 
@@ -138,6 +139,49 @@ def redis_pair_cost(pairs: int = 5000) -> Dict[str, Any]:
                     f"trip, on a redis-server of its own"}
 
 
+def redis_holders_cost(sizes: Sequence[int] = (1, 16, 64, 256),
+                       pairs: int = 2000) -> Dict[str, Any]:
+    """What an acquire costs a Redis server as holders grow (a limit that never binds, with
+    many workers): ``pairs`` acquire and release pairs beside 1, 16, 64, 256 other holders,
+    the ids and meta a worker gives them, on a ``redis-server`` of its own; the server's time
+    per script call (``INFO commandstats``, the two scripts' mean). An acquire reads every
+    holder (``scripts/acquire.lua``: their slots, and whether one holds the same task)."""
+    from celery_semaphore.backends.base import new_holder_id
+    from celery_semaphore.backends.redis import backend as redis_backend
+    from tests.servers import free_port, start_redis
+
+    workdir = tempfile.mkdtemp(prefix="bench-holders-")
+    proc, client = start_redis(free_port(), workdir)
+    meta = {"task_id": str(uuid.uuid4()), "task": "tasks.resize_image",
+            "worker": "celery@worker-1", "first_wait": None}
+    ids = [new_holder_id(str(uuid.uuid4())) for _ in range(pairs)]
+    per_call = {}
+    try:
+        port = client.connection_pool.connection_kwargs["port"]
+        backend = redis_backend.RedisBackend(f"redis://127.0.0.1:{port}/0")
+        held = 0
+        for size in sizes:
+            for _ in range(held, size):
+                backend.acquire("many", new_holder_id(str(uuid.uuid4())), limit=10_000,
+                                ttl=600, meta=meta, wait=False)
+            held = size
+            client.config_resetstat()
+            for holder in ids:
+                backend.acquire("many", holder, limit=10_000, ttl=600, meta=meta, wait=False)
+                backend.release("many", holder)
+            per_call[size] = client.info("commandstats")["cmdstat_evalsha"]["usec_per_call"]
+    finally:
+        client.close()
+        proc.terminate()
+        proc.wait(10)
+    figures = ", ".join(f"{size}: {us:.0f}" for size, us in per_call.items())
+    return {"backend": "redis (cost as holders grow)", "processes": 1,
+            "us_per_script_call": {size: round(us, 1) for size, us in per_call.items()},
+            "note": f"us of server time per script call (acquire and release, their mean) "
+                    f"beside N other holders: {figures}; {pairs} pairs each, on a "
+                    f"redis-server of its own"}
+
+
 CONSUL_NOTE = "measured against the test double (says nothing about a real Consul's speed)"
 
 
@@ -194,7 +238,7 @@ def run(redis_url: str, amqp_url: str, more: Dict[str, str]) -> List[Dict[str, A
             row = {"backend": name, **measure(url, processes)}
             print(f"  {row}", flush=True)
             rows.append(row)
-    for row in (redis_server_cost(redis_url), redis_pair_cost()):
+    for row in (redis_server_cost(redis_url), redis_pair_cost(), redis_holders_cost()):
         print(f"  {row}", flush=True)
         rows.append(row)
     rows.extend(consul_rows())

@@ -382,6 +382,31 @@ def test_one_lease_per_task_id_a_twin_waits_in_place(spec):
     twin.release()
 
 
+def test_only_the_same_task_id_is_a_twin_colons_and_prefixes_included(spec):
+    """Task ids may hold ':' and be prefixes of one another (a holder id is
+    ``<task id>:<random>``): a holder of "job:7" keeps out another holder of "job:7" alone,
+    with one semaphore or several (acquire_all), and each is given its own slot."""
+    backend = spec.backend()
+    backend.acquire("ids", "job:7:first", limit=9, ttl=30, meta={}, wait=False)
+    backend.acquire("ids-too", "job:7:first", limit=9, ttl=30, meta={}, wait=False)
+    others = ["job:theirs", "job:7:retry:mine", "job:70:mine", "jo:mine", "job:7x:mine",
+              "re:job:7:mine"]
+    slots = {0}
+    for holder in others:
+        grant = backend.acquire("ids", holder, limit=9, ttl=30, meta={}, wait=False).grant
+        assert grant, holder
+        slots.add(grant.slot)
+        assert backend.acquire_all([("ids-too", 9), ("ids-more", 9)], holder, ttl=30, meta={},
+                                   wait=False).grants, holder
+    assert slots == set(range(len(others) + 1))
+    assert not backend.acquire("ids", "job:7:second", limit=9, ttl=30, meta={},
+                               wait=False).grant
+    assert not backend.acquire_all([("ids-more", 9), ("ids-too", 9)], "job:7:second", ttl=30,
+                                   meta={}, wait=False).grants
+    assert backend.acquire("ids", "job:7:first", limit=9, ttl=30, meta={},
+                           wait=False).grant.slot == 0  # its own grant, again
+
+
 def test_resize_up_wakes_waiters_at_once(spec):
     sem = spec.semaphore("grow", 1, poll_interval=10)
     held = sem.acquire()

@@ -17,16 +17,7 @@ local before = begin()
 
 -- One read of the holders gives the re-acquire check, their count, the lowest free slot and
 -- any twin (another holder of this holder's task: while it holds, this one is not admitted).
-local infos = redis.call('HGETALL', hinfo)
-local count = #infos / 2
-local used, mine, twin, task = {}, nil, false, task_of(holder)
-for i = 1, #infos, 2 do
-  used[tonumber(string.match(infos[i + 1], '^%d+'))] = true
-  if infos[i] == holder then mine = infos[i + 1]
-  elseif task and task_of(infos[i]) == task then twin = true end
-end
-local slot = 0
-while used[slot] do slot = slot + 1 end
+local count, slot, mine, twin = read_holders(holder)
 
 -- One read of config: what declare() needs, then the rest (declare writes none of the rest),
 -- then when this declared limit was last seen.

@@ -47,19 +47,10 @@ for i = 1, n do
   use(i)
   local st = {declared = tonumber(ARGV[11 + 2 * i])}
   st.before = begin()
-  local infos = redis.call('HGETALL', hinfo)
-  st.count = #infos / 2
-  local used, twin, task = {}, false, task_of(holder)
-  for j = 1, #infos, 2 do
-    used[tonumber(string.match(infos[j + 1], '^%d+'))] = true
-    if infos[j] == holder then st.mine = infos[j + 1]
-    elseif task and task_of(infos[j]) == task then twin = true end
-  end
-  local slot = 0
-  while used[slot] do slot = slot + 1 end
-  st.slot = slot
+  local twin
+  st.count, st.slot, st.mine, twin = read_holders(holder)
   st.limit = declare(st.declared, tonumber(ARGV[#ARGV]), adaptive)
-  local cfg = redis.call('HMGET', config, 'touched', 'e:' .. slot, 'xh', 'xw', 'ri', 'rb', 'tat',
+  local cfg = redis.call('HMGET', config, 'touched', 'e:' .. st.slot, 'xh', 'xw', 'ri', 'rb', 'tat',
     'pu', 'xu', 'rn', 'qd', 'ku')
   st.touched = cfg[1]
   st.last_epoch = tonumber(cfg[2]) or 0

@@ -274,6 +274,30 @@ end
 -- The task a holder id names ('<task id>:<random>'), or nil.
 local function task_of(h) return string.match(h, '^(.*):') end
 
+-- One read of the holders (hinfo, O(holders)) for an acquire of `holder`: their count, the
+-- lowest slot none of them uses, `holder`'s own entry (nil: it holds nothing) and whether
+-- another holder holds its task (a twin: task_of equal, tested as a prefix with no ':' after
+-- it, without building each holder's task).
+local function read_holders(holder)
+  local infos = redis.call('HGETALL', hinfo)
+  local used, mine, twin = {}, nil, false
+  local task = task_of(holder)
+  local prefix = task and task .. ':'
+  local after = prefix and #prefix + 1
+  for i = 1, #infos, 2 do
+    local h = infos[i]
+    used[tonumber(string.match(infos[i + 1], '^%d+'))] = true
+    if h == holder then mine = infos[i + 1]
+    elseif prefix and string.find(h, prefix, 1, true) == 1
+        and not string.find(h, ':', after, true) then
+      twin = true
+    end
+  end
+  local slot = 0
+  while used[slot] do slot = slot + 1 end
+  return #infos / 2, slot, mine, twin
+end
+
 -- The waiters the rules admit now (model.py's State.admissible): none while a pause is in
 -- force or while the rates allow the head no start (a waiter held back by time is told when to
 -- try); else the longest prefix of the queue whose costs fit in the free units and whose units
