@@ -166,10 +166,13 @@ def one_running_five_waiting(cluster, key, first="slow"):
     slow = cluster.task("slow")
     go = os.path.join(os.path.dirname(cluster.env["CS_PROBE"]), f"go-{key}")
     results = [cluster.task(first).delay(f"{key}0", go)]
-    assert wait_until(lambda: cluster.started(f"slow:{key}0"))
-    results += [slow.delay(f"{key}{i}", 0.05) for i in range(1, 6)]
     worker = cluster.workers[0]
-    assert wait_until(lambda: worker.output().count(" received") == 6, timeout=10)
+    assert wait_until(lambda: cluster.started(f"slow:{key}0"), timeout=30), \
+        worker.output()[-4000:]
+    results += [slow.delay(f"{key}{i}", 0.05) for i in range(1, 6)]
+    # (a CI run once saw fewer than 6 within 10 s, its worker log lost: 30 s, and the log)
+    assert wait_until(lambda: worker.output().count(" received") == 6, timeout=30), (
+        worker.output().count(" received"), worker.output()[-6000:])
     assert cluster.probe.completed(f"slow:{key}0") == {f"slow:{key}0": 0}  # (waits for go)
     return worker, results, go
 
