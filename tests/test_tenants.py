@@ -131,7 +131,7 @@ def test_parked_tasks_a_killed_worker_held_are_found_without_a_new_send(redis_ur
         try:
             ran = sorted(r.get(timeout=120) for r in results)
         except Exception:
-            pytest.fail(_restore_diagnosis(cluster, results, survivor))
+            pytest.fail(_restore_diagnosis(cluster, results, survivor, first))
         assert ran == [f"r{i}" for i in range(4)]
         assert cluster.probe.max_concurrent("slow:r") == 1
         assert wait_until(lambda: _parked(cluster, "slow") == 0)
@@ -139,8 +139,9 @@ def test_parked_tasks_a_killed_worker_held_are_found_without_a_new_send(redis_ur
         cluster.stop()
 
 
-def _restore_diagnosis(cluster, results, survivor):
-    """What the broker and the survivor show when the killed worker's tasks were not run."""
+def _restore_diagnosis(cluster, results, survivor, killed):
+    """What the broker, the survivor and the killed worker show when the killed worker's tasks
+    were not run."""
     client = redis.Redis.from_url(cluster.env["CS_BROKER_URL"])
     try:
         ids = {r.id for r in results}
@@ -152,7 +153,8 @@ def _restore_diagnosis(cluster, results, survivor):
         return (f"states {[r.state for r in results]}; unacked {tags} at {time.time():.1f}; "
                 f"restore lock {client.get('unacked_mutex')!r} for {client.pttl('unacked_mutex')} "
                 f"ms; {queue}: {client.llen(queue)} messages; parked {_parked(cluster, 'slow')}; "
-                f"unacked in all {client.hlen('unacked')}\nsurvivor:\n{survivor.output()[-6000:]}")
+                f"unacked in all {client.hlen('unacked')}\nsurvivor:\n{survivor.output()[-6000:]}"
+                f"\nkilled worker:\n{killed.output()[-8000:]}")
     finally:
         client.close()
 
