@@ -81,6 +81,29 @@ def test_a_doorbell_is_held_pulled_and_looked_at_again_later():
     assert book.held() == ["bell-1"]
 
 
+def test_the_held_doorbell_delivered_again_is_held_in_its_place_never_acked():
+    """A Redis broker's visibility timeout restores a doorbell held too long, with its delivery
+    tag, and it may come back to the worker that holds it: acking it as a duplicate would drop
+    the broker's only record of the lane's doorbell (a fresh-clone CI run lost a killed
+    worker's parked tasks that way). It takes the held one's place; a new ring of the lane, with
+    a tag of its own, is still acked at once."""
+    book, worker = make(room=5)
+    book.doorbell(LANE, "bell-1", 7)
+    worker.now += 1.0
+    commands = book.doorbell(LANE, "bell-1 again", 7)
+    assert kinds(commands) == ["Pull", "Recheck"]  # nothing acked, no second hold
+    assert book.held() == ["bell-1 again"]
+    commands = book.doorbell(LANE, "bell-2", 8)
+    assert commands[0] == AckDuplicate("bell-2")
+    assert book.held() == ["bell-1 again"]
+    # the lane, proven empty, lets go of the message it holds now
+    bell = commands[-1].bell
+    book.pull_landed(LANE, 5)
+    worker.now += RECHECK_AFTER
+    assert book.pulled(bell, 0, True, worker.now, LANE) == [LetGo(bell)]
+    assert bell.message == "bell-1 again"
+
+
 def test_an_early_empty_pull_is_no_proof_and_a_late_one_lets_go_once_settled():
     book, worker = make()
     bell = ring(book)

@@ -2,6 +2,7 @@
 admission and nothing else (no parking queue, no doorbell), and the waiting room keeps
 Celery's routing (a task runs only on a worker that consumes the queue it was sent to)."""
 
+import contextlib
 import json
 import time
 
@@ -9,7 +10,7 @@ import pytest
 import redis
 
 from celery_semaphore import Semaphore
-from celery_semaphore.waiting_room import lane_of, parking_queue_name
+from celery_semaphore.waiting_room import DOORBELL_HEADER, lane_of, parking_queue_name
 from tests import servers
 from tests.test_worker import Cluster, _parked, _waiting_elsewhere
 from tests.util import wait_until
@@ -83,23 +84,23 @@ def test_a_task_runs_only_on_workers_that_consume_its_queue(broker_kind, park_on
         cluster.stop()
 
 
-def test_parked_tasks_a_killed_worker_held_are_found_without_a_new_send(redis_url, tmp_path,
-                                                                       own_broker):
-    """Defect 2 of #27: a worker's main process is killed while it pulls a lane; the Redis
-    broker's visibility timeout puts the pulled tasks back in the parking queue. The surviving
-    worker, idle with room, runs them without any new send: the doorbell the killed worker
-    held comes back with them (before: they waited for the next send of their semaphore)."""
+@contextlib.contextmanager
+def _four_pulled_by_one_worker(redis_url, tmp_path, broker):
+    """Four tasks of semaphore ``slow`` (limit 1, held elsewhere) parked on send, then pulled by
+    the one worker started, ``holder`` (concurrency 2), on a Redis broker whose visibility
+    timeout is 4 s. Yields the cluster, the four results, that worker and a function that
+    frees the slot."""
     # kombu restores unacked messages 4 s old, under a lock that lapses after 3 s (by default
-    # 300 s: a worker killed while it held the lock, as "first" below may be, kept the
-    # survivor from restoring anything for five minutes; docs/limitations.md). On a broker of
-    # its own: kombu keeps one unacked record and one restore lock per database, and these
-    # workers would restore every other test's messages held 4 s (three fresh-clone CI runs
-    # failed here in the shared database, the tasks never reaching the survivor; 12 runs
-    # alone beside two busy loops did not)
+    # 300 s: a worker killed while it held the lock, as "holder" may be, kept the survivor
+    # from restoring anything for five minutes; docs/limitations.md). On a broker of its own:
+    # kombu keeps one unacked record and one restore lock per database, and these workers
+    # would restore every other test's messages held 4 s (three fresh-clone CI runs failed
+    # here in the shared database, the tasks never reaching the survivor; 12 runs alone beside
+    # two busy loops did not)
     settings = {"broker_transport_options": {
         "visibility_timeout": 4, "polling_interval": 0.05, "unacked_restore_interval": 1,
         "unacked_restore_throttle": 1, "unacked_mutex_expire": 3}}
-    cluster = Cluster(str(tmp_path), redis_url, own_broker, redis_url,
+    cluster = Cluster(str(tmp_path), redis_url, broker, redis_url,
                       workers=0, CS_LEASE_TTL="3", CS_SETTINGS=json.dumps(settings))
     blocker = Semaphore("slow", 1, redis_url, key_prefix=cluster.env["CS_KEY_PREFIX"], ttl=60)
     lease = blocker.acquire(timeout=10)
@@ -108,11 +109,41 @@ def test_parked_tasks_a_killed_worker_held_are_found_without_a_new_send(redis_ur
         slow = cluster.task("slow")
         results = [slow.delay(f"r{i}", 0.05) for i in range(4)]
         assert _parked(cluster, "slow") == 4
-        first = Worker(cluster.env, "holder", 2)
-        cluster.workers.append(first)
-        first.wait_ready()
+        holder = Worker(cluster.env, "holder", 2)
+        cluster.workers.append(holder)
+        holder.wait_ready()
         # it took the doorbell and pulled all four (its share): they wait for the slot
         assert wait_until(lambda: _parked(cluster, "slow") == 0, timeout=20)
+
+        def free_the_slot():
+            lease.release()
+            waiting.join(30)
+
+        yield cluster, results, holder, free_the_slot
+    finally:
+        cluster.stop()
+
+
+def _all_ran_once(cluster, results, survivor, killed):
+    """The four tasks ran, one at a time, each once (the probe's record)."""
+    try:
+        ran = sorted(r.get(timeout=120) for r in results)
+    except Exception:
+        pytest.fail(_restore_diagnosis(cluster, results, survivor, killed))
+    assert ran == [f"r{i}" for i in range(4)]
+    assert cluster.probe.max_concurrent("slow:r") == 1
+    assert {key: len(runs) for key, runs in cluster.probe.intervals().items()
+            if key.startswith("slow:r")} == {f"slow:r{i}": 1 for i in range(4)}
+
+
+def test_parked_tasks_a_killed_worker_held_are_found_without_a_new_send(redis_url, tmp_path,
+                                                                       own_broker):
+    """Defect 2 of #27: a worker's main process is killed while it pulls a lane; the Redis
+    broker's visibility timeout puts the pulled tasks back in the parking queue. The surviving
+    worker, idle with room, runs them without any new send: the doorbell the killed worker
+    held comes back with them (before: they waited for the next send of their semaphore)."""
+    with _four_pulled_by_one_worker(redis_url, tmp_path, own_broker) as (
+            cluster, results, first, free_the_slot):
         # whoever puts them back (here kombu's visibility timeout) puts them in their task
         # queue, not in their lane: the lane's doorbell, restored apart (it may have been
         # delivered long before them), may have been proven empty and acked by then
@@ -126,17 +157,49 @@ def test_parked_tasks_a_killed_worker_held_are_found_without_a_new_send(redis_ur
         cluster.workers.append(survivor)
         survivor.wait_ready()
         first.kill()
-        lease.release()
-        waiting.join(30)
-        try:
-            ran = sorted(r.get(timeout=120) for r in results)
-        except Exception:
-            pytest.fail(_restore_diagnosis(cluster, results, survivor, first))
-        assert ran == [f"r{i}" for i in range(4)]
-        assert cluster.probe.max_concurrent("slow:r") == 1
+        free_the_slot()
+        _all_ran_once(cluster, results, survivor, first)
         assert wait_until(lambda: _parked(cluster, "slow") == 0)
+
+
+def test_a_held_doorbell_the_visibility_timeout_delivers_again_stays_in_the_broker(
+        redis_url, tmp_path, own_broker):
+    """A worker holds a lane's doorbell longer than the Redis broker's visibility timeout: kombu
+    restores it, with its delivery tag, and the worker (the only one) receives it again. It
+    keeps holding it, unacked, so that the broker still has it when the worker is killed, and
+    the next worker finds the lane's parked tasks without a new send (before: acked as a
+    duplicate, which dropped the broker's only record; a fresh-clone CI run lost the tasks of
+    the killed-worker test above that way)."""
+    with _four_pulled_by_one_worker(redis_url, tmp_path, own_broker) as (
+            cluster, results, holder, free_the_slot):
+        # held past the visibility timeout: the doorbell comes back to the holder, and the
+        # broker's unacked record of it stays (the tasks it pulled come back too, and are
+        # parked again: the holder holds its share)
+        lane = lane_of("slow", None, cluster.env["CS_QUEUE"])
+        assert wait_until(lambda: _unacked_doorbells(cluster, lane) == [True], timeout=30), (
+            _unacked_doorbells(cluster, lane), holder.output()[-4000:])
+        assert wait_until(lambda: _parked(cluster, "slow") == 4, timeout=20)
+        holder.kill()
+        survivor = Worker(cluster.env, "survivor", 4)
+        cluster.workers.append(survivor)
+        survivor.wait_ready()
+        free_the_slot()
+        _all_ran_once(cluster, results, survivor, holder)
+
+
+def _unacked_doorbells(cluster, lane):
+    """For each doorbell of ``lane`` unacked in the Redis broker: whether kombu delivered it
+    again (restored past its visibility timeout)."""
+    client = redis.Redis.from_url(cluster.env["CS_BROKER_URL"])
+    try:
+        found = []
+        for raw in client.hvals("unacked"):
+            headers = json.loads(raw)[0]["headers"]
+            if headers.get(DOORBELL_HEADER) == lane:
+                found.append(bool(headers.get("redelivered")))
+        return found
     finally:
-        cluster.stop()
+        client.close()
 
 
 def _restore_diagnosis(cluster, results, survivor, killed):

@@ -55,6 +55,7 @@ class BellState(enum.Enum):
 class Bell:
     lane: str
     message: Any  # the doorbell's message on the consumer channel
+    tag: Any = None  # its delivery tag
     state: BellState = BellState.PULLING
     #: Monotonic time of the last doorbell of this lane (held or not): a pull must begin
     #: RECHECK_AFTER later to prove the lane empty.
@@ -151,15 +152,25 @@ class LaneBook:
 
     # -- events ------------------------------------------------------------------------------
 
-    def doorbell(self, lane: str, message: Any) -> List[LaneCommand]:
+    def doorbell(self, lane: str, message: Any, tag: Any = None) -> List[LaneCommand]:
         """A doorbell of ``lane`` reached this worker: hold it (or, holding one already, ack
         this one) and pull; look again :data:`RECHECK_AFTER` later, for what was parked after
-        it was rung."""
+        it was rung.
+
+        ``tag`` is the message's delivery tag. A doorbell with the tag of the one held is
+        that same message delivered again (a Redis broker's ``visibility_timeout`` restored it
+        while it was held, with its tag): it is held in its place, never acked, for acking it
+        would drop the broker's only record of the lane's doorbell, and the lane's parked
+        tasks would wait for a new send once this worker is gone."""
         bell = self.bells.get(lane)
         if bell is None:
-            bell = self.bells[lane] = Bell(lane, message, rung=self.clock())
+            bell = self.bells[lane] = Bell(lane, message, tag=tag, rung=self.clock())
             self._out.append(Hold())
             self.lanes.setdefault(semaphore_of(lane), deque()).append(lane)
+        elif tag is not None and tag == bell.tag:
+            bell.message = message
+            bell.rung = self.clock()
+            bell.state = BellState.PULLING
         else:
             self._out.append(AckDuplicate(message))
             bell.rung = self.clock()

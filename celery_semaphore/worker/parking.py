@@ -252,7 +252,7 @@ class ParkingLot:
         """A doorbell of ``lane`` reached this worker (through a queue it consumes): hold it
         (or, holding one already, ack this one) and pull; look again :data:`RECHECK_AFTER`
         later, for what was parked after it was rung."""
-        self._run(self.book.doorbell(lane, message))
+        self._run(self.book.doorbell(lane, message, message.delivery_tag))
 
     def _recheck(self, bell: Bell) -> None:
         self._run(self.book.recheck(bell))
