@@ -17,9 +17,10 @@ what it cannot start soon).
 
 Only semaphores with a backlog use the waiting room: a send is parked only when the backend
 says the semaphore has requests waiting in its queue (:meth:`.Backend.waiting_count`, one cheap
-read per send, cached for :data:`BUSY_FOR` when busy and :data:`IDLE_FOR` when idle). A
-semaphore with room goes the plain way: one delivery, one acquire at the worker, nothing in
-the waiting room. So the cost per task does not grow with the number of keys of a template.
+read per send, cached for :data:`BUSY_FOR` when busy and :data:`IDLE_FOR` when idle; none for
+a template's key this process has not sent for :data:`UNKNOWN_AFTER`). A semaphore with room goes
+the plain way: one delivery, one acquire at the worker, nothing in the waiting room. So the
+cost per task does not grow with the number of keys of a template.
 
 Lanes keep Celery's routing: a lane is a semaphore (or a fair key of it) *and* the queue its
 tasks were routed to (:func:`lane_of`); its doorbell goes to that queue, so only workers that
@@ -38,6 +39,10 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from kombu import Exchange, Producer, Queue
 from kombu.utils.uuid import uuid
+
+from .guards import Guards, templates_of
+from .settings import Settings
+from .traffic import is_template
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +64,15 @@ BUSY_FOR = 0.25
 #: Seconds a sender trusts an "idle" answer (nobody waits): sends of that semaphore go the
 #: plain way meanwhile, at most ``limit`` of them (then it asks again).
 IDLE_FOR = 0.02
+#: Seconds after which a semaphore named by a template (``"api:{customer_id}"``) that this
+#: process has not sent is unknown again: its next send goes the plain way without asking the
+#: backend (as after an "idle" answer). A key sent now and then (one per customer, thousands of
+#: them, most with room) costs its send no backend read; a key sent often asks as before. A
+#: plain send to a key with a backlog is parked by the worker that gets it: one more delivery,
+#: never a task out of its limit.
+UNKNOWN_AFTER = 30.0
+#: Semaphores whose last send this process remembers at most (the oldest are forgotten first).
+MAX_REMEMBERED = 100_000
 
 #: On a parked message: the semaphore it waits for.
 PARKED_HEADER = "semaphore_parked"
@@ -215,6 +229,8 @@ class ParkOnSend:
         self._rung: Dict[Tuple[str, str], float] = {}
         #: semaphore -> (busy, trusted until (monotonic), plain sends left while idle)
         self._busy: Dict[str, Tuple[bool, float, int]] = {}
+        #: semaphore -> its last send (monotonic), the oldest first
+        self._sent: Dict[str, float] = {}
         self._lock = threading.Lock()
         #: AMQP: (connection, producer with publisher confirms, returned messages)
         self._confirm: Optional[Tuple[Any, Any, List[Any]]] = None
@@ -299,15 +315,18 @@ class ParkOnSend:
         _, producer, returned = self._confirm
         return producer, returned
 
-    def busy(self, name: str, limit: int) -> bool:
+    def busy(self, name: str, limit: int, templated: bool = False) -> bool:
         """Whether semaphore ``name`` has a backlog: requests wait in the backend's queue
         (:meth:`.Backend.waiting_count`). A "busy" answer is trusted for :data:`BUSY_FOR`; an
         "idle" one for :data:`IDLE_FOR` and at most ``limit`` sends (a burst of one
         semaphore is parked once it exceeds what could start at once, before its waiters show
         in the backend). A backend that does not answer counts as busy: the waiting room
-        keeps the tasks until a worker can admit them."""
+        keeps the tasks until a worker can admit them. A ``templated`` name (filled in from
+        the call) not sent from this process for :data:`UNKNOWN_AFTER` is not asked about:
+        idle, as if the backend had said so."""
         now = time.monotonic()
         with self._lock:
+            last_sent = self._remember_send(name, now) if templated else now
             known = self._busy.get(name)
             if known is not None and now < known[1]:
                 busy, until, left = known
@@ -317,6 +336,9 @@ class ParkOnSend:
                     self._busy[name] = (False, until, left - 1)
                     return False
                 return True  # more plain sends than could start: park the rest of it
+            if last_sent is None or now - last_sent > UNKNOWN_AFTER:
+                self._busy[name] = (False, now + IDLE_FOR, max(0, limit - 1))
+                return False
         try:
             busy = self.backend().waiting_count(name) > 0
         except Exception as exc:
@@ -329,6 +351,18 @@ class ParkOnSend:
             self._busy[name] = (busy, now + (BUSY_FOR if busy else IDLE_FOR),
                                 max(0, limit - 1))
         return busy
+
+    def _remember_send(self, name: str, now: float) -> Optional[float]:
+        """Record a send of ``name`` now; the one before it, if remembered (under the lock)."""
+        sent = self._sent
+        last = sent.pop(name, None)
+        sent[name] = now
+        while sent:  # the oldest first: forget those too old to matter, and the overflow
+            oldest, when = next(iter(sent.items()))
+            if now - when <= UNKNOWN_AFTER and len(sent) <= MAX_REMEMBERED:
+                break
+            del sent[oldest]
+        return last
 
     def backend(self) -> Any:
         if self._backend is None:
@@ -349,12 +383,10 @@ class ParkOnSend:
         """(parking lane, destination route) when this send is parked, else None."""
         task = options.get("task_type") or self.app.tasks.get(name)
         headers = options.get("headers") or {}
-        if task is None or not (headers.get("semaphore") or getattr(task, "semaphore", None)):
+        option = headers.get("semaphore") or getattr(task, "semaphore", None)
+        if task is None or not option:
             return None
         if self._guards is None:
-            from .guards import Guards
-            from .settings import Settings
-
             self._guards = Guards(Settings.from_app(self.app))
         try:
             guard = self._guards.resolve_call(task, args, kwargs, headers)
@@ -379,8 +411,9 @@ class ParkOnSend:
             return None  # routed by exchange alone: no queue whose consumers may pull it
         if queue.exchange is not None and queue.exchange.type == "fanout":
             return None  # a broadcast: every worker runs it; the gate sees each copy
+        templated = any(is_template(template) for template in templates_of(option))
         if guard.fair is None and not self.busy(
-                guard.name, guard.limit if isinstance(guard.limit, int) else 1):
+                guard.name, guard.limit if isinstance(guard.limit, int) else 1, templated):
             return None  # room, or nobody waits: the plain way, one acquire at the worker
         # (with semaphore_fair_by every send is parked: its fair lanes, pulled in turn, are
         # what serves the keys in turn behind a backlog that plain sends would overtake)

@@ -11,6 +11,7 @@ import redis
 from celery import Celery
 
 import celery_semaphore
+from celery_semaphore import waiting_room
 from celery_semaphore.backends import get_backend
 from celery_semaphore.waiting_room import (
     DOORBELL_EVERY,
@@ -143,13 +144,82 @@ def test_a_send_whose_doorbell_the_broker_refuses_raises_and_parks_nothing(broke
 def test_template_names_park_per_concrete_name_and_routes_follow_the_send(broker):
     url, client, tag = broker
     app = make_app(url, tag)
-    app.tasks["t.per_customer"].apply_async((7, "a"), queue=f"{tag}.other")
+    send = app.tasks["t.per_customer"]
+    send.apply_async((7, "first"), queue=f"{tag}.other")  # a key unknown here: the plain way
+    send.apply_async((7, "a"), queue=f"{tag}.other")
     ((_, headers, _),) = messages(client, lane(tag, "api:7", f"{tag}.other"))
     assert headers[ROUTE_HEADER] == ["", f"{tag}.other"]
-    ((name, headers, _),) = messages(client, f"{tag}.other")  # the doorbell goes there too
-    assert name == DOORBELL_TASK
-    assert headers[DOORBELL_HEADER] == lane_of("api:7", None, f"{tag}.other")
+    assert [(name, headers.get(DOORBELL_HEADER)) for name, headers, _ in messages(
+        client, f"{tag}.other")] == [  # the doorbell goes there too
+            ("t.per_customer", None), (DOORBELL_TASK, lane_of("api:7", None, f"{tag}.other"))]
     assert client.llen(f"{tag}.q") == 0
+
+
+def _counting_reads(monkeypatch):
+    """The names whose backlog the senders read (``Backend.waiting_count``), in order."""
+    from celery_semaphore.backends.memory import MemoryBackend
+
+    reads = []
+    read = MemoryBackend.waiting_count
+
+    def counted(self, name):
+        reads.append(name)
+        return read(self, name)
+
+    monkeypatch.setattr(MemoryBackend, "waiting_count", counted)
+    return reads
+
+
+def test_a_template_key_this_process_has_not_sent_costs_its_send_no_backend_read(
+        broker, monkeypatch):
+    """Thousands of keys, each sent now and then, most with room: a key not sent from this
+    process for UNKNOWN_AFTER goes the plain way without a read (as if idle: a burst of it is
+    still parked past its limit); a key sent again asks, and is parked if it has a backlog. A
+    fixed name asks from its first send."""
+    url, client, tag = broker
+    reads = _counting_reads(monkeypatch)
+    app = make_app(url, tag)
+    per_customer = app.tasks["t.per_customer"]
+    for customer in (11, 12, 13):  # no backlog, never sent: no read
+        per_customer.delay(customer, "x")
+    assert reads == []
+    assert [h.get(PARKED_HEADER) for _, h, _ in messages(client, f"{tag}.q")] == [None] * 3
+    per_customer.delay(7, "first")  # a backlog, but unknown here: the plain way, unread
+    per_customer.delay(7, "burst")  # past its limit (1) while trusted idle: parked, unread
+    assert reads == []
+    assert len(messages(client, lane(tag, "api:7"))) == 1
+    time.sleep(2 * waiting_room.IDLE_FOR)  # sleep-ok: the idle answer's trust lapses
+    per_customer.delay(7, "again")  # sent before: asked, and parked
+    assert reads == ["api:7"]
+    assert len(messages(client, lane(tag, "api:7"))) == 2
+    app.tasks["t.guarded"].delay("fixed")  # a fixed name: asked at once
+    assert reads == ["api:7", "images"]
+    assert len(messages(client, lane(tag, "images"))) == 1
+
+
+def test_a_template_key_is_forgotten_after_a_while_and_past_the_most_remembered(
+        broker, monkeypatch):
+    url, client, tag = broker
+    reads = _counting_reads(monkeypatch)
+    app = make_app(url, tag)
+    per_customer = app.tasks["t.per_customer"]
+    monkeypatch.setattr(waiting_room, "MAX_REMEMBERED", 1)
+    per_customer.delay(7, "a")
+    per_customer.delay(5, "b")  # forgets api:7
+    time.sleep(2 * waiting_room.IDLE_FOR)  # sleep-ok: the idle answer's trust lapses
+    per_customer.delay(7, "c")  # unknown again: plain, unread
+    assert reads == []
+    monkeypatch.setattr(waiting_room, "MAX_REMEMBERED", 100)
+    monkeypatch.setattr(waiting_room, "UNKNOWN_AFTER", 0.05)
+    time.sleep(2 * waiting_room.IDLE_FOR)  # sleep-ok: the idle answer's trust lapses
+    per_customer.delay(7, "d")  # sent 'just' before: asked, parked
+    assert reads == ["api:7"]
+    time.sleep(waiting_room.BUSY_FOR + 0.05)  # sleep-ok: the busy answer's trust lapses too
+    per_customer.delay(7, "e")  # not sent for UNKNOWN_AFTER: plain, unread
+    assert reads == ["api:7"]
+    assert [h["argsrepr"] for name, h, _ in messages(client, f"{tag}.q")
+            if name != DOORBELL_TASK] == ["(7, 'a')", "(5, 'b')", "(7, 'c')", "(7, 'e')"]
+    assert len(messages(client, lane(tag, "api:7"))) == 1
 
 
 @pytest.mark.parametrize("send", [
