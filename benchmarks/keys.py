@@ -5,8 +5,8 @@ Redis broker and on a RabbitMQ broker.
 
 Per shape: makespan (first send to last end) guarded and unguarded and their ratio
 (``vs_unguarded`` = unguarded makespan / guarded makespan: 1.0 is "costs nothing"), the time
-the send loop took (``*_send_s``: a guarded send of a key the sender has not seen lately asks
-the backend whether that key has a backlog, one round trip), the
+the send loop took (``*_send_s``: a guarded send of a key the sender sent in the last 30 s asks
+the backend whether that key has a backlog, one round trip; a new key is not asked), the
 probe's most concurrent bodies of one key (never above 1), deliveries per task (from the
 workers' "received" log lines), and the workers' main-process CPU seconds per 1,000 tasks
 (``/proc/<pid>/stat``), guarded and unguarded, and how long a freed pool process waited for
