@@ -369,15 +369,28 @@ def parking_worker(tmp_path, redis_url, broker, **env):
         raise
 
 
+#: The line Python prints between the tracebacks of one chain of exceptions.
+_CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
+
+
 def other_tracebacks(output) -> list:
     """Each traceback in the log, and each CRITICAL line, with the 3 lines before it and up to
     30 after (for a failing assertion: what logged it and why), but for the traceback Celery
-    before 5.4 prints with "Connection to broker lost" (its own, at WARNING)."""
+    before 5.4 prints with "Connection to broker lost" (its own, at WARNING), the chained ones
+    after it included (a fresh-clone CI run on Celery 5.3 logged one such chain). A traceback
+    chained to another is part of that one's report."""
     lines = output.splitlines()
-    return ["\n".join(lines[max(i - 3, 0):i + 30]) for i, line in enumerate(lines)
-            if (line.startswith("Traceback")
-                and not (i and "Connection to broker lost" in lines[i - 1]))
-            or "CRITICAL" in line]
+    reported, celerys = [], False
+    for i, line in enumerate(lines):
+        if line.startswith("Traceback"):
+            chained = any(lines[j].startswith(_CHAINED) for j in range(max(i - 2, 0), i))
+            if not chained:
+                celerys = bool(i) and "Connection to broker lost" in lines[i - 1]
+            if not celerys and not chained:
+                reported.append("\n".join(lines[max(i - 3, 0):i + 30]))
+        elif "CRITICAL" in line:
+            reported.append("\n".join(lines[max(i - 3, 0):i + 30]))
+    return reported
 
 
 def broker_left(url) -> dict:
