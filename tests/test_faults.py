@@ -403,6 +403,26 @@ def broker_left(url) -> dict:
         client.close()
 
 
+def unacked_entries(url) -> list:
+    """What each of a Redis broker's unacked messages is (for a failing assertion): its
+    delivery tag, exchange and routing key, task, id and the gate's headers."""
+    client = redis.Redis.from_url(url)
+    try:
+        entries = []
+        for tag, raw in client.hgetall("unacked").items():
+            try:
+                payload, exchange, routing_key = json.loads(raw)
+                headers = payload.get("headers") or {}
+                entries.append({"tag": tag.decode(), "exchange": exchange, "key": routing_key,
+                                "task": headers.get("task"), "id": headers.get("id"),
+                                **{k: v for k, v in headers.items() if "semaphore" in k}})
+            except (ValueError, TypeError, AttributeError):
+                entries.append({"tag": tag.decode(), "raw": raw[:300]})
+        return entries
+    finally:
+        client.close()
+
+
 @pytest.mark.apart  # OUTAGES_APART
 @pytest.mark.parametrize("point", ["park-before-publish", "park-after-publish", "mid-pull"])
 def test_a_redis_broker_killed_inside_the_waiting_room_loses_no_task(point, redis_url,
@@ -443,7 +463,8 @@ def test_a_redis_broker_killed_inside_the_waiting_room_loses_no_task(point, redi
             said_when_lost(worker.output()))
         assert cluster.probe.max_concurrent("slow:k") == 1
         assert wait_until(lambda: broker_left(broker.url) == {"unacked": 0}, timeout=20), (
-            broker_left(broker.url), said_when_lost(worker.output()))
+            f"left: {broker_left(broker.url)}\nunacked: {unacked_entries(broker.url)}\n"
+            f"the worker's log (its end):\n{worker.output()[-30000:]}")
         output = worker.output()
         unexpected = other_tracebacks(output)
         assert not unexpected, "\n--\n".join(unexpected)[-12000:]
