@@ -7,6 +7,7 @@ from celery_semaphore.waiting_room import RERING_EVERY, lane_of
 from celery_semaphore.worker.lanes import (
     PULL_BATCH,
     RECHECK_AFTER,
+    REDELIVERY_MARGIN,
     REFUSE_FOR,
     AckDuplicate,
     Hold,
@@ -28,6 +29,7 @@ class Worker:
         self.pending = False
         self.unsettled_by_lane = {}
         self.now = 100.0
+        self.redelivered_after = None  # AMQP; a Redis broker's visibility_timeout otherwise
 
     def room(self, semaphore):
         return self.rooms.get(semaphore, self.default_room)
@@ -102,6 +104,43 @@ def test_the_held_doorbell_delivered_again_is_held_in_its_place_never_acked():
     worker.now += RECHECK_AFTER
     assert book.pulled(bell, 0, True, worker.now, LANE) == [LetGo(bell)]
     assert bell.message == "bell-1 again"
+
+
+def _proven_empty_after(book, worker, bell, held_for):
+    """The lane of ``bell`` is proven empty ``held_for`` seconds after its message arrived."""
+    book.pull_landed(bell.lane, 5)
+    worker.now += held_for
+    return book.pulled(bell, 0, True, worker.now, bell.lane)
+
+
+def test_a_doorbell_held_past_the_visibility_timeout_is_let_go_unacked():
+    """On a Redis broker a doorbell held about as long as the visibility timeout may have been
+    delivered again, with its delivery tag, to another worker: acking it would drop that
+    worker's record, and the lane would go unrung if that worker died. It is let go unacked
+    (the broker delivers it again; whoever gets it finds the lane empty, or not). Before
+    that, and on AMQP whatever the time, it is acked."""
+    for timeout, held_for, acked in [
+            (4.0, 2.9, True), (4.0, 3.0, False), (4.0, 60.0, False),  # a quarter of 4 s: 1 s
+            (3600.0, 3600.0 - REDELIVERY_MARGIN - 0.1, True),  # at most REDELIVERY_MARGIN
+            (3600.0, 3600.0 - REDELIVERY_MARGIN, False),
+            (None, 10_000.0, True)]:  # AMQP
+        book, worker = make(room=5)
+        worker.redelivered_after = timeout
+        bell = book.doorbell(LANE, "bell-1", 7)[-1].bell
+        assert _proven_empty_after(book, worker, bell, held_for) == [LetGo(bell, acked)], (
+            timeout, held_for)
+
+
+def test_the_held_doorbell_delivered_again_counts_its_time_from_then():
+    """The same doorbell delivered again to the worker that holds it (same tag) is a new
+    record of it in the broker: its age starts again."""
+    book, worker = make(room=5)
+    worker.redelivered_after = 4.0
+    book.doorbell(LANE, "bell-1", 7)
+    worker.now += 3.5
+    book.doorbell(LANE, "bell-1 again", 7)
+    bell = book.doorbell(LANE, "bell-2", 8)[-1].bell  # a new ring meanwhile does not
+    assert _proven_empty_after(book, worker, bell, 2.0) == [LetGo(bell, True)]
 
 
 def test_an_early_empty_pull_is_no_proof_and_a_late_one_lets_go_once_settled():

@@ -85,11 +85,12 @@ def test_a_task_runs_only_on_workers_that_consume_its_queue(broker_kind, park_on
 
 
 @contextlib.contextmanager
-def _four_pulled_by_one_worker(redis_url, tmp_path, broker):
+def _four_pulled_by_one_worker(redis_url, tmp_path, broker, restores=True):
     """Four tasks of semaphore ``slow`` (limit 1, held elsewhere) parked on send, then pulled by
     the one worker started, ``holder`` (concurrency 2), on a Redis broker whose visibility
     timeout is 4 s. Yields the cluster, the four results, that worker and a function that
-    frees the slot."""
+    frees the slot. ``restores`` False: kombu's restore lock is held in the broker from before
+    the holder starts (:data:`RESTORE_LOCK`; the test deletes it to let restores happen)."""
     # kombu restores unacked messages 4 s old, under a lock that lapses after 3 s (by default
     # 300 s: a worker killed while it held the lock, as "holder" may be, kept the survivor
     # from restoring anything for five minutes; docs/limitations.md). On a broker of its own:
@@ -109,6 +110,10 @@ def _four_pulled_by_one_worker(redis_url, tmp_path, broker):
         slow = cluster.task("slow")
         results = [slow.delay(f"r{i}", 0.05) for i in range(4)]
         assert _parked(cluster, "slow") == 4
+        if not restores:
+            client = redis.Redis.from_url(cluster.env["CS_BROKER_URL"])
+            assert client.set(RESTORE_LOCK, "the test", px=120_000, nx=True)
+            client.close()
         holder = Worker(cluster.env, "holder", 2)
         cluster.workers.append(holder)
         holder.wait_ready()
@@ -185,6 +190,41 @@ def test_a_held_doorbell_the_visibility_timeout_delivers_again_stays_in_the_brok
         survivor.wait_ready()
         free_the_slot()
         _all_ran_once(cluster, results, survivor, holder)
+
+
+#: kombu's Redis transport restores unacked messages only under this lock (``unacked_mutex``).
+RESTORE_LOCK = "unacked_mutex"
+
+
+def test_a_doorbell_held_past_the_visibility_timeout_is_let_go_unacked(redis_url, tmp_path,
+                                                                       own_broker):
+    """A worker holds a lane's doorbell longer than the Redis broker's visibility timeout (4 s)
+    while kombu restores nothing (its restore lock held by the test), then proves the lane
+    empty. It lets go without an ack: past that time the broker may have delivered the
+    doorbell again, with its tag, to another worker, and an ack would drop that worker's
+    record (if it died then, its lane's parked tasks would wait for a new send). The record
+    stays; once restores resume, the doorbell comes back, the lane is found empty and the
+    doorbell acked: the broker ends with nothing."""
+    with _four_pulled_by_one_worker(redis_url, tmp_path, own_broker, restores=False) as (
+            cluster, results, holder, free_the_slot):
+        lane = lane_of("slow", None, cluster.env["CS_QUEUE"])
+        assert _unacked_doorbells(cluster, lane) == [False]
+        time.sleep(4.0)  # sleep-ok: the doorbell (held since before the yield) is held past 4 s
+        free_the_slot()
+        assert sorted(r.get(timeout=60) for r in results) == [f"r{i}" for i in range(4)]
+        assert wait_until(lambda: "held longer than the broker's visibility_timeout: left "
+                          "unacked" in holder.output(), timeout=20), holder.output()[-4000:]
+        assert _unacked_doorbells(cluster, lane) == [False]  # still the broker's, not acked
+        client = redis.Redis.from_url(cluster.env["CS_BROKER_URL"])
+        try:
+            client.delete(RESTORE_LOCK)
+            assert wait_until(lambda: client.hlen("unacked") == 0, timeout=30), (
+                client.hgetall("unacked"), holder.output()[-4000:])
+        finally:
+            client.close()
+        assert _parked(cluster, "slow") == 0
+        assert {key: len(runs) for key, runs in cluster.probe.intervals().items()
+                if key.startswith("slow:r")} == {f"slow:r{i}": 1 for i in range(4)}
 
 
 def _unacked_doorbells(cluster, lane):

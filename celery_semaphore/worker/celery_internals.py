@@ -301,6 +301,16 @@ def redis_qos(channel: Any) -> Any:
     return qos
 
 
+def visibility_timeout(channel: Any) -> Optional[float]:
+    """Seconds after which kombu's Redis transport delivers a message unacked on ``channel``
+    again (kombu 5.x ``redis.Channel.visibility_timeout``, from the transport options), or
+    None for another transport (AMQP delivers again only once the channel is closed)."""
+    if redis_qos(channel) is None:
+        return None
+    timeout = getattr(channel, "visibility_timeout", None)
+    return float(timeout) if isinstance(timeout, (int, float)) else None
+
+
 def parking_channel(connection: Any) -> Any:
     """The channel of ``connection`` the parking lot pulls on: kombu 5.x keeps the default
     channel in ``Connection._default_channel`` (None when it was never opened)."""

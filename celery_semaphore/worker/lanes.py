@@ -17,12 +17,16 @@ A held doorbell's life (:class:`BellState`)::
                   └──┴── (a pulled message went back; a new ring) ───────┤
                                                                          v
                                      (no message pulled from it unsettled) let go: acked
+                                     (held past the visibility timeout: left to the broker)
 
 Guarantees: a lane's doorbell is acked only once a pull begun at least
 :data:`RECHECK_AFTER` after the lane's last ring found it empty and no message pulled from it
-is unsettled or on its way back; a lane this worker has no room for is rung again at most
-once every :data:`..waiting_room.RERING_EVERY`; a lane whose tasks this worker does not know
-is left to the others for :data:`REFUSE_FOR`.
+is unsettled or on its way back, and only while its broker record is surely this worker's
+(held for less than a Redis broker's visibility timeout, less a margin: past it the broker
+may have delivered it again to another worker, whose record an ack would drop; it is left to
+the broker instead); a lane this worker has no room for is rung again at most once every
+:data:`..waiting_room.RERING_EVERY`; a lane whose tasks this worker does not know is left to
+the others for :data:`REFUSE_FOR`.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import enum
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, List, Protocol, Union
+from typing import Any, Callable, Deque, Dict, List, Optional, Protocol, Union
 
 from ..waiting_room import DOORBELL_EVERY, RERING_EVERY, semaphore_of
 
@@ -42,6 +46,9 @@ RECHECK_AFTER = 2.5 * DOORBELL_EVERY
 PULL_BATCH = 16
 #: Seconds a lane whose tasks this worker does not know is left to the other workers.
 REFUSE_FOR = 30.0
+#: Seconds at most, before a Redis broker's visibility timeout, from which a held doorbell is
+#: no longer acked when its lane is proven empty (:class:`LetGo`).
+REDELIVERY_MARGIN = 30.0
 
 
 class BellState(enum.Enum):
@@ -60,6 +67,8 @@ class Bell:
     #: Monotonic time of the last doorbell of this lane (held or not): a pull must begin
     #: RECHECK_AFTER later to prove the lane empty.
     rung: float = field(default_factory=time.monotonic)
+    #: Monotonic time the message held now arrived (its broker record's age, near enough).
+    since: float = field(default_factory=time.monotonic)
     rerung: float = 0.0
     #: Monotonic time before which pulled tasks of this lane go back (a task this worker
     #: does not know): the lane is left to the other workers meanwhile.
@@ -81,6 +90,12 @@ class LaneSurroundings(Protocol):
 
     def unsettled(self, lane: str) -> int:
         """Messages pulled from ``lane`` not acked or rejected yet."""
+
+    @property
+    def redelivered_after(self) -> Optional[float]:
+        """Seconds after which the broker delivers an unacked message again while the
+        connection that took it lives (a Redis broker's ``visibility_timeout``), or None
+        where it never does (AMQP)."""
 
 
 # -- commands ---------------------------------------------------------------------------------
@@ -116,9 +131,15 @@ class Hold:
 
 @dataclass(frozen=True)
 class LetGo:
-    """``bell``'s lane is proven empty: ack its doorbell and lower the prefetch it raised."""
+    """``bell``'s lane is proven empty: ack its doorbell and lower the prefetch it raised.
+    With ``ack`` False (held about as long as the broker's visibility timeout, or longer)
+    the doorbell is not acked but left unacked in the broker, taken out of the channel's
+    unacked set: the broker may have delivered it again, with its delivery tag, to another
+    worker, and an ack would drop that worker's record of it. The broker delivers it again
+    in time, and whoever gets it finds the lane empty, or not."""
 
     bell: Bell
+    ack: bool = True
 
 
 @dataclass(frozen=True)
@@ -164,12 +185,13 @@ class LaneBook:
         tasks would wait for a new send once this worker is gone."""
         bell = self.bells.get(lane)
         if bell is None:
-            bell = self.bells[lane] = Bell(lane, message, tag=tag, rung=self.clock())
+            now = self.clock()
+            bell = self.bells[lane] = Bell(lane, message, tag=tag, rung=now, since=now)
             self._out.append(Hold())
             self.lanes.setdefault(semaphore_of(lane), deque()).append(lane)
         elif tag is not None and tag == bell.tag:
             bell.message = message
-            bell.rung = self.clock()
+            bell.rung = bell.since = self.clock()
             bell.state = BellState.PULLING
         else:
             self._out.append(AckDuplicate(message))
@@ -339,7 +361,17 @@ class LaneBook:
         if not lanes:
             del self.lanes[semaphore]
         if ack:
-            self._out.append(LetGo(bell))
+            self._out.append(LetGo(bell, self._ackable(bell)))
+
+    def _ackable(self, bell: Bell) -> bool:
+        """Whether ``bell``'s broker record is surely still this worker's: held for less than
+        the broker's visibility timeout, less a margin (a quarter of it, at most
+        :data:`REDELIVERY_MARGIN`) for the time between the broker's record and its arrival
+        here, and for clocks apart."""
+        after = self.surroundings.redelivered_after
+        if after is None:
+            return True
+        return self.clock() - bell.since < after - min(after / 4, REDELIVERY_MARGIN)
 
     def _ring_again(self, bell: Bell) -> None:
         """This worker holds ``bell`` but has no room for its lane: ring it again (at most

@@ -272,7 +272,14 @@ class ParkingLot:
             elif isinstance(command, AckDuplicate):
                 command.message.ack_log_error(logger, self.ctx.consumer.connection_errors)
             elif isinstance(command, LetGo):
-                command.bell.message.ack_log_error(logger, self.ctx.consumer.connection_errors)
+                message = command.bell.message
+                if command.ack:
+                    message.ack_log_error(logger, self.ctx.consumer.connection_errors)
+                elif celery_internals.detach_unacked(message):  # not restored when it closes
+                    logger.info("celery-semaphore: the doorbell of %r was held longer than the "
+                                "broker's visibility_timeout: left unacked for the broker to "
+                                "deliver again (another worker may hold it by now)",
+                                semaphore_of(command.bell.lane))
                 self.ctx.consumer.qos.decrement_eventually()
                 if self._amqp():  # proven empty: its parking queue goes, a little later (not
                     # in the way of the releases that end a drain, nor of a lane that refills)
@@ -781,6 +788,11 @@ class _LaneSurroundings:
 
     def unsettled(self, lane: str) -> int:
         return self.lot.unsettled.get(lane, 0)
+
+    @property
+    def redelivered_after(self) -> Optional[float]:
+        return celery_internals.visibility_timeout(
+            celery_internals.task_channel(self.lot.ctx.consumer))
 
 
 def doorbell_strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Any:
