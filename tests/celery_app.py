@@ -291,7 +291,9 @@ def kill_the_broker_at(point, armed):
     broker (``CS_BROKER_PID``) and wait until its port refuses connections, then go on (the
     call in progress meets a dead broker). Points: ``park-before-publish`` (a parked copy about
     to be published), ``park-after-publish`` (published, the original not acked yet),
-    ``mid-pull`` (messages taken from a lane, not yet routed back to their task queue)."""
+    ``mid-pull`` (messages taken from a lane, not yet routed back to their task queue),
+    ``consumer-record`` (the consumer's record of a doorbell it received applied by the
+    broker, whose reply never reaches the worker)."""
     import signal
     import socket
     from urllib.parse import urlparse
@@ -325,6 +327,28 @@ def kill_the_broker_at(point, armed):
                 kill()
 
         parking.publish_copy = publish_copy
+    elif point == "consumer-record":
+        from kombu.transport import redis as kombu_redis
+        from kombu.utils.json import dumps
+        from redis.exceptions import ConnectionError as RedisConnectionError
+
+        append = kombu_redis.QoS.append
+
+        def append_then_die(self, message, delivery_tag):
+            if done or not os.path.exists(armed) or (
+                    (message.headers or {}).get("task") != "celery_semaphore.doorbell"):
+                return append(self, message, delivery_tag)
+            # the broker applies kombu's record of the delivery (QoS.append's transaction, as
+            # kombu 5.x writes it) and dies before its reply reaches the worker
+            info = message.delivery_info
+            with self.pipe_or_acquire() as pipe:
+                pipe.zadd(self.unacked_index_key, {delivery_tag: time.time()}).hset(
+                    self.unacked_key, delivery_tag,
+                    dumps([message._raw, info["exchange"], info["routing_key"]])).execute()
+            kill()
+            raise RedisConnectionError("Connection closed by server.")
+
+        kombu_redis.QoS.append = append_then_die
     elif point == "mid-pull":
         reroute = celery_internals.reroute_unacked
 

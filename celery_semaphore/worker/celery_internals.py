@@ -446,6 +446,40 @@ def take_unacked(queue: Any) -> Any:
     return message
 
 
+def record_deliveries_first() -> bool:
+    """kombu 5.x's Redis ``QoS.append`` records a message the consumer received in the
+    broker's unacked hash (one ``MULTI``/``EXEC``) and only then in the channel's
+    ``_delivered``. A broker that applies (and fsyncs) the transaction and dies before its
+    reply reaches the worker leaves the message in the unacked hash with no trace in the
+    worker: the append raises, the message's callback never runs, nothing restores it until
+    the transport's ``visibility_timeout`` (an hour by default) delivers it again. From this
+    call on, every Redis ``QoS`` of the process records the message in ``_delivered`` first:
+    a failed append leaves it there, and the lost connection's restore
+    (:meth:`.Gate.on_connection_lost`, or kombu's own as the channel closes) puts it back by
+    delivery tag, which does nothing if the transaction never landed (then the message is in
+    kombu's other window: popped from its queue, recorded nowhere). Idempotent; False where
+    kombu's Redis ``QoS`` is not shaped as expected."""
+    try:
+        from kombu.transport import redis as kombu_redis
+        from kombu.transport.virtual import QoS as VirtualQoS
+    except ImportError:  # pragma: no cover - kombu's redis transport needs redis-py
+        return False
+    append = getattr(kombu_redis.QoS, "append", None)
+    if append is None or not hasattr(VirtualQoS, "append"):
+        return False
+    if getattr(append, "_celery_semaphore_records_first", False):
+        return True
+
+    @functools.wraps(append)
+    def append_recorded_first(self: Any, message: Any, delivery_tag: Any) -> Any:
+        VirtualQoS.append(self, message, delivery_tag)  # (append records it again: a dict)
+        return append(self, message, delivery_tag)
+
+    append_recorded_first._celery_semaphore_records_first = True  # type: ignore[attr-defined]
+    kombu_redis.QoS.append = append_recorded_first  # type: ignore[method-assign]
+    return True
+
+
 def reroute_unacked(channel: Any, reroutes: List[Tuple[Any, str, str]]) -> None:
     """Make every later restore of each pulled ``(message, exchange, routing_key)`` of
     ``channel`` (kombu's Redis transport: the visibility timeout's, a reject with requeue, the

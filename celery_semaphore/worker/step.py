@@ -46,6 +46,8 @@ class SemaphoreStep(bootsteps.StartStopStep):
         # a heartbeat due as the broker goes away must not hold the event loop (and the gate)
         # for the whole outage
         celery_internals.bound_heartbeat_retries()
+        # a delivery the broker recorded as it died must be known here, to be put back
+        celery_internals.record_deliveries_first()
         self.announced = self.limits_checked = False
         consumer.semaphore_gate = self.gate
 
