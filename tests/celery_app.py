@@ -293,7 +293,8 @@ def kill_the_broker_at(point, armed):
     to be published), ``park-after-publish`` (published, the original not acked yet),
     ``mid-pull`` (messages taken from a lane, not yet routed back to their task queue),
     ``consumer-record`` (the consumer's record of a doorbell it received applied by the
-    broker, whose reply never reaches the worker)."""
+    broker, whose reply never reaches the worker), ``take-record`` (a take from a lane run by
+    the broker, whose reply never reaches the worker)."""
     import signal
     import socket
     from urllib.parse import urlparse
@@ -349,6 +350,21 @@ def kill_the_broker_at(point, armed):
             raise RedisConnectionError("Connection closed by server.")
 
         kombu_redis.QoS.append = append_then_die
+    elif point == "take-record":
+        import redis as redis_py
+
+        eval_ = redis_py.Redis.eval
+
+        def eval_then_die(self, script, *args, **kwargs):
+            if done or not os.path.exists(armed) or script != celery_internals._TAKE_SCRIPT:
+                return eval_(self, script, *args, **kwargs)
+            # the broker runs the take (the message leaves its lane, recorded unacked for this
+            # worker) and dies before its reply reaches the worker
+            eval_(self, script, *args, **kwargs)
+            kill()
+            raise redis_py.exceptions.ConnectionError("Connection closed by server.")
+
+        redis_py.Redis.eval = eval_then_die
     elif point == "mid-pull":
         reroute = celery_internals.reroute_unacked
 

@@ -286,6 +286,32 @@ def _publish(connection, queue, bodies, priority=None):
 
 
 @pytest.mark.parametrize("prefix", ["", "pre:"])
+def test_a_take_whose_reply_was_lost_is_found_by_its_record_time(private_redis, prefix):
+    """``taken_at`` finds what ``take_unacked`` recorded with a given time, for the queue it
+    was taken from, while it is unacked: neither another take's record nor another queue's
+    with the same time, nor a record acked since."""
+    from kombu import Connection, Queue
+
+    url, client = private_redis
+    options = {"global_keyprefix": prefix} if prefix else {}
+    with Connection(url, transport_options=options) as connection:
+        channel = connection.default_channel
+        queue, other = (Queue(n, routing_key=n)(channel) for n in ("lane", "other"))
+        for q in (queue, other):
+            q.declare()
+            _publish(connection, q, ["a", "b"])
+        stamp = 1_795_000_000.123456
+        lost = celery_internals.take_unacked(queue, stamp)
+        celery_internals.take_unacked(queue, stamp + 1e-6)
+        elsewhere = celery_internals.take_unacked(other, stamp)
+        assert celery_internals.taken_at(channel, stamp, "lane") == [lost.delivery_tag]
+        assert celery_internals.taken_at(channel, stamp, "other") == [elsewhere.delivery_tag]
+        assert celery_internals.taken_at(channel, stamp - 1e-6, "lane") == []
+        lost.ack()
+        assert celery_internals.taken_at(channel, stamp, "lane") == []
+
+
+@pytest.mark.parametrize("prefix", ["", "pre:"])
 def test_a_message_taken_from_a_redis_queue_is_recorded_as_unacked_in_the_same_step(
         private_redis, prefix):
     """``take_unacked`` gives the messages kombu's own get gives, in the same order

@@ -425,7 +425,7 @@ def unacked_entries(url) -> list:
 
 @pytest.mark.apart  # OUTAGES_APART
 @pytest.mark.parametrize("point", ["park-before-publish", "park-after-publish", "mid-pull",
-                                   "consumer-record"])
+                                   "consumer-record", "take-record"])
 def test_a_redis_broker_killed_inside_the_waiting_room_loses_no_task(point, redis_url,
                                                                      tmp_path):
     """The broker (Redis, fsynced AOF) is killed by the worker itself at one point of the
@@ -436,8 +436,10 @@ def test_a_redis_broker_killed_inside_the_waiting_room_loses_no_task(point, redi
     and the broker applies that record but dies before its reply reaches the worker: kombu
     then knew nothing of the message, and the broker kept it unacked for its
     visibility_timeout (a fresh-clone CI run on Celery 5.3 met this as one doorbell left
-    unacked in the mid-pull case). Every message had reached the worker before (kombu's
-    other window, a message popped but not yet recorded as unacked, is not the gate's).
+    unacked in the mid-pull case), or as the broker runs a take from a lane whose reply never
+    reaches the worker (the message recorded unacked for a worker that does not know it).
+    Every message had reached the worker before (kombu's other window, a message popped but
+    not yet recorded as unacked, is not the gate's).
     Once the broker is back, every task runs exactly once, one at a time, and the broker
     holds nothing: no unacked message, no parked copy, no task left."""
     broker = PersistentRedis(tmp_path / "broker")
@@ -454,8 +456,8 @@ def test_a_redis_broker_killed_inside_the_waiting_room_loses_no_task(point, redi
         open(armed, "w").close()
         if point.startswith("park"):  # the next one parked meets the kill
             results.append(slow.delay("k6", 0.02))
-        elif point == "mid-pull":  # the slot frees: the one waiting starts, and the worker
-            lease.release()  # pulls the next
+        elif point in ("mid-pull", "take-record"):  # the slot frees: the one waiting
+            lease.release()  # starts, and the worker pulls the next
         # (consumer-record: the next doorbell the worker rings and receives meets the kill)
         assert wait_until(lambda: broker.proc.poll() is not None, timeout=20), (
             what_the_worker_does(worker))

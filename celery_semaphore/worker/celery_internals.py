@@ -405,13 +405,15 @@ return false
 """
 
 
-def take_unacked(queue: Any) -> Any:
+def take_unacked(queue: Any, stamp: Optional[float] = None) -> Any:
     """``queue.get(no_ack=False)``: the next message of the bound ``queue``, or None when it is
     empty. On kombu's Redis transport the message leaves the queue and enters the broker's
     unacked hash in one server step (a script): kombu's own get pops it first and records it
-    with a second command, and a broker that dies between the two loses the message. Raises
-    what kombu's get raises (a lost connection; ``ValueError`` and the like for an entry that
-    cannot be decoded, which is dropped, as kombu drops it)."""
+    with a second command, and a broker that dies between the two loses the message. The
+    record's time is ``stamp`` (Unix seconds; now by default): a take whose reply was lost
+    finds its record by that time (:func:`taken_at`). Raises what kombu's get raises (a lost
+    connection; ``ValueError`` and the like for an entry that cannot be decoded, which is
+    dropped, as kombu drops it)."""
     channel = queue.channel
     qos = redis_qos(channel)
     if qos is None or not hasattr(channel, "_q_for_pri"):
@@ -426,7 +428,8 @@ def take_unacked(queue: Any) -> Any:
     keys += [prefix + qos.unacked_index_key, prefix + qos.unacked_key]
     with channel.conn_or_acquire() as client:
         # EVAL with the keys prefixed here: kombu's prefixing client leaves EVAL alone
-        taken = client.eval(_TAKE_SCRIPT, len(keys), *keys, time.time())
+        taken = client.eval(_TAKE_SCRIPT, len(keys), *keys,
+                            repr(time.time() if stamp is None else stamp))
         refresh = getattr(channel, "_maybe_update_queues_expire", None)  # kombu >= 5.4
         if refresh is not None:
             refresh(client, queue.name)
@@ -444,6 +447,33 @@ def take_unacked(queue: Any) -> Any:
     if message.errors:
         message._reraise_error()
     return message
+
+
+_TAKEN_AT_SCRIPT = """
+local found = {}
+for _, tag in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], ARGV[1], ARGV[1])) do
+  local raw = redis.call('HGET', KEYS[2], tag)
+  local ok, entry = pcall(cjson.decode, raw or '')
+  if ok and type(entry) == 'table' and entry[3] == ARGV[2] then found[#found + 1] = tag end
+end
+return found
+"""
+
+
+def taken_at(channel: Any, stamp: float, queue_name: str) -> List[str]:
+    """Delivery tags of the messages of ``queue_name`` that :func:`take_unacked` recorded in
+    the Redis broker's unacked hash with time ``stamp`` on ``channel``, still there: a take
+    whose reply never reached the worker (the broker died, or the connection, after the
+    script ran), which nothing else would put back before the transport's
+    ``visibility_timeout``. Raises when the broker cannot be reached."""
+    qos = redis_qos(channel)
+    if qos is None:
+        return []
+    prefix = getattr(channel, "global_keyprefix", "") or ""
+    with channel.conn_or_acquire() as client:  # (EVAL: the keys prefixed here)
+        tags = client.eval(_TAKEN_AT_SCRIPT, 2, prefix + qos.unacked_index_key,
+                           prefix + qos.unacked_key, repr(stamp), queue_name)
+    return [tag.decode() if isinstance(tag, bytes) else str(tag) for tag in tags or ()]
 
 
 def record_deliveries_first() -> bool:

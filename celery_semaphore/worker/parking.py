@@ -125,6 +125,11 @@ class BrokerRefused(RuntimeError):
     """The broker answered, and would not take what the waiting room gave it."""
 
 
+#: Takes whose reply was lost that one worker looks for at most (the others wait for the
+#: broker's visibility_timeout).
+MAX_LOST_TAKES = 100
+
+
 class ParkingLot:
     """Parks and pulls one worker's guarded requests. See the module docstring."""
 
@@ -165,6 +170,10 @@ class ParkingLot:
         self._unavailable_since: Optional[float] = None
         #: failures not the broker's already logged with their traceback (:meth:`_lost`)
         self._faults_seen: Set[Tuple[str, str]] = set()
+        #: takes whose reply was lost (I/O thread): (record time, lane, parking queue), put
+        #: back by the next pull (:meth:`_put_back_lost_takes`); the last take's record time
+        self._lost_takes: List[Tuple[float, str, str]] = []
+        self._last_stamp = 0.0
 
     def serve(self, line: Line) -> None:
         """Refill ``line`` (each needs the other: the line parks here, the room reads the
@@ -587,17 +596,24 @@ class ParkingLot:
                 self.ctx.loop.post(self._pulled, lane, want, [], False, began)
                 self.ctx.io.call(self.ctx.loop.post, self.refill, lane, delay=BUSY_RETRY)
                 return
+            self._put_back_lost_takes(queue.channel)
             while len(messages) < want:
+                # (a record time of its own: a take whose reply is lost is found by it)
+                stamp = self._last_stamp = max(time.time(), self._last_stamp + 1e-6)
                 try:
                     # (on Redis taken and recorded as unacked in one step: never lost
                     # between the two, should the broker die there)
-                    message = celery_internals.take_unacked(queue)
+                    message = celery_internals.take_unacked(queue, stamp)
                 except (ValueError, TypeError, UnicodeDecodeError) as exc:
                     # kombu took an entry it cannot decode (on Redis, out of the list):
                     # it is set aside alone; the other messages stay as they are
                     logger.error("celery-semaphore: dropped an undecodable entry of parking "
                                  "queue %s: %s", queue.name, exc)
                     continue
+                except Exception:  # the script may have run: its record is looked for
+                    if len(self._lost_takes) < MAX_LOST_TAKES:
+                        self._lost_takes.append((stamp, lane, queue.name))
+                    raise
                 if message is None:
                     empty = True
                     break
@@ -613,6 +629,25 @@ class ParkingLot:
                     self.settlements.later(message.delivery_tag, Settle.REQUEUE)
             messages, empty = [], False
         self.ctx.loop.post(self._pulled, lane, want, messages, empty, began)
+
+    def _put_back_lost_takes(self, channel: Any) -> None:
+        """Put back in their lanes the messages of takes whose reply never came (I/O thread,
+        before the next take, on the parking channel), and ring those lanes: the script ran,
+        recording the message as unacked for this worker, and the reply was lost with the
+        connection, so nothing here knows the message and nothing would put it back before
+        the broker's ``visibility_timeout``. Raises (and keeps them) when the broker does not
+        answer."""
+        while self._lost_takes:
+            stamp, lane, queue_name = self._lost_takes[0]
+            tags = celery_internals.taken_at(channel, stamp, queue_name)
+            if tags:  # back at the head of its lane, and the lane rung: it may have been
+                # proven empty meanwhile
+                celery_internals.restore_unacked(self.ctx.app, tags)
+                logger.info("celery-semaphore: a parked task of %r taken as the broker "
+                            "connection was lost, its reply lost with it, is back in its "
+                            "parking queue (delivery %s)", semaphore_of(lane), tags[0])
+                self._publish_doorbell(lane)
+            self._lost_takes.pop(0)
 
     def _pulling_queue(self, lane: str) -> Queue:
         """The lane's parking queue, bound to the channel to pull it on: on AMQP a channel of
