@@ -378,19 +378,21 @@ def kill_the_broker_at(point, armed):
         raise ValueError(f"CS_BROKER_KILL_AT: no such point {point!r}")
 
 
-def fail_a_pull(armed):
-    """Fault injection (``CS_PULL_FAULT_ARMED``): in the worker, the first take of a parked
-    message once the file ``armed`` exists raises an ``AttributeError``, as a bug in the
-    waiting room's pull would, with the broker answering."""
+def fail_a_pull(armed, kind="AttributeError", times=1):
+    """Fault injection (``CS_PULL_FAULT_ARMED``): in the worker, the first ``times`` takes of
+    a parked message once the file ``armed`` exists raise ``kind`` (``CS_PULL_FAULT_KIND``,
+    ``AttributeError`` or ``TypeError``; ``CS_PULL_FAULT_TIMES``), as a bug in the waiting
+    room's pull would, with the broker answering (no entry taken)."""
     from celery_semaphore.worker import celery_internals
 
     take, done = celery_internals.take_unacked, []
+    error = {"AttributeError": AttributeError, "TypeError": TypeError}[kind]
 
-    def take_unacked(queue):
-        if not done and os.path.exists(armed):
+    def take_unacked(queue, *args):
+        if len(done) < times and os.path.exists(armed):
             done.append(True)
-            raise AttributeError("injected: a bug in the pull")
-        return take(queue)
+            raise error("injected: a bug in the pull")
+        return take(queue, *args)
 
     celery_internals.take_unacked = take_unacked
 
@@ -440,6 +442,8 @@ if os.environ.get("CS_ACCEPTED_PROBE"):
 if os.environ.get("CS_HOLD_CALLS_ARMED"):
     hold_backend_calls(os.environ["CS_HOLD_CALLS_ARMED"])
 if os.environ.get("CS_PULL_FAULT_ARMED"):
-    fail_a_pull(os.environ["CS_PULL_FAULT_ARMED"])
+    fail_a_pull(os.environ["CS_PULL_FAULT_ARMED"],
+                os.environ.get("CS_PULL_FAULT_KIND", "AttributeError"),
+                int(os.environ.get("CS_PULL_FAULT_TIMES", "1")))
 if os.environ.get("CS_BROKER_KILL_AT"):
     kill_the_broker_at(os.environ["CS_BROKER_KILL_AT"], os.environ["CS_BROKER_KILL_ARMED"])

@@ -484,16 +484,20 @@ def test_a_redis_broker_killed_inside_the_waiting_room_loses_no_task(point, redi
         broker.kill()
 
 
+@pytest.mark.parametrize("kind, times", [("AttributeError", 1), ("TypeError", 40)])
 def test_a_bug_in_the_waiting_rooms_pull_is_an_error_with_its_traceback_not_an_outage(
-        redis_url, tmp_path):
+        redis_url, tmp_path, kind, times):
     """A pull of parked requests that fails with the broker answering (a bug: an injected
     ``AttributeError``, tests/celery_app.py ``fail_a_pull``) is logged as an error with its
     traceback and not as "broker unavailable" (before, the pull took every failure for an
     outage: one warning that named the wrong cause, then debug lines). The waiting room
-    recovers as after a lost connection: every task runs once, one at a time."""
+    recovers as after a lost connection: every task runs once, one at a time. A
+    ``TypeError`` that keeps coming is such a bug too, not an undecodable entry (before, the
+    pull logged it as a dropped entry and took again, on and on, without taking anything)."""
     armed = str(tmp_path / "armed")
     cluster, lease = parking_worker(tmp_path, redis_url, servers.redis_broker(redis_url),
-                                    CS_PULL_FAULT_ARMED=armed)
+                                    CS_PULL_FAULT_ARMED=armed, CS_PULL_FAULT_KIND=kind,
+                                    CS_PULL_FAULT_TIMES=str(times))
     try:
         slow, worker = cluster.task("slow"), cluster.workers[0]
         results = [slow.delay(f"k{i}", 0.02) for i in range(5)]
@@ -507,8 +511,9 @@ def test_a_bug_in_the_waiting_rooms_pull_is_an_error_with_its_traceback_not_an_o
         said = [line for line in output.splitlines() if "not because the broker" in line]
         assert len(said) == 1 and "ERROR" in said[0] and "pulling parked requests" in said[0], (
             output[-6000:])
-        assert "AttributeError: injected: a bug in the pull" in output, output[-6000:]
+        assert f"{kind}: injected: a bug in the pull" in output, output[-6000:]
         assert "broker unavailable" not in output, output[-6000:]
+        assert "undecodable" not in output, output[-6000:]
     finally:
         lease.release()
         cluster.stop()

@@ -405,6 +405,11 @@ return false
 """
 
 
+class UndecodableEntry(ValueError):
+    """:func:`take_unacked` took an entry that cannot be decoded (out of its queue, as kombu's
+    own get takes it): the cause is chained."""
+
+
 def take_unacked(queue: Any, stamp: Optional[float] = None) -> Any:
     """``queue.get(no_ack=False)``: the next message of the bound ``queue``, or None when it is
     empty. On kombu's Redis transport the message leaves the queue and enters the broker's
@@ -412,12 +417,15 @@ def take_unacked(queue: Any, stamp: Optional[float] = None) -> Any:
     with a second command, and a broker that dies between the two loses the message. The
     record's time is ``stamp`` (Unix seconds; now by default): a take whose reply was lost
     finds its record by that time (:func:`taken_at`). Raises what kombu's get raises (a lost
-    connection; ``ValueError`` and the like for an entry that cannot be decoded, which is
-    dropped, as kombu drops it)."""
+    connection), and :class:`UndecodableEntry` for an entry that cannot be decoded (dropped,
+    as kombu drops it)."""
     channel = queue.channel
     qos = redis_qos(channel)
     if qos is None or not hasattr(channel, "_q_for_pri"):
-        return queue.get(no_ack=False)
+        try:
+            return queue.get(no_ack=False)
+        except (ValueError, TypeError, UnicodeDecodeError) as exc:
+            raise UndecodableEntry(f"{type(exc).__name__}: {exc}") from exc
     import time
 
     from kombu.utils.encoding import bytes_to_str
@@ -438,14 +446,20 @@ def take_unacked(queue: Any, stamp: Optional[float] = None) -> Any:
     from kombu.transport.virtual import QoS as VirtualQoS
 
     item, recorded = taken
-    payload = loads(bytes_to_str(item))  # raises for what kombu could not decode either
-    message = channel.message_to_python(channel.Message(payload, channel=channel))
+    try:
+        payload = loads(bytes_to_str(item))  # raises for what kombu could not decode either
+        message = channel.message_to_python(channel.Message(payload, channel=channel))
+    except (ValueError, TypeError, UnicodeDecodeError) as exc:
+        raise UndecodableEntry(f"{type(exc).__name__}: {exc}") from exc
     if recorded:  # in memory only: the script recorded it in the broker
         VirtualQoS.append(qos, message, message.delivery_tag)
     else:  # an entry the server's JSON could not read: recorded as kombu records it
         qos.append(message, message.delivery_tag)
     if message.errors:
-        message._reraise_error()
+        try:
+            message._reraise_error()
+        except (ValueError, TypeError, UnicodeDecodeError) as exc:
+            raise UndecodableEntry(f"{type(exc).__name__}: {exc}") from exc
     return message
 
 

@@ -604,7 +604,7 @@ class ParkingLot:
                     # (on Redis taken and recorded as unacked in one step: never lost
                     # between the two, should the broker die there)
                     message = celery_internals.take_unacked(queue, stamp)
-                except (ValueError, TypeError, UnicodeDecodeError) as exc:
+                except celery_internals.UndecodableEntry as exc:
                     # kombu took an entry it cannot decode (on Redis, out of the list):
                     # it is set aside alone; the other messages stay as they are
                     logger.error("celery-semaphore: dropped an undecodable entry of parking "
