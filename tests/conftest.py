@@ -5,6 +5,22 @@ import pytest
 from celery_semaphore.backends import close_all
 from tests import servers
 
+
+def _no_result_finalizer():
+    """In the test process only: ``AsyncResult.__del__`` does nothing. Celery's finalizer
+    unsubscribes the result from the Redis result backend's pub/sub; run by the garbage
+    collector while the same thread is inside that pub/sub's ``unsubscribe`` (a result's
+    ``get``), it waits on the pub/sub's own lock for ever (seen twice on Celery 5.3 with
+    redis-py 8: a compat run hung in ``test_time_limits_free_the_slot`` with
+    ``__del__`` over ``PubSub.unsubscribe`` twice in one stack, past pytest-timeout). That
+    is the client's, not the worker's; the tests wait on every result they keep."""
+    from celery.result import AsyncResult
+
+    AsyncResult.__del__ = lambda self: None
+
+
+_no_result_finalizer()
+
 BACKENDS = ["memory", "sqlite", "redis", "redis+socket", "redis+sentinel", "redis+cluster", "amqp",
             "amqp+slots", "consul", "postgres"]
 #: Sweep every test name at the session's start and end, or (``CS_SWEEP=own``, for test runs
