@@ -27,6 +27,7 @@ app.conf.update(
     # "0": guarded tasks go to the task queue and the worker parks what it cannot start soon
     semaphore_park_on_send=os.environ.get("BENCH_PARK_ON_SEND", "1") == "1",
     task_default_queue=os.environ.get("BENCH_QUEUE", "bench"),
+    semaphore_worker_lookahead=int(os.environ.get("BENCH_LOOKAHEAD", "1")),
     worker_hijack_root_logger=False,
     broker_connection_retry_on_startup=True,
 )

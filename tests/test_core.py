@@ -701,6 +701,54 @@ def test_a_try_ahead_counts_against_the_process_it_would_take():
     assert started(core.handle(answer(claim, Attempt(GRANT)))) == [claim]
 
 
+def test_a_key_this_worker_released_is_tried_ahead_again():
+    """W6 with a backlog per key: a key's last grant here said it left no room (``free=0``),
+    so nothing of it tried ahead while it ran; once this worker released it, its units are
+    free as far as this worker knows, and its next request tries ahead while every process
+    is busy (and starts the moment one frees), instead of acquiring after a process freed."""
+    core, world = make(processes=1, lookahead=1)
+    first, _, _ = arrive(core, guard("t:1"))
+    run(core, first, Attempt(GRANT, limit=1, free=0))
+    behind, commands, _ = arrive(core, guard("t:1"))
+    assert commands == []  # t:1 has no room: no try ahead while it runs
+    commands = core.handle(Ended(first))
+    assert [(c.claim, c.ahead) for c in commands if isinstance(c, SendAttempt)] == [
+        (behind, False)]  # a process is free: it queues for it
+    run(core, behind, Attempt(GRANT, limit=1, free=0))
+    core.handle(Ended(behind))  # t:1 released again, nothing waits
+    other, commands, _ = arrive(core, guard("t:2"))
+    assert not last_sent(commands).ahead  # the free process is its
+    run(core, other, Attempt(GRANT, limit=1, free=0))
+    again, commands, _ = arrive(core, guard("t:1"))
+    assert [(c.claim, c.ahead) for c in commands if isinstance(c, SendAttempt)] == [
+        (again, True)]  # every process busy, and t:1 has room: tried ahead
+    assert started(core.handle(answer(again, Attempt(GRANT, limit=1, free=0)))) == [again]
+    assert core.free_processes() == -1  # it waits in the pool's queue for the next process
+    _, commands, _ = arrive(core, guard("t:2"))
+    assert commands == []  # t:2 still runs here, its grant said no room
+
+
+def test_a_key_found_full_is_not_tried_ahead_after_this_worker_releases_it():
+    """A refused try says the semaphore is full or others queue for it: a release of this
+    worker's most likely went to one of them, so the key is not tried ahead again until a
+    grant says it has room (a try would only be refused)."""
+    core, world = make(processes=2, lookahead=1)
+    held, _, _ = arrive(core, guard("t:1"))
+    run(core, held, Attempt(GRANT, limit=2))  # the backend gives no hint
+    busy(core)
+    refused, commands, _ = arrive(core, guard("t:1"))
+    assert last_sent(commands).ahead
+    core.handle(answer(refused, wait_answer()))  # t:1 is full, or others queue for it
+    core.handle(Revoked(refused))
+    core.handle(Ended(held))  # this worker releases t:1
+    busy(core, name="more")  # every process busy again
+    _, commands, _ = arrive(core, guard("t:1"))
+    assert commands == []
+    idle, commands, _ = arrive(core, guard("t:3"))
+    assert [(c.claim, c.ahead) for c in commands if isinstance(c, SendAttempt)] == [
+        (idle, True)]  # the lookahead was free: only t:1 was passed over
+
+
 def test_a_one_try_policy_never_tries_ahead_and_a_claim_leaving_ahead_cancels():
     """A skip or fail policy makes its one try once a process is free for it (as
     documented: a duplicate sent meanwhile is judged then), never ahead."""

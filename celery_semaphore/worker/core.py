@@ -61,6 +61,9 @@ WAKE_DEFER_MAX = 0.1
 GRANT_MIN_LEFT = 0.25
 #: Requests of one semaphore a worker holds waiting, per pool process.
 SHARE_PER_PROCESS = 2
+#: :attr:`WorkerCore.spare` of a semaphore that refused a try here: none tried ahead until a
+#: grant says there is room.
+FULL = -1
 #: Seconds to wait for a timed-out or terminated pool child to exit before releasing anyway.
 CHILD_EXIT_WAIT = 30.0
 #: First and longest pause between tries of a release the backend did not answer.
@@ -525,7 +528,8 @@ class WorkerCore:
         #: ENDING claims by the pid of the child they wait for
         self.ending: Dict[int, List[Claim]] = {}
         #: Semaphore name -> units its last grant here left free that nobody waited for
-        #: (:attr:`.Attempt.free`): room to try ahead in (:meth:`_try_ahead`)
+        #: (:attr:`.Attempt.free`), plus the units this worker released since; :data:`FULL`
+        #: once a try was refused: room to try ahead in (:meth:`_try_ahead`)
         self.spare: Dict[str, int] = {}
         self.running = True  # False once the worker shuts down: releases go at once
         self._out: List[Command] = []
@@ -640,7 +644,7 @@ class WorkerCore:
             self._saw_spare(claim, attempt)
             return self._granted(claim, answer.holder, _grants_of(claim, attempt),
                                  _limits_of(claim, attempt), answer.requested_at)
-        self.spare[claim.guard.name] = 0  # full
+        self.spare[claim.guard.name] = FULL
         claim.waited_sent = answer.requested_at  # a pushed grant comes after this reached it
         blocking = getattr(attempt, "blocking", None) or claim.guard.name
         if not claim.waits:  # semaphore_on_full skip or fail: it never queued
@@ -677,7 +681,7 @@ class WorkerCore:
         if isinstance(answer.error, ConfigurationError):
             return self._exit(claim, How.FAIL, error=answer.error)
         if attempt is not None:
-            self.spare[claim.guard.name] = 0  # full: no more tries ahead until a grant says
+            self.spare[claim.guard.name] = FULL  # no more tries ahead until a grant says
         claim.tried_ahead = True
         self._move(claim, State.LINED)
         # back where it was: behind those that tried ahead before it, ahead of the rest
@@ -946,7 +950,8 @@ class WorkerCore:
             spare = self.spare.get(name)  # None: not known here
             plenty = spare is not None and spare >= size
             if (claim.tried_ahead or not claim.waits or claim.guard.priority > 0
-                    or name in counts.blocked or name in counts.queued or spare == 0
+                    or name in counts.blocked or name in counts.queued
+                    or (spare is not None and spare <= 0)
                     or (not plenty and (room <= 0 or name in counts.ahead))):
                 continue
             self.line.remove(claim)
@@ -1125,9 +1130,23 @@ class WorkerCore:
         self.in_pool.pop(id(claim.request), None)
         claim.move(State.DONE)
         if claim.grants is not None and self.held.pop(claim.holder, None) is not None:
+            self._freed(claim)
             latency = None if claim.started is None else self.clock() - claim.started
             self._out.append(Release(tuple(claim.grants), claim.holder, claim.deadline,
                                      outcome=claim.outcome, latency=latency))
+
+    def _freed(self, claim: Claim) -> None:
+        """``claim`` releases its units: a semaphore whose last grant here left room that
+        nobody waited for has those units free again, as far as this worker knows, so its
+        next request may try ahead (a key with a backlog of its own runs its next task with no
+        acquire round trip after a process frees). One found full (a refusal) or with waiters
+        (a grant's negative hint) stays so until a grant says otherwise: there, a release most
+        likely went to a waiter, and a try would only be refused."""
+        if claim.guard.multi:
+            return
+        spare = self.spare.get(claim.guard.name)
+        if spare is not None and spare >= 0:
+            self.spare[claim.guard.name] = spare + claim.guard.cost
 
     def _orphan(self, claim: Claim, now: float) -> None:
         """Settle an orphan once its child has moved on or exited. A child that is up runs the
