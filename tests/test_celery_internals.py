@@ -3,6 +3,7 @@ celery_internals`), on objects shaped as Celery 5.x makes them: which pool jobs 
 reconnect leaves running, the route a rerouted message keeps, and how a parked message is
 taken from a Redis broker (against a redis-server of its own)."""
 
+import contextlib
 import uuid
 from types import SimpleNamespace
 
@@ -411,3 +412,57 @@ def test_taking_from_an_amqp_queue_is_kombus_own_get(amqp_url):
             assert celery_internals.take_unacked(queue) is None
         finally:
             queue.delete()
+
+
+def test_a_delivery_whose_record_failed_goes_back_from_the_workers_copy(private_redis,
+                                                                        monkeypatch):
+    """kombu's Redis ``QoS.append`` records a received message in the broker in one
+    transaction; a connection lost there (the transaction never landed) left the message in
+    no queue and no unacked hash, and the lost connection's restore by tag found nothing:
+    the task was lost. Now the failed append keeps a copy, and the restore puts the message
+    back from it; where the record did land (its reply lost), from the record, once."""
+    from celery import Celery
+    from kombu import Connection, Queue
+
+    url, client = private_redis
+    assert celery_internals.record_deliveries_first()
+    app = Celery(broker=url, set_as_current=False)
+    with Connection(url) as connection:
+        channel = connection.default_channel
+        queue = Queue("lane", routing_key="lane")(channel)
+        queue.declare()
+        _publish(connection, queue, ["lost", "landed"])
+        qos = channel.qos
+        real = qos.pipe_or_acquire
+
+        @contextlib.contextmanager
+        def cut(pipe=None, client=None):
+            with real(pipe, client) as p:
+                p.execute = _raise_connection_error
+                yield p
+
+        monkeypatch.setattr(qos, "pipe_or_acquire", cut)
+        with pytest.raises(ConnectionError):
+            queue.get(no_ack=False)  # "lost": popped, its record never landed
+        monkeypatch.setattr(qos, "pipe_or_acquire", real)
+        landed = queue.get(no_ack=False)  # "landed": recorded...
+        assert landed.decode() == "landed"
+        # ...but its reply lost as well: the channel keeps a copy of it too
+        getattr(qos, celery_internals.UNRECORDED)[landed.delivery_tag] = (
+            landed._raw, "", "lane")
+        assert client.llen("lane") == 0 and client.hlen("unacked") == 1
+        tags = list(qos._delivered)
+        assert len(tags) == 2
+        copies = celery_internals.unrecorded_copies(channel, tags)
+        assert set(copies) == set(tags)
+        assert celery_internals.unrecorded_copies(channel, tags) == {}  # taken once
+
+        celery_internals.restore_unacked(app, tags, copies)
+        assert client.hlen("unacked") == 0 and client.zcard("unacked_index") == 0
+        back = sorted(queue.get(no_ack=True).decode() for _ in range(2))
+        assert back == ["landed", "lost"]
+        assert queue.get(no_ack=True) is None  # each once
+
+
+def _raise_connection_error(*args, **kwargs):
+    raise ConnectionError("the connection was reset")

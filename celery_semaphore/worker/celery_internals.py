@@ -490,6 +490,26 @@ def taken_at(channel: Any, stamp: float, queue_name: str) -> List[str]:
     return [tag.decode() if isinstance(tag, bytes) else str(tag) for tag in tags or ()]
 
 
+#: Attribute of a Redis ``QoS``: delivery tag -> ``(payload, exchange, routing_key)`` of each
+#: message whose record in the broker failed (:func:`record_deliveries_first`).
+UNRECORDED = "_celery_semaphore_unrecorded"
+
+#: What :func:`restore_unacked` puts back from the worker's own copy when the broker has no
+#: record: delivery tag -> ``(payload, exchange, routing_key)``.
+Copies = Dict[str, Tuple[Any, str, str]]
+
+
+def unrecorded_copies(channel: Any, tags: List[str]) -> Copies:
+    """The copies of those of ``tags`` whose record in the broker failed as ``channel``
+    received them (:func:`record_deliveries_first`), taken from the channel: the caller
+    puts them back (:func:`restore_unacked`). {} for another transport."""
+    qos = redis_qos(channel)
+    kept = getattr(qos, UNRECORDED, None) if qos is not None else None
+    if not kept:
+        return {}
+    return {tag: kept.pop(tag) for tag in tags if tag in kept}
+
+
 def record_deliveries_first() -> bool:
     """kombu 5.x's Redis ``QoS.append`` records a message the consumer received in the
     broker's unacked hash (one ``MULTI``/``EXEC``) and only then in the channel's
@@ -500,9 +520,12 @@ def record_deliveries_first() -> bool:
     call on, every Redis ``QoS`` of the process records the message in ``_delivered`` first:
     a failed append leaves it there, and the lost connection's restore
     (:meth:`.Gate.on_connection_lost`, or kombu's own as the channel closes) puts it back by
-    delivery tag, which does nothing if the transaction never landed (then the message is in
-    kombu's other window: popped from its queue, recorded nowhere). Idempotent; False where
-    kombu's Redis ``QoS`` is not shaped as expected."""
+    delivery tag. A failed append also keeps the message's payload on the ``QoS``
+    (:func:`unrecorded_copies`): if the transaction never landed, the gate's restore puts the
+    message back from that copy (:func:`restore_unacked`). What no worker can put back is a
+    message the broker popped for a connection that was gone before the reply arrived
+    (kombu's own window: recorded nowhere, seen by nobody). Idempotent; False where kombu's
+    Redis ``QoS`` is not shaped as expected."""
     try:
         from kombu.transport import redis as kombu_redis
         from kombu.transport.virtual import QoS as VirtualQoS
@@ -517,7 +540,14 @@ def record_deliveries_first() -> bool:
     @functools.wraps(append)
     def append_recorded_first(self: Any, message: Any, delivery_tag: Any) -> Any:
         VirtualQoS.append(self, message, delivery_tag)  # (append records it again: a dict)
-        return append(self, message, delivery_tag)
+        try:
+            return append(self, message, delivery_tag)
+        except BaseException:
+            # the broker may hold no record of it: keep what a restore needs to put it back
+            delivery = message.delivery_info
+            self.__dict__.setdefault(UNRECORDED, {})[delivery_tag] = (
+                message._raw, delivery["exchange"], delivery["routing_key"])
+            raise
 
     append_recorded_first._celery_semaphore_records_first = True  # type: ignore[attr-defined]
     kombu_redis.QoS.append = append_recorded_first  # type: ignore[method-assign]
@@ -579,16 +609,39 @@ def settle_unacked(app: Any, settlements: List[Tuple[str, bool]],
             landed(tag)
 
 
-def restore_unacked(app: Any, tags: List[str]) -> None:
+def restore_unacked(app: Any, tags: List[str], copies: Optional[Copies] = None) -> None:
     """Move the messages with delivery ``tags`` from a Redis broker's unacked hash back to the
     head of their queues, through a connection of its own (kombu 5.x ``QoS.restore_by_tag``,
-    one transaction per message: a tag already restored or acked is skipped). Raises when the
-    broker cannot be reached."""
+    one transaction per message: a tag already restored or acked is skipped). A tag of
+    ``copies`` (:func:`unrecorded_copies`) that the hash does not hold is put back from its
+    copy, in the same kind of transaction; one the hash holds, from the hash (never both).
+    Raises when the broker cannot be reached."""
     with app.connection_for_read() as connection:
         connection.ensure_connection(max_retries=1, interval_start=0)
         qos = connection.default_channel.qos
         for tag in tags:
-            qos.restore_by_tag(tag, leftmost=True)
+            if copies and tag in copies:
+                _restore_recorded_or_copy(qos, tag, copies[tag])
+            else:
+                qos.restore_by_tag(tag, leftmost=True)
+
+
+def _restore_recorded_or_copy(qos: Any, tag: str, copy: Tuple[Any, str, str]) -> None:
+    """kombu 5.x ``QoS.restore_by_tag``, with ``copy`` put back where the broker's unacked
+    hash has no record of ``tag``."""
+    from kombu.utils.json import loads
+
+    def restore(pipe: Any) -> None:
+        recorded = pipe.hget(qos.unacked_key, tag)
+        pipe.multi()
+        qos._remove_from_indices(tag, pipe)
+        payload, exchange, routing_key = (
+            loads(recorded.decode() if isinstance(recorded, bytes) else recorded)
+            if recorded else copy)
+        qos.channel._do_restore_message(payload, exchange, routing_key, pipe, True)
+
+    with qos.channel.conn_or_acquire() as client:
+        client.transaction(restore, qos.unacked_key)
 
 
 def child_is_up(pool: Any, pid: int) -> bool:

@@ -892,11 +892,14 @@ class Gate:
             # doorbells fetched by the consumer that the gate has not taken yet
             arriving = celery_internals.unacked_of_task(channel, DOORBELL_TASK)
             others = self.settlements.detach(channel, handed)
+            # received as the connection went, with no record in the broker (the append
+            # failed): put back from the channel's own copy
+            copies = celery_internals.unrecorded_copies(channel, others)
         tags = ([c.request.message.delivery_tag for c in detached]
                 + [m.delivery_tag for m in bells] + others)
         if tags:
             self.ctx.io.call(self.restore_detached, tags, core.RETRY_FIRST, len(detached),
-                             len(bells) + len(arriving.intersection(others)))
+                             len(bells) + len(arriving.intersection(others)), copies)
         self.ctx.io.call(self.parking.reset)
         return self._on_connection_lost(exc)
 
@@ -913,19 +916,22 @@ class Gate:
                     self.jobs[key] = live
 
     def restore_detached(self, tags: List[str], retry: float = core.RETRY_FIRST,
-                         waiting: int = 0, doorbells: int = 0) -> None:  # I/O
+                         waiting: int = 0, doorbells: int = 0,
+                         copies: Optional[celery_internals.Copies] = None) -> None:  # I/O
         """Put messages detached by :meth:`on_connection_lost` back in their queue, retrying
         until the broker answers (or the worker stops: then the transport's visibility
         timeout restores them). ``waiting``: how many of them were requests waiting for a
         slot, ``doorbells``: how many were doorbells this worker held or had just received;
         the others are requests Celery held and had not handed to the pool (those it had
-        stay: :class:`.Settlements`)."""
+        stay: :class:`.Settlements`). ``copies``: those received as the connection went whose
+        record in the broker failed, put back from these copies where the broker has no
+        record (:func:`.celery_internals.restore_unacked`)."""
         try:
-            celery_internals.restore_unacked(self.ctx.app, tags)
+            celery_internals.restore_unacked(self.ctx.app, tags, copies)
         except Exception as exc:
             if self.ctx.running:
                 self.ctx.io.call(self.restore_detached, tags, min(retry * 2, core.RETRY_MAX),
-                                 waiting, doorbells, delay=retry)
+                                 waiting, doorbells, copies, delay=retry)
             else:
                 logger.warning("celery-semaphore: %d tasks stay unacknowledged in the broker "
                                "until its visibility_timeout restores them: %s", len(tags), exc)
