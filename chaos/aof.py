@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from collections import deque
-from typing import Deque, Dict, Iterable, Iterator, List, Set
+from typing import Deque, Dict, Iterable, Iterator, List, Set, Tuple
 
 
 def commands(data: bytes) -> Iterator[List[bytes]]:
@@ -67,10 +67,25 @@ def popped_as_broker_died(aof_dir: str, task_ids: Iterable[str]) -> Set[str]:
     """Those of ``task_ids`` whose message a pop took off its list last, with no record of the
     delivery before the broker restarted (module docstring). Empty when the file cannot say
     (no AOF, or a rewrite's base holds list contents)."""
+    return _popped_unrecorded(aof_dir, task_ids)[0]
+
+
+def popped_never_recorded(aof_dir: str, task_ids: Iterable[str]) -> Set[str]:
+    """Those of ``task_ids`` whose message a pop took off its list last and whose delivery
+    was never recorded, the broker restarted since or not: with a connection reset as the
+    broker served a worker's ``BRPOP``, the pop is written and its reply lost (kombu's window
+    again, for a cut instead of a kill). Empty when the file cannot say."""
+    died, popped = _popped_unrecorded(aof_dir, task_ids)
+    return died | popped
+
+
+def _popped_unrecorded(aof_dir: str, task_ids: Iterable[str]) -> Tuple[Set[str], Set[str]]:
+    """(popped before a restart and not recorded, popped since the last restart and not
+    recorded) among ``task_ids``."""
     wanted = {task_id.encode(): task_id for task_id in task_ids}
     files = incr_files(aof_dir)
     if not wanted or not files:
-        return set()
+        return set(), set()
     lists: Dict[bytes, Deque[bytes]] = {}
     popped: Set[bytes] = set()  # taken off a list; its delivery not recorded yet
     died: Set[bytes] = set()
@@ -112,4 +127,4 @@ def popped_as_broker_died(aof_dir: str, task_ids: Iterable[str]) -> Set[str]:
                 items = lists.get(command[1])
                 if items:
                     lists[command[1]] = deque(v for v in items if v != command[3])
-    return {wanted[tid] for tid in died}
+    return {wanted[tid] for tid in died}, {wanted[tid] for tid in popped}

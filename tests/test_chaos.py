@@ -245,6 +245,53 @@ def test_the_aof_shows_a_message_popped_as_the_broker_died(tmp_path):
                                      ["t1"]) == set()
 
 
+def test_the_aof_shows_a_message_popped_for_a_connection_that_was_reset(tmp_path):
+    """kombu's window for a cut: the broker serves a worker's BRPOP as the proxy resets its
+    connection, writes the pop and loses the reply. t1 was popped and never recorded, the
+    broker up all along; t2's delivery was recorded; t3 was put back; t4 was popped as the
+    broker died; t5 never left its queue."""
+    msg = {t: f'{{"headers": {{"id": "{t}"}}}}' for t in ("t1", "t2", "t3", "t4", "t5")}
+    path = _aof(tmp_path, ("SELECT", "0"),
+                ("LPUSH", "q", msg["t4"]), ("RPOP", "q"), ("SELECT", "0"),  # t4: a kill
+                ("LPUSH", "q", msg["t1"]), ("LPUSH", "q", msg["t2"]),
+                ("LPUSH", "q", msg["t3"]), ("LPUSH", "q", msg["t5"]),
+                ("RPOP", "q"),  # t1: no record follows, no restart either
+                ("RPOP", "q"), ("MULTI",), ("HSET", "unacked", "tag2", f'[{msg["t2"]}]'),
+                ("EXEC",), ("RPOP", "q"), ("LPUSH", "q", msg["t3"]))  # t3 back
+    assert aof.popped_never_recorded(path, ["t1", "t2", "t3", "t4", "t5"]) == {"t1", "t4"}
+    assert aof.popped_as_broker_died(path, ["t1", "t2", "t3", "t4", "t5"]) == {"t4"}
+
+
+def test_a_task_popped_as_a_broker_cut_began_is_in_kombus_window_only_with_the_aofs_proof(
+        tmp_path):
+    """A task lost near a broker cut is counted apart only if it was sent just as the cut
+    began and the AOF shows its pop with no record of the delivery; a task the AOF shows
+    still queued, or sent long before the cut, stays lost."""
+    from types import SimpleNamespace
+
+    from chaos.run import Chaos
+
+    msg = {t: f'{{"headers": {{"id": "{t}"}}}}' for t in ("t2", "t3", "t4")}
+    (tmp_path / "broker" / "appendonlydir").mkdir(parents=True)
+    _aof(tmp_path / "broker" / "appendonlydir", ("SELECT", "0"),
+         ("LPUSH", "q", msg["t2"]), ("RPOP", "q"),  # t2: popped, no record
+         ("LPUSH", "q", msg["t4"]), ("LPUSH", "q", msg["t3"]), ("RPOP", "q"))  # t4 popped
+    lines = body("t1", 1, 2, pid=1)
+    cut = Fault("broker_cut", int(10 * NS), int(12 * NS))
+    sends = {"t1": 0, "t2": int(10.002 * NS), "t3": int(10.01 * NS), "t4": int(3 * NS)}
+    report = run_check(lines, sends=sends, faults=[cut])
+    assert report.lost == 3  # the checker alone counts every one lost
+    chaos = Chaos.__new__(Chaos)
+    chaos.faults, chaos.sends = [cut], sends
+    chaos.broker = SimpleNamespace(workdir=str(tmp_path / "broker"))
+    chaos.excuse_broker_cut_pops(report)
+    # t2: sent 2 ms into the cut, popped, never recorded; t3: still queued (t4 was popped,
+    # but it was sent 7 s before the cut)
+    assert report.lost == 2 and sorted(report.details["lost_tasks"]) == ["t3", "t4"]
+    assert report.details["lost_popped_as_connection_reset"] == ["t2"]
+    assert report.details["lost_in_broker_kill_window"] == ["t2"]
+
+
 def test_a_body_killed_mid_run_and_run_again_is_not_a_duplicate():
     lines = body("t1", 1, None, pid=1) + body("t1", 40, 41, pid=2)
     kill = Fault("child_kill", int(1.5 * NS), int(1.5 * NS), killed=[1])
