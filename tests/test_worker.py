@@ -171,26 +171,65 @@ def test_unguarded_tasks_flow_while_guarded_ones_wait(cluster):
     # Revoking a waiting task, by id or by stamped header: it never runs.
     waiting[0].revoke()
     assert wait_until(lambda: waiting[0].state == "REVOKED", timeout=5)
+    # Sent behind a backlog, the stamped task may wait in a worker or in the waiting room
+    # (parked on send, or by a worker past its share): revoked by its stamp either way, it
+    # never runs, and is announced REVOKED where a worker meets it (in its line at the next
+    # tick, or when it is pulled once the backlog drains).
     stamped = slow.s("s1", 0.05)
     stamped.stamp(batch="cancel-me")
     stamped = stamped.apply_async()
-    # (sent behind a backlog, it may be parked on send and pulled once a worker has room:
-    # under a parallel run that takes longer than a plain delivery)
-    assert wait_until(lambda: any(f"[{stamped.id}] received" in w.output()
-                                  for w in cluster.workers), timeout=20)
     cluster.app.control.revoke_by_stamped_headers({"batch": "cancel-me"})
-    assert wait_until(lambda: stamped.state == "REVOKED", timeout=5)
     # Revoke with terminate frees the slot at once: the waiters run, one at a time.
     terminated_at = time.monotonic_ns()
     first.revoke(terminate=True)
+
+    def logs():
+        return "\n".join(f"--- {w.name}\n{w.output()[-6000:]}" for w in cluster.workers)
+
     for result in waiting[1:]:
-        result.get(timeout=30)
+        try:
+            result.get(timeout=30)
+        except Exception as exc:
+            raise AssertionError(f"{result.id}: {exc!r}\n{logs()}") from exc
+    assert wait_until(lambda: stamped.state == "REVOKED", timeout=30), logs()
     assert not cluster.started("slow:b1") and not cluster.started("slow:s1")
     assert cluster.probe.max_concurrent("slow:b") == 1
     b_starts = [runs[0][0] for key, runs in cluster.probe.intervals().items()
                 if key.startswith("slow:b")]
     assert min(b_starts) > terminated_at
     assert wait_until(lambda: cluster.held("slow") == 0)
+
+
+def test_a_granted_task_revoked_before_a_pool_process_takes_it_frees_its_slot_at_once(
+        redis_url, tmp_path):
+    """With its one process busy, a worker tries the next request ahead, and hands it to the
+    pool with its slot: Celery holds it until the process frees. Revoked meanwhile, Celery
+    discards it there (no pool callback comes; the signal it sends carries the task's
+    Context, not the request), and the slot goes at once, not at the gate's next tick (30 s
+    here)."""
+    settings = json.dumps({"semaphore_poll_interval": 30.0})
+    cluster = Cluster(str(tmp_path), redis_url, servers.redis_broker(redis_url), redis_url,
+                      workers=1, concurrency=1, CS_SETTINGS=settings, CS_LEASE_TTL="300")
+    try:
+        call = cluster.task("ahead_call")
+        release = str(tmp_path / "a.go")
+        first = call.delay("a", release)
+        assert wait_until(lambda: cluster.started("ahead:a"), timeout=20)
+        second = call.delay("b", 0.0)
+        assert wait_until(lambda: cluster.held("ahead") == 2, timeout=20)  # granted ahead
+        second.revoke()
+        worker = cluster.workers[0]
+        assert wait_until(lambda: f"Tasks flagged as revoked: {second.id}" in worker.output(),
+                          timeout=10)
+        open(release, "w").close()
+        assert first.get(timeout=30) == "a"
+        assert wait_until(lambda: f"Discarding revoked task: tests.celery_app.ahead_call"
+                          f"[{second.id}]" in worker.output(), timeout=10)
+        assert wait_until(lambda: cluster.held("ahead") == 0, timeout=5), worker.output()[-4000:]
+        assert not cluster.started("ahead:b")
+        assert "Signal handler" not in worker.output()
+    finally:
+        cluster.stop()
 
 
 def test_a_duplicate_delivery_never_runs_beside_its_twin(cluster):

@@ -987,15 +987,19 @@ class Gate:
                                                     self.ctx.settings.poll_interval))
 
     def _on_task_revoked(self, sender: Any = None, request: Any = None, **kwargs: Any) -> None:
-        """Celery revoked (or expired) ``request`` before a pool process took it: no pool
-        callback comes."""
-        if request is not None and celery_internals.revoked_before_start(request):
-            self.ctx.loop.post(self._revoked, request)
+        """Celery revoked (or expired) a request: Celery 5.3 to 5.7 send the task's
+        ``Context``, not the worker's ``Request``, so the request is found by its task id."""
+        task_id = getattr(request, "id", None)
+        if task_id is not None:
+            self.ctx.loop.post(self._revoked, task_id)
 
-    def _revoked(self, request: Any) -> None:
-        claim = getattr(request, CLAIM, None)
-        if claim is not None and claim.state is State.POOL:
-            self.handle(core.Ended(claim))
+    def _revoked(self, task_id: str) -> None:
+        """The requests of ``task_id`` handed to the pool that Celery revoked before a pool
+        process took them: no pool callback comes for them, and their slots go now."""
+        for claim in [c for c in self.core.in_pool.values() if c.request.id == task_id]:
+            if claim.state is State.POOL and celery_internals.revoked_before_start(
+                    claim.request):
+                self.handle(core.Ended(claim))
 
 
 class _Surroundings:
