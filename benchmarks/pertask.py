@@ -28,7 +28,8 @@ nothing to decide.
 handoff inside one pool process, on an idle machine (the turnaround then is what the gate adds
 between two tasks, with no CPU contention); ``--profile``
 records a py-spy profile of one worker's main process during each round, guarded and
-unguarded (the flame graphs go next to the probe file; ``py-spy`` comes with the ``bench`` extra).
+unguarded (raw stacks next to the probe file, 250 samples a second or ``BENCH_PROFILE_RATE``;
+``py-spy`` comes with the ``bench`` extra).
 """
 
 from __future__ import annotations
@@ -238,7 +239,8 @@ def _start_profile(pid: int, tmp: str, label: str) -> Any:
     out = os.path.join(tmp, f"profile-{label}.txt")
     beside = os.path.join(os.path.dirname(sys.executable), "py-spy")  # the venv's (bench)
     spy = beside if os.path.exists(beside) else "py-spy"
-    return subprocess.Popen([spy, "record", "--pid", str(pid), "--rate", "250",
+    rate = os.environ.get("BENCH_PROFILE_RATE", "250")
+    return subprocess.Popen([spy, "record", "--pid", str(pid), "--rate", rate,
                              "--format", "raw", "--output", out, "--nonblocking", "--gil"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), out
 

@@ -12,6 +12,7 @@ from kombu.asynchronous import Hub
 
 from celery_semaphore.backends import get_backend
 from celery_semaphore.backends.base import Acquire, Release
+from celery_semaphore.backends.redis import hublink
 from celery_semaphore.exceptions import BackendUnavailable, LinkClosed
 from tests import servers
 from tests.util import wait_until
@@ -94,6 +95,20 @@ def test_everything_asked_in_one_turn_goes_in_one_write_and_answers_in_order(red
         assert len(slots) == 50  # each its own slot
     finally:
         loop.backend.reset("one")
+        loop.close()
+
+
+def test_the_scripts_are_loaded_as_the_link_starts_before_any_call(stoppable_redis):
+    port, _, client = stoppable_redis
+    loop = Loop(f"redis://127.0.0.1:{port}/0")
+    try:
+        sources = loop.backend.scripts()
+        shas = [sources[name][1] for name in hublink.SCRIPTS]
+        # no call made: the commands connection connects and loads them on its own
+        assert loop.turn_until(lambda: loop.link.commands.ready
+                               and not loop.link.commands.pending)
+        assert all(client.script_exists(*shas))
+    finally:
         loop.close()
 
 

@@ -356,9 +356,10 @@ class HubLink:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Connect (again) on the hub: the wake-up channel at once, commands at the first
-        call. After the hub was reset (a broker reconnect) the old sockets are gone from it:
-        they are dropped and made anew."""
+        """Connect (again) on the hub, both connections at once: the commands connection
+        loads the scripts as it connects, so the first acquire does not wait for them (nor
+        does a benchmark count them against its tasks). After the hub was reset (a broker
+        reconnect) the old sockets are gone from it: they are dropped and made anew."""
         self.close(reason="the link restarts")
         self._started = True
         self.hub.on_tick.add(self.flush)
@@ -367,6 +368,7 @@ class HubLink:
             on_close.add(self._hub_closed)
         self._timer = self.hub.call_repeatedly(CHECK_EVERY, self._check)
         self._subscribe()
+        self.commands.connect()  # (a failure: the next call tries again, after its pause)
 
     def close(self, reason: str = "the link closed") -> None:
         on_close = getattr(self.hub, "on_close", None)
