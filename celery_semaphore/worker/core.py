@@ -334,14 +334,13 @@ class Cancel:
 
 @dataclass(frozen=True)
 class Release:
-    """Release the slots ``holder`` holds of ``names``, in ``delay`` seconds; while the
-    backend does not answer, again (:data:`RETRY_FIRST` doubling to :data:`RETRY_MAX`) until
+    """Release the slots ``holder`` holds of ``names``; while the backend does not answer,
+    again (:data:`RETRY_FIRST` doubling to :data:`RETRY_MAX`) until
     ``until``, monotonic: the backend's expiry frees them then."""
 
     names: Tuple[str, ...]
     holder: str
     until: float
-    delay: float = 0.0
     #: what the call came to (an adaptive limit learns from it), and how long it ran
     outcome: Optional[str] = None
     latency: Optional[float] = None

@@ -349,11 +349,6 @@ class Gate:
                             f"leaving the queue of {command.names[0]!r}")
 
     def _release(self, command: core.Release) -> None:
-        if command.delay > 0:
-            self._later(command.delay, self._release, core.Release(
-                command.names, command.holder, command.until, outcome=command.outcome,
-                latency=command.latency))
-            return
         for name in command.names:
             self._perform_until(Release(name, command.holder, command.outcome, command.latency),
                                 command.until, f"releasing {name!r} ({command.holder})")
