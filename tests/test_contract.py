@@ -127,7 +127,9 @@ def test_contention_storm_never_exceeds_limit(spec):
     (Consul: a read and a check-and-set over HTTP, against the test double on two shared
     cores) still fills every slot, so "reached" checks liveness, not raw speed.
     """
-    limit, workers, rounds = 3, 32, 6
+    # (Consul: three rounds, not six; each admission is HTTP against the double, and a loaded
+    # fresh-clone CI run saw contenders wait out their 60 s acquire with six)
+    limit, workers, rounds = 3, 32, 3 if spec.kind == "consul" else 6
     probe = Probe()
     errors = FORK.Value("i", 0)
 

@@ -318,14 +318,14 @@ def test_resize_up_and_down_under_load(rabbit, amqp_url, tokens):
         holds_seen(20)
         assert probe.highest.value == 2
         sem.resize(4)
-        assert wait_until(lambda: probe.highest.value == 4, timeout=10)
+        assert wait_until(lambda: probe.highest.value == 4, timeout=60)
         sem.resize(1)
-        assert wait_until(lambda: sem.status().held <= 1, timeout=10)
+        assert wait_until(lambda: sem.status().held <= 1, timeout=60)
         probe.highest.value = 0
         holds_seen(20)
         assert probe.highest.value == 1
         sem.resize(3)
-        assert wait_until(lambda: probe.highest.value == 3, timeout=10)
+        assert wait_until(lambda: probe.highest.value == 3, timeout=60)
     finally:
         stop.set()
         for thread in threads:
