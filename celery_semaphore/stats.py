@@ -2,10 +2,11 @@
 
 Every backend that keeps them (Redis, Sentinel, Cluster and every document backend: memory,
 SQLite, PostgreSQL, RabbitMQ, Consul) updates them **in the same atomic step** as the operation
-they count: a grant counts ``acquired`` and observes its wait in the script or transaction that
-grants, a release observes the hold time in the one that releases, the pruning of expired
-leases counts ``expired`` where it prunes. So the counters of a semaphore are the cluster's,
-exact (no sampling, no per-process endpoint) and survive any worker restart.
+they count: a grant observes its wait in the script or transaction that grants (``acquired`` is
+the wait histogram's count: every grant is one observation, so it is not stored apart), a
+release observes the hold time in the one that releases, the pruning of expired leases counts
+``expired`` where it prunes. So the counters of a semaphore are the cluster's, exact (no
+sampling, no per-process endpoint) and survive any worker restart.
 
 What the workers count (``requeued``, ``parked_worker``, ``parked_send``) reaches the backend
 in one small batched call per semaphore (:meth:`.backends.base.Backend.count`), at most every
@@ -16,7 +17,8 @@ The counters live and die with the semaphore's state: ``reset`` and the idle exp
 (``idle_ttl``, 7 days unused) restart them from zero, which Prometheus' ``rate()`` and
 ``increase()`` treat as a counter reset.
 
-Storage: flat string -> integer fields (:data:`COUNTERS`, ``wait:<i>``/``hold:<i>`` for the
+Storage: flat string -> integer fields (:data:`COUNTERS` but ``acquired``, which earlier
+releases stored and which is now ignored; ``wait:<i>``/``hold:<i>`` for the
 non-cumulative count of bucket ``i`` of :data:`BUCKETS` (``i == len(BUCKETS)``: above the
 last bound), ``wait_sum``/``hold_sum`` in microseconds). Redis keeps them as ``s:<field>`` in
 the semaphore's ``config`` hash; the document backends as ``State.stats``.
@@ -125,7 +127,10 @@ class SemaphoreStats:
             return Histogram(tuple(values.get(f"{name}:{i}", 0) for i in range(len(BUCKETS) + 1)),
                              values.get(f"{name}_sum", 0) / 1e6)
 
-        return cls({c: values.get(c, 0) for c in COUNTERS}, histogram("wait"), histogram("hold"))
+        wait = histogram("wait")
+        counters = {c: values.get(c, 0) for c in COUNTERS}
+        counters["acquired"] = wait.count
+        return cls(counters, wait, histogram("hold"))
 
     def __add__(self, other: "SemaphoreStats") -> "SemaphoreStats":
         return SemaphoreStats({c: self[c] + other[c] for c in COUNTERS},

@@ -49,13 +49,14 @@ def test_counters_and_histograms_follow_the_operations(spec):
 def test_histogram_arithmetic_and_quantiles():
     assert bucket_of(0.0) == 0 and bucket_of(BUCKETS[0]) == 0
     assert bucket_of(BUCKETS[-1] + 1) == len(BUCKETS)
+    # acquired is the wait histogram's count (a stored one, as earlier releases kept, is not)
     fields = {"wait:3": 10, "wait_sum": 400_000, "hold:7": 1, "acquired": "11"}
     stats = SemaphoreStats.from_fields(fields)
-    assert stats["acquired"] == 11 and stats.wait.count == 10 and stats.wait.total == 0.4
+    assert stats["acquired"] == 10 and stats.wait.count == 10 and stats.wait.total == 0.4
     # ten observations in (0.025, 0.05]: the median interpolates to the middle of it
     assert stats.wait.quantile(0.5) == pytest.approx(0.0375)
     assert stats.wait.cumulative()[-1] == ("+Inf", 10)
-    assert (stats + stats)["acquired"] == 22
+    assert (stats + stats)["acquired"] == 20
     later = Histogram(tuple(n + (2 if i == 0 else 0) for i, n in enumerate(stats.wait.buckets)),
                       stats.wait.total + 0.001)
     assert (later - stats.wait).count == 2 and (later - stats.wait).quantile(1.0) == BUCKETS[0]

@@ -561,7 +561,6 @@ class State:
         self.holders[holder] = Holder(slot, epoch, now, now + ttl, meta, windows=windows)
         queued = self.waiters.pop(holder, None)
         self.round = max(self.round, round_)
-        self.count("acquired")
         first_wait = meta.get(FIRST_WAIT_META)
         since = (first_wait if isinstance(first_wait, (int, float))
                  else queued.since if queued is not None else now)

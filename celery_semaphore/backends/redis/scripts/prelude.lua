@@ -680,7 +680,6 @@ local function grant(holder, slot, last_epoch, limit, declared_limit, ttl, meta,
   elseif queued then
     since = tonumber(string.match(entry or redis.call('HGET', winfo, holder), '\n(%d+)'))
   else since = now end
-  stat('acquired', 1)
   observe('wait', now - since)
   if queued then unqueue(holder, tr.xw, tr.xu, fair) end
   if round > 0 and round > tonumber(redis.call('HGET', config, 'round') or 0) then
