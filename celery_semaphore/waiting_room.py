@@ -58,6 +58,9 @@ DOORBELL_EVERY = 0.1
 #: Seconds between two doorbells one worker sends again for a lane it holds but has no room
 #: for (so that another worker consuming the same queue takes some).
 RERING_EVERY = 1.0
+#: Seconds between two doorbells one worker sends again for a lane whose requests wait in it
+#: for a pool process while their semaphore has room (another worker may have free ones).
+SHORT_RERING_EVERY = 0.25
 #: Seconds a sender trusts a "busy" answer (requests wait in the backend's queue): sends of
 #: that semaphore are parked meanwhile.
 BUSY_FOR = 0.25

@@ -948,6 +948,21 @@ def test_a_grant_with_every_process_busy_waits_in_the_pools_queue_within_the_loo
     assert kinds(commands) == ["StopAttempts", "GiveBackGrant"]  # the queue is full
 
 
+def test_short_of_processes_only_while_every_process_is_busy_and_the_semaphore_has_room():
+    """What makes the waiting room ring a lane again for the other workers: requests of the
+    semaphore wait here, no process is free, and its last grant here left units free."""
+    core, world = make(processes=1)
+    first, _, _ = arrive(core)
+    assert not core.short_of_processes("s")  # a free process (its attempt is out)
+    run(core, first, Attempt(GRANT, limit=4, free=3))
+    second, _, _ = arrive(core)
+    assert core.free_processes() == 0 and core.count("s") == 1
+    assert core.short_of_processes("s")
+    core.spare["s"] = 0  # found full: another worker could only wait too
+    assert not core.short_of_processes("s")
+    assert not core.short_of_processes("other")
+
+
 def test_a_backoff_pauses_before_the_release_reports_overload_and_gives_the_call_back():
     from celery_semaphore.worker.core import BackedOff
 

@@ -3,7 +3,7 @@ event: no threads, no Celery, no broker. Each test feeds events and checks the c
 come out, in order; the clock and what the book reads of the worker are the test's. A bell's
 state is never set or read here: it is reached by events and seen in the commands."""
 
-from celery_semaphore.waiting_room import RERING_EVERY, lane_of
+from celery_semaphore.waiting_room import RERING_EVERY, SHORT_RERING_EVERY, lane_of
 from celery_semaphore.worker.lanes import (
     PULL_BATCH,
     RECHECK_AFTER,
@@ -30,9 +30,13 @@ class Worker:
         self.unsettled_by_lane = {}
         self.now = 100.0
         self.redelivered_after = None  # AMQP; a Redis broker's visibility_timeout otherwise
+        self.short = set()  # semaphores whose requests here wait for a process, with room
 
     def room(self, semaphore):
         return self.rooms.get(semaphore, self.default_room)
+
+    def short_of_processes(self, semaphore):
+        return semaphore in self.short
 
     def settling(self):
         return self.pending
@@ -193,6 +197,43 @@ def test_no_room_rings_the_lane_again_for_the_others_at_most_every_rering():
     assert book.refill("s") == [Ring(LANE)]
     book.ring_failed(LANE)  # the broker did not take it: the bell's own throttle still holds
     assert book.refill("s") == []
+
+
+def test_requests_waiting_for_a_process_ring_the_lane_again_while_pulling_on():
+    """A worker with room that still pulls a lane whose requests wait here for a process
+    (the semaphore has room) rings the lane again for the other workers, at most every
+    SHORT_RERING_EVERY: one whose consumer took every doorbell of a backlog kept the others
+    idle beside it."""
+    book, worker = make(room=8)
+    bell = ring(book)
+    book.pull_landed(LANE, 8)
+    assert book.pulled(bell, 8, False, worker.now, LANE) == [Pull(LANE, 8, worker.now)]
+    book.pull_landed(LANE, 8)
+    worker.short.add("s")
+    assert book.refill("s") == [Ring(LANE), Pull(LANE, 8, worker.now)]  # and pulls on
+    book.pull_landed(LANE, 8)
+    assert book.refill("s") == [Pull(LANE, 8, worker.now)]  # rung a moment ago
+    book.pull_landed(LANE, 8)
+    worker.now += SHORT_RERING_EVERY
+    assert SHORT_RERING_EVERY < RERING_EVERY
+    assert book.refill("s") == [Ring(LANE), Pull(LANE, 8, worker.now)]
+    book.pull_landed(LANE, 8)
+    worker.short.clear()
+    worker.now += RERING_EVERY
+    assert book.refill("s") == [Pull(LANE, 8, worker.now)]  # a free process: no ring
+
+
+def test_a_worker_short_of_processes_rings_one_lane_of_a_semaphore_at_a_time():
+    """With fair keys (a lane each), only the next lane in turn is rung again: a doorbell of
+    any lane brings another worker in, without a doorbell per key every time."""
+    book, worker = make(room=PULL_BATCH)
+    lanes = [lane_of("s", f"k{i}", "celery") for i in range(3)]
+    for lane in lanes:
+        ring(book, lane)
+    worker.short.add("s")
+    worker.now += 10.0
+    rings = [c for c in book.refill("s") if isinstance(c, Ring)]
+    assert len(rings) == 1
 
 
 def test_the_room_is_shared_between_the_lanes_of_a_semaphore_in_turn():

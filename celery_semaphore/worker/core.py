@@ -547,6 +547,15 @@ class WorkerCore:
         """Waiting requests of semaphore ``name`` the backend told to wait."""
         return self.counts.blocked.get(name, 0)
 
+    def short_of_processes(self, name: str) -> bool:
+        """Requests of semaphore ``name`` wait here with every pool process busy while its
+        last grant here left units free that nobody waited for (:attr:`spare`): another
+        worker that consumes their queue may have free processes to run its parked backlog
+        now (the waiting room rings the lane's doorbell again for it). A semaphore found full,
+        or not known here, is not: another worker could only wait for it too."""
+        return (self.free_processes() <= 0 and self.count(name) > 0
+                and self.spare.get(name, 0) > 0)
+
     def free_processes(self) -> int:
         """Pool processes no request occupies (a request handed to the pool occupies one
         until it ends, whether it runs or waits in the pool's queue for the next free one)."""

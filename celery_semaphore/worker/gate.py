@@ -1036,6 +1036,9 @@ class _Line:
     def room(self, name: str) -> int:
         return self.gate.core.room(name)
 
+    def short_of_processes(self, name: str) -> bool:
+        return self.gate.core.short_of_processes(name)
+
     def pump(self) -> None:
         self.gate.handle(core.CapacityChanged())
 

@@ -24,8 +24,10 @@ Guarantees: a lane's doorbell is acked only once a pull begun at least
 is unsettled or on its way back, and only while its broker record is surely this worker's
 (held for less than a Redis broker's visibility timeout, less a margin: past it the broker
 may have delivered it again to another worker, whose record an ack would drop; it is left to
-the broker instead); a lane this worker has no room for is rung again at most once every
-:data:`..waiting_room.RERING_EVERY`; a lane whose tasks this worker does not know is left to
+the broker instead); a lane this worker has no room for, or whose requests wait here for a
+process while its semaphore has room (:meth:`LaneSurroundings.short_of_processes`), is rung
+again at most once every :data:`..waiting_room.RERING_EVERY` (resp.
+:data:`..waiting_room.SHORT_RERING_EVERY`); a lane whose tasks this worker does not know is left to
 the others for :data:`REFUSE_FOR`.
 """
 
@@ -37,7 +39,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Optional, Protocol, Union
 
-from ..waiting_room import DOORBELL_EVERY, RERING_EVERY, semaphore_of
+from ..waiting_room import DOORBELL_EVERY, RERING_EVERY, SHORT_RERING_EVERY, semaphore_of
 
 #: After a doorbell, pull once more this much later: a sender rings at most once every
 #: :data:`DOORBELL_EVERY`, so what it parked after ringing is there by then.
@@ -84,6 +86,10 @@ class LaneSurroundings(Protocol):
 
     def room(self, semaphore: str) -> int:
         """How many more requests of ``semaphore`` this worker should hold waiting."""
+
+    def short_of_processes(self, semaphore: str) -> bool:
+        """Requests of ``semaphore`` wait in this worker with every pool process busy while
+        the semaphore has room: another worker's free processes could run them now."""
 
     def settling(self) -> bool:
         """Messages this worker gives back have not all reached the broker yet."""
@@ -323,6 +329,12 @@ class LaneBook:
             for lane in lanes:
                 self._ring_again(self.bells[lane])
             return
+        if self.surroundings.short_of_processes(semaphore):
+            # What this worker pulled waits for a process while another worker's may be free:
+            # ring the next lane again for the others, sooner than for a lack of room (a
+            # worker whose consumer took every doorbell of a backlog as it was sent pulled it
+            # alone, the others idle beside it).
+            self._ring_again(self.bells[lanes[0]], SHORT_RERING_EVERY)
         part = max(1, want // len(lanes))
         now = self.clock()
         for _ in range(len(lanes)):
@@ -373,13 +385,14 @@ class LaneBook:
             return True
         return self.clock() - bell.since < after - min(after / 4, REDELIVERY_MARGIN)
 
-    def _ring_again(self, bell: Bell) -> None:
-        """This worker holds ``bell`` but has no room for its lane: ring it again (at most
-        once every :data:`RERING_EVERY`) for another worker that consumes the same queue."""
+    def _ring_again(self, bell: Bell, every: float = RERING_EVERY) -> None:
+        """This worker holds ``bell`` but has no room for its lane (or is short of processes
+        for it): ring it again (at most once every ``every`` seconds) for another worker that
+        consumes the same queue."""
         now = self.clock()
-        if bell.state is BellState.PULLING and now - bell.rerung >= RERING_EVERY:
+        if bell.state is BellState.PULLING and now - bell.rerung >= every:
             bell.rerung = now
-            if now - self._rung.get(bell.lane, -RERING_EVERY) >= RERING_EVERY:
+            if now - self._rung.get(bell.lane, -every) >= every:
                 self._rung[bell.lane] = now
                 if len(self._rung) > 10_000:
                     self._rung = {k: t for k, t in self._rung.items() if now - t < RERING_EVERY}

@@ -99,6 +99,9 @@ class Line(Protocol):
     def room(self, name: str) -> int:
         """How many more requests of ``name`` this worker should hold waiting."""
 
+    def short_of_processes(self, name: str) -> bool:
+        """Requests of ``name`` wait in this worker with every pool process busy."""
+
     def pump(self) -> None:
         """Something changed that may let the line move."""
 
@@ -817,6 +820,9 @@ class _LaneSurroundings:
 
     def room(self, semaphore: str) -> int:
         return self.lot.room(semaphore)
+
+    def short_of_processes(self, semaphore: str) -> bool:
+        return self.lot.line.short_of_processes(semaphore)
 
     def settling(self) -> bool:
         return len(self.lot.settlements) > 0
