@@ -89,18 +89,20 @@ def markdown(data) -> str:
         "binds (and W6's 1,000 x 1: one task per key, limit 1 per key, 20 ms), beside the "
         "same tasks unguarded on the same two workers (x 4 prefork), rounds "
         "in alternating order; the workers' main processes (every thread): CPU seconds per "
-        "1,000 tasks and context switches per task; the whole machine's CPU seconds per 1,000 "
+        "1,000 tasks and context switches per task; their pool processes' CPU seconds per 1,000 "
+        "tasks (pool_cpu); the whole machine's CPU seconds per 1,000 "
         "tasks (machine_cpu) and how busy its cores were (machine_busy); the backend server's "
         "CPU seconds per 1,000 tasks; commands per task on the backend (a Redis "
         "of its own: scripts' own commands included) and on the broker (the shared server):",
         table([r for r in data.get("pertask", []) if r.get("kind") == "guarded"],
               ["workload", "tasks", "round", "makespan_s", "vs_unguarded", "cpu_s_per_1000",
-               "cpu_vs_unguarded", "machine_cpu_vs_unguarded", "backend_server_cpu_s_per_1000",
+               "cpu_vs_unguarded", "pool_cpu_s_per_1000", "machine_cpu_vs_unguarded",
+               "backend_server_cpu_s_per_1000",
                "machine_busy", "switches_per_task", "backend_cmds_per_task",
                "broker_cmds_per_task"]),
         table([r for r in data.get("pertask", []) if r.get("kind") == "unguarded"],
               ["workload", "tasks", "round", "makespan_s", "cpu_s_per_1000",
-               "machine_cpu_s_per_1000", "machine_busy", "switches_per_task",
+               "pool_cpu_s_per_1000", "machine_cpu_s_per_1000", "machine_busy", "switches_per_task",
                "broker_cmds_per_task"]),
         "W11, cost as workers grow: 400 x 10 ms on one semaphore of limit 2, workers of "
         "concurrency 1, the backend on a Redis of its own; commands per task inside scripts "

@@ -7,7 +7,8 @@ order (unguarded first in odd rounds, guarded first in even ones). Per round and
 * makespan (first send to the last body's end, from the probe file the bodies write) and
   throughput; ``vs_unguarded`` = unguarded makespan / guarded makespan of the same round pair;
 * CPU seconds per 1,000 tasks of the workers' main processes (every thread; ``/proc/<pid>/
-  stat``), of the backend's and the broker's Redis servers (``INFO cpu``) and of the whole
+  stat``), of their pool processes (``pool_cpu_s_per_1000``: the children alive at the end of
+  the round), of the backend's and the broker's Redis servers (``INFO cpu``) and of the whole
   machine (``/proc/stat``: pool processes, sender and everything else included) and of the
   sending process (this one, ``time.process_time``), and how busy
   the machine's cores were during the round (``machine_busy``, 1.0: every core all the time);
@@ -68,6 +69,30 @@ def _stat(pid: int) -> Tuple[float, int]:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), int(fields[17])
 
 
+def _children(pid: int) -> List[int]:
+    """The live child processes of ``pid`` (a prefork worker's pool processes)."""
+    out: List[int] = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(child) for child in f.read().split()]
+        except OSError:
+            continue
+    return out
+
+
+def _children_cpu(pids: Sequence[int]) -> float:
+    """CPU seconds the pool processes of the workers ``pids`` have used (those alive now)."""
+    total = 0.0
+    for pid in pids:
+        for child in _children(pid):
+            try:
+                total += _stat(child)[0]
+            except OSError:  # ended since it was listed
+                pass
+    return total
+
+
 def _switches(pid: int) -> Dict[str, int]:
     """Context switches per thread name (voluntary + involuntary) of process ``pid``."""
     out: Counter[str] = Counter()
@@ -107,6 +132,7 @@ def _snapshot(pids: Sequence[int], backend: Any, broker: Any) -> Dict[str, Any]:
     for pid in pids:
         switches.update(_switches(pid))
     return {"cpu": sum(_stat(pid)[0] for pid in pids), "switches": switches,
+            "pool_cpu": _children_cpu(pids),
             "threads": sum(_stat(pid)[1] for pid in pids),
             "backend": _commands(backend), "broker": _commands(broker),
             "backend_cpu": _server_cpu(backend), "broker_cpu": _server_cpu(broker),
@@ -165,6 +191,8 @@ def run(broker: str, tasks: int = TASKS, hold: float = HOLD, rounds: int = 2,
                        "tasks": f"{tasks} x {hold * 1000:g} ms", "makespan_s": round(makespan, 3),
                        "tasks_per_s": round(tasks / makespan, 1),
                        "cpu_s_per_1000": round((after["cpu"] - before["cpu"]) * 1000 / tasks, 3),
+                       "pool_cpu_s_per_1000": round(
+                           (after["pool_cpu"] - before["pool_cpu"]) * 1000 / tasks, 3),
                        "backend_server_cpu_s_per_1000": round(
                            (after["backend_cpu"] - before["backend_cpu"]) * 1000 / tasks, 3),
                        "broker_server_cpu_s_per_1000": round(
