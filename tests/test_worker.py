@@ -17,6 +17,7 @@ from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
 
 from celery_semaphore import Semaphore, SemaphoreTimeout
 from celery_semaphore.backends import get_backend
+from celery_semaphore.cli import worker_requests
 from celery_semaphore.waiting_room import lane_of, parking_queue_name
 from tests import servers
 from tests.celery_app import create_app
@@ -63,6 +64,16 @@ class Cluster:
 
     def started(self, key):
         return key in self.probe.intervals()
+
+    def diagnosis(self, tail=4000):
+        """What each worker says it holds (the ``semaphore_requests`` inspect command) and the
+        end of its log: for the message of an assertion that waited in vain."""
+        try:
+            requests = json.dumps(worker_requests(self.app, timeout=2.0), indent=1, default=str)
+        except Exception as exc:  # the broker may be what failed
+            requests = f"(no answer: {exc!r})"
+        logs = "\n".join(f"--- {w.name}\n{w.output()[-tail:]}" for w in self.workers)
+        return f"workers' requests: {requests}\n{logs}"
 
 
 def urls(combo, redis_url, amqp_url, tmp_dir):
@@ -251,7 +262,8 @@ def test_sigkilled_pool_child_frees_its_slot_at_once(cluster):
     slow.delay("c0", 30)
     assert wait_until(lambda: cluster.started("slow:c0"))
     nxt = slow.delay("c1", 0.05)
-    assert wait_until(lambda: cluster.backend.status("slow").waiting == 1)  # queued, not run
+    assert wait_until(lambda: cluster.backend.status("slow").waiting == 1), (  # queued, not run
+        f"{cluster.backend.status('slow')}\nc1: {nxt.state}\n{cluster.diagnosis()}")
     assert not cluster.started("slow:c1")
     (pid,) = [e[3] for e in cluster.probe.events() if e[1] == "slow:c0"]
     killed_at = time.monotonic()
