@@ -317,14 +317,74 @@ _CALL_HEADERS = frozenset({"semaphore", "semaphore_limit", "semaphore_cost",
                            "semaphore_priority"})
 
 
+class _Binding:
+    """How a task's signature binds a call, without :meth:`inspect.Signature.bind_partial`
+    for the common shape: parameters that take a position or a keyword, then at most a
+    ``**kwargs``. :meth:`arguments` gives what ``bind_partial`` and ``apply_defaults`` give
+    (``**kwargs`` spread), or None for any call it does not bind cleanly (too many positions,
+    an argument given twice, an unknown keyword): the caller binds those the slow way, which
+    raises the error the user sees."""
+
+    __slots__ = ("names", "defaults", "spread")
+
+    def __init__(self, names: Tuple[str, ...], defaults: Dict[str, Any], spread: bool) -> None:
+        self.names, self.defaults, self.spread = names, defaults, spread
+
+    @classmethod
+    def of(cls, signature: inspect.Signature) -> Optional["_Binding"]:
+        """The fast binding of ``signature``, None when it has another kind of parameter."""
+        names: List[str] = []
+        defaults: Dict[str, Any] = {}
+        spread = False
+        for parameter in signature.parameters.values():
+            if spread:  # (nothing can follow **kwargs)
+                return None
+            if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+                spread = True
+            elif parameter.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD:
+                names.append(parameter.name)
+                if parameter.default is not inspect.Parameter.empty:
+                    defaults[parameter.name] = parameter.default
+            else:
+                return None
+        return cls(tuple(names), defaults, spread)
+
+    def arguments(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+        names = self.names
+        if len(args) > len(names):
+            return None
+        arguments = dict(zip(names, args))
+        for key in kwargs:
+            if key in arguments or (not self.spread and key not in self.defaults
+                                    and key not in names):
+                return None
+        arguments.update(kwargs)
+        for name, default in self.defaults.items():
+            if name not in arguments:
+                arguments[name] = default
+        return arguments
+
+
+#: Guards of templated calls a :class:`Guards` keeps (the newest keys; it starts again when
+#: full), so that a key it met recently costs a dictionary look-up.
+MAX_KEYED_GUARDS = 10_000
+
+
 class Guards:
-    """Resolves the guard of each request; caches per-task settings and signatures, and the
-    guard of a task that no call can change."""
+    """Resolves the guard of each request; caches per-task settings and signatures, the
+    guard of a task that no call can change, and the guards of a templated task's recent
+    keys when nothing but the names it fills depends on the call."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self._settings: Dict[str, Settings] = {}
         self._signatures: Dict[str, inspect.Signature] = {}
+        self._bindings: Dict[str, Optional[_Binding]] = {}
+        #: task name -> (the task, its ``limit`` attribute as the class holds it)
+        self._task_limits: Dict[str, Tuple[Any, Any]] = {}
+        #: (task name, the names its templates filled in) -> the guard, for a task whose
+        #: guard depends on nothing else of the call (:meth:`_keyed`)
+        self._keyed: Dict[Tuple[str, Tuple[str, ...]], Guard] = {}
         #: task name -> its guard, for a task whose guard no call can change (one plain name,
         #: nothing filled from the arguments)
         self._fixed: Dict[str, Optional[Guard]] = {}
@@ -369,16 +429,24 @@ class Guards:
         header_limit = headers.get("semaphore_limit")
         if header_limit is not None:
             header_limit = validate_limit(header_limit, "header 'semaphore_limit'")
-        # (a function given as ``limit=`` is a class attribute: not the bound method)
-        task_limit = inspect.getattr_static(task, "limit", None)
+        keyed = self._keyed_by_names(task, option, settings, headers)
+        filled: Tuple[str, ...] = ()
+        if keyed:
+            filled = tuple(self.fill(template, task, args, kwargs)
+                           for template in templates_of(option))
+            known = self._keyed.get((task.name, filled))
+            if known is not None:
+                return known
+        task_limit = self._task_limit(task)
         # a rate or a quota with no limit of its own limits starts only
         unlimited = (MAX_LIMIT if settings.rate is not None or settings.quota is not None
                      else settings.default_limit)
         pairs: Dict[str, int] = {}  # name -> limit, in the order listed
         adaptive: Optional[Adaptive] = None
         called = False  # a limit came from a function of the call's arguments
-        for template in templates_of(option):
-            name = validate_name(self.fill(template, task, args, kwargs))
+        for index, template in enumerate(templates_of(option)):
+            name = validate_name(filled[index] if keyed
+                                 else self.fill(template, task, args, kwargs))
             if name in pairs:  # two templates filled in to one name: one semaphore
                 continue
             source = header_limit or self._limit_source(task, settings, name, template,
@@ -400,12 +468,35 @@ class Guards:
         (name, limit), *also = pairs.items()
         guard = Guard(name, limit, settings, fair, tuple(also), adaptive=adaptive,
                       **self.traffic(task, args, kwargs, headers, settings, fair, pairs))
-        if (not _CALL_HEADERS.intersection(headers) and "{" not in str(option)
+        if keyed and not called:  # the same for every call that fills in these names
+            if len(self._keyed) >= MAX_KEYED_GUARDS:
+                self._keyed.clear()
+            self._keyed[(task.name, filled)] = guard
+        elif (not _CALL_HEADERS.intersection(headers) and "{" not in str(option)
                 and not called and settings.fair_by is None
                 and not isinstance(settings.cost, str) and not isinstance(settings.units, str)
                 and not isinstance(settings.fair_weights, str)):
             self._fixed[task.name] = guard  # the same for every call of this task
         return guard
+
+    @staticmethod
+    def _keyed_by_names(task: Any, option: Any, settings: Settings,
+                        headers: Dict[str, Any]) -> bool:
+        """A templated task's guard depends on nothing of a call but the names its templates
+        fill in (a limit from a function of the arguments is found out when it is built)."""
+        return (not _CALL_HEADERS.intersection(headers) and "{" in str(option)
+                and settings.fair_by is None and not isinstance(settings.cost, str)
+                and not isinstance(settings.units, str)
+                and not isinstance(settings.fair_weights, str))
+
+    def _task_limit(self, task: Any) -> Any:
+        """The task's ``limit`` as its class holds it (a function given as ``limit=`` is a
+        class attribute: not the bound method), looked up once per task."""
+        known = self._task_limits.get(task.name)
+        if known is None or known[0] is not task:
+            known = self._task_limits[task.name] = (
+                task, inspect.getattr_static(task, "limit", None))
+        return known[1]
 
     def _limit_source(self, task: Any, settings: Settings, name: str, template: str,
                       task_limit: Any) -> Any:
@@ -433,6 +524,12 @@ class Guards:
         signature = self._signatures.get(task.name)
         if signature is None:
             signature = self._signatures[task.name] = inspect.signature(task.run)
+            self._bindings[task.name] = _Binding.of(signature)
+        binding = self._bindings.get(task.name)
+        if binding is not None:
+            arguments = binding.arguments(args or (), kwargs or {})
+            if arguments is not None:
+                return arguments
         try:
             bound = signature.bind_partial(*(args or ()), **(kwargs or {}))
         except TypeError as exc:

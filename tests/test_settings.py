@@ -120,6 +120,102 @@ def test_templates_fill_from_arguments_and_defaults():
     assert guards.resolve(FakeRequest(call, (7,), headers={"semaphore": "api:7"})).limit == 9
 
 
+def _slow_arguments(run, args, kwargs):
+    """What a call binds to, the plain ``inspect`` way (``**kwargs`` spread), or the
+    TypeError it raises."""
+    import inspect
+
+    signature = inspect.signature(run)
+    try:
+        bound = signature.bind_partial(*args, **kwargs)
+    except TypeError as exc:
+        return exc
+    bound.apply_defaults()
+    arguments = dict(bound.arguments)
+    for parameter in signature.parameters.values():
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+            arguments.update(arguments.pop(parameter.name, {}))
+    return arguments
+
+
+def _plain(a, b=2):
+    pass
+
+
+def _spread(a, b=2, **kw):
+    pass
+
+
+def _star(a, *more, b=3):
+    pass
+
+
+def _keyword_only(a, *, b=3):
+    pass
+
+
+def _positional_only(a, /, b=2):
+    pass
+
+
+@pytest.mark.parametrize("run", [_plain, _spread, _star, _keyword_only, _positional_only],
+                         ids=lambda f: f.__name__)
+@pytest.mark.parametrize("args, kwargs", [
+    ((1,), {}), ((1, 5), {}), ((), {"a": 1}), ((), {"b": 4}), ((1,), {"b": 4}),
+    ((1, 2, 3), {}), ((1,), {"a": 9}), ((1,), {"c": 7}), ((), {"a": 1, "kw": 8}),
+    ((), {}), ((1, 5), {"b": 6}),
+])
+def test_a_call_binds_as_its_signature_binds_it(run, args, kwargs):
+    """Guards fill templates from a call's arguments with a binding of their own for a
+    signature of positional-or-keyword parameters and ``**kwargs`` (bind_partial is most of
+    a template's cost per call): every call binds as ``inspect`` binds it, and one that does
+    not bind fails with the error ``inspect`` gives."""
+
+    class FakeTask:
+        name = f"fake.{run.__name__}"
+
+    FakeTask.run = staticmethod(run)
+    guards = Guards(Settings.from_app(make_app()))
+    expected = _slow_arguments(run, args, kwargs)
+    for _ in range(2):  # the binding is built at the first call, used at the second
+        if isinstance(expected, TypeError):
+            with pytest.raises(ConfigurationError) as caught:
+                guards.arguments(FakeTask, args, kwargs)
+            assert str(caught.value) == f"task {FakeTask.name}: cannot fill its semaphore: " \
+                f"{expected}"
+        else:
+            assert guards.arguments(FakeTask, args, kwargs) == expected
+
+
+def test_a_templated_guard_is_built_once_per_key_and_a_call_header_still_counts(monkeypatch):
+    from celery_semaphore import guards as guards_module
+
+    app = make_app(semaphore_limits={"api:7": 9})
+    install(app)
+
+    @app.task(semaphore="api:{customer_id}", limit=2, shared=False)
+    def call(customer_id, payload=None):
+        pass
+
+    guards = Guards(Settings.from_app(app))
+    first = guards.resolve(FakeRequest(call, (3,)))
+    assert guards.resolve(FakeRequest(call, (), {"customer_id": 3, "payload": 1})) is first
+    assert (first.name, first.limit) == ("api:3", 2)
+    seven = guards.resolve(FakeRequest(call, (7,)))
+    assert (seven.name, seven.limit) == ("api:7", 9) and seven is not first
+    assert guards.resolve(FakeRequest(call, (3,), headers={"semaphore_limit": 5})).limit == 5
+    assert guards.resolve(FakeRequest(call, (3,), headers={"semaphore_cost": 2})).cost == 2
+    assert guards.resolve(FakeRequest(call, (3,))) is first  # the headers changed nothing kept
+    with pytest.raises(InvalidName):  # a bad name is never kept: it fails every time
+        guards.resolve(FakeRequest(call, ("a b",)))
+    with pytest.raises(InvalidName):
+        guards.resolve(FakeRequest(call, ("a b",)))
+    monkeypatch.setattr(guards_module, "MAX_KEYED_GUARDS", 3)
+    for customer in range(10):
+        assert guards.resolve(FakeRequest(call, (customer,))).name == f"api:{customer}"
+    assert len(guards._keyed) <= 3
+
+
 def test_a_task_of_an_app_not_finalized_yet_keeps_its_declared_limit():
     """``@app.task`` before the app is finalized gives a PromiseProxy: its ``limit`` option is
     read from the task behind it (before: the proxy hid it and the default limit, 1, applied
