@@ -99,10 +99,10 @@ def redis_pair_cost(pairs: int = 5000) -> Dict[str, Any]:
 
     def per_call(script: str, calls: int) -> float:
         sha = client.script_load(script)
-        keys = [f"{{pair}}:{i}" for i in range(7)]
+        keys = [f"{{pair}}:{i}" for i in range(9)]
         client.config_resetstat()
         for _ in range(calls):
-            client.evalsha(sha, 7, *keys, "604800000", "pair:", "pair")
+            client.evalsha(sha, 9, *keys, "604800000", "pair:", "pair")
         return float(client.info("commandstats")["cmdstat_evalsha"]["usec_per_call"])
 
     try:
@@ -139,13 +139,14 @@ def redis_pair_cost(pairs: int = 5000) -> Dict[str, Any]:
                     f"trip, on a redis-server of its own"}
 
 
-def redis_holders_cost(sizes: Sequence[int] = (1, 16, 64, 256),
+def redis_holders_cost(sizes: Sequence[int] = (1, 16, 64, 256, 1024),
                        pairs: int = 2000) -> Dict[str, Any]:
     """What an acquire costs a Redis server as holders grow (a limit that never binds, with
-    many workers): ``pairs`` acquire and release pairs beside 1, 16, 64, 256 other holders,
-    the ids and meta a worker gives them, on a ``redis-server`` of its own; the server's time
-    per script call (``INFO commandstats``, the two scripts' mean). An acquire reads every
-    holder (``scripts/acquire.lua``: their slots, and whether one holds the same task)."""
+    many workers): ``pairs`` acquire and release pairs beside 1, 16, 64, 256 and 1,024 other
+    holders, the ids and meta a worker gives them, on a ``redis-server`` of its own; the
+    server's time per script call (``INFO commandstats``, the two scripts' mean). The lowest
+    free slot and a twin come from the holders' index (``scripts/prelude.lua``), not from
+    reading every holder: the cost should not grow with the holders."""
     from celery_semaphore.backends.base import new_holder_id
     from celery_semaphore.backends.redis import backend as redis_backend
     from tests.servers import free_port, start_redis

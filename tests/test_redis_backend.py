@@ -115,9 +115,11 @@ def our_keys(server, prefix):
 
 def test_all_keys_share_the_prefix_and_hash_tag(backends, server, prefix):
     backend = backends()
-    assert backend.acquire("images", "a", limit=1, ttl=30, meta={}, wait=True).grant
-    # a fair-share waiter: the last key (wfair) exists only while one waits
-    assert backend.acquire("images", "b", limit=1, ttl=30, meta={"fair_key": "t"},
+    assert backend.acquire("images", "a", limit=2, ttl=30, meta={}, wait=True).grant
+    # a second holder: the holders' index (slots, htask) is kept while two or more hold
+    assert backend.acquire("images", "b", limit=2, ttl=30, meta={}, wait=True).grant
+    # a fair-share waiter: wfair exists only while one waits
+    assert backend.acquire("images", "c", limit=2, ttl=30, meta={"fair_key": "t"},
                            wait=True).position == 0
     keys = our_keys(server, prefix)
     assert keys == sorted(f"{prefix}{{images}}:{suffix}" for suffix in KEY_SUFFIXES)

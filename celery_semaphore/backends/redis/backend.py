@@ -9,7 +9,7 @@ Guarantees:
   ``scripts/prelude.lua``) run with one EVALSHA: no client can steal a slot between two steps.
 * Time comes from the server's ``TIME``, never a client clock; leases and waiter entries are
   stored as absolute expiries (microseconds), so client clock skew changes nothing.
-* The seven keys of a semaphore share the hash tag ``{name}`` (``<prefix>{name}:holders`` ...),
+* The nine keys of a semaphore share the hash tag ``{name}`` (``<prefix>{name}:holders`` ...),
   and no script touches any other key but ``acquire_all`` (several semaphores' keys at once,
   see :meth:`RedisBackend.acquire_all`, never sent to a Redis Cluster): on a Redis Cluster
   every script runs on the one node serving that slot. There is no index of names:
@@ -18,6 +18,10 @@ Guarantees:
   or waits, no pinned limit, no rate start due later) leaves nothing behind
   :data:`~celery_semaphore.backends.base.EMPTY_TTL` after it empties, and any other idle one
   after ``idle_ttl``.
+* An acquire and a release make the same commands however many hold: the lowest free slot and
+  a task's twin come from an index of the holders (``slots``, ``htask``: scripts/prelude.lua),
+  never from reading every holder; an index that disagrees with the holders is built again
+  from them before it is used.
 * Wake-ups: a script that makes waiters admissible publishes ``name\\nholder`` on the channel
   ``<prefix>wake:<client id>`` of each waiter's process; one daemon thread per backend instance
   listens, resubscribing after connection loss (with Sentinel, to the current master) within
@@ -139,7 +143,8 @@ Result = TypeVar("Result")
 
 _SCRIPTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
 #: The keys of one semaphore, in the order the scripts receive them (see scripts/prelude.lua).
-KEY_SUFFIXES = ("config", "holders", "hinfo", "queue", "wexp", "winfo", "wfair")
+KEY_SUFFIXES = ("config", "holders", "hinfo", "queue", "wexp", "winfo", "wfair", "slots",
+                "htask")
 _SCRIPTS = ("acquire", "release", "renew", "cancel", "resize", "status", "reset", "verify",
             "count", "acquire_all", "unpin", "pause", "resume", "settle")
 #: Errors that mean "Redis cannot serve us now". ReadOnlyError: a failover left us on a replica;

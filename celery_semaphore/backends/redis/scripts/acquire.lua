@@ -15,14 +15,23 @@ local fair_key = ARGV[11] or ''
 
 local before = begin()
 
--- One read of the holders gives the re-acquire check, their count, the lowest free slot and
--- any twin (another holder of this holder's task: while it holds, this one is not admitted).
-local count, slot, mine, twin = read_holders(holder)
+-- The holders' count, the re-acquire check, the lowest free slot and any twin (another
+-- holder of this holder's task: while it holds, this one is not admitted), from their index;
+-- with at least as many holders as the caller's declared limit (most likely full: a queue
+-- entry) only the count and the re-acquire check, the rest read if it is admitted after all
+-- (slot nil: not read yet).
+local count = redis.call('ZCARD', holders)
+local slot, mine, twin
+if count < declared_limit then
+  slot, mine, twin = read_holders(holder, count)
+else
+  mine = redis.call('HGET', hinfo, holder)
+end
 
 -- One read of config: what declare() needs, then the rest (declare writes none of the rest),
 -- then when this declared limit was last seen.
 local all = redis.call('HMGET', config, 'limit', 'pinned', 'dl', 'ds', 'ac', 'am', 'aM', 'ad',
-  'ai', 'touched', 'e:' .. slot, 'xh', 'xw', 'ri', 'rb', 'tat', 'pu', 'xu', 'rn', 'qd', 'ku',
+  'ai', 'touched', 'e:' .. (slot or 0), 'xh', 'xw', 'ri', 'rb', 'tat', 'pu', 'xu', 'rn', 'qd', 'ku',
   'd:' .. declared_limit)
 -- The limit in force (the newest declaration's unless pinned); a new semaphore's is ours.
 local limit, ceiling = declare(declared_limit, tonumber(ARGV[#ARGV]), ARGV[21],
@@ -48,11 +57,21 @@ if mine then  -- a current holder gets its grant back unchanged
 end
 
 local rank, queued, round, ahead, spend, fair = place(holder, fair_key, before, tr)
-local admitted, waits, due = verdict(tr, count, rank, ahead, limit, twin, spend)
+local admitted, waits, due = verdict(tr, count, rank, ahead, limit, twin or false, spend)
+local last_epoch = tonumber(cfg[2]) or 0
+if admitted and not slot then  -- read now: the twin, then the slot and its last epoch
+  twin = read_twin(holder, count)
+  if twin then
+    admitted, waits, due = verdict(tr, count, rank, ahead, limit, twin, spend)
+  else
+    slot = free_slot(count)
+    last_epoch = tonumber(redis.call('HGET', config, 'e:' .. slot)) or 0
+  end
+end
 
 if admitted then
   -- count < limit, so the lowest free slot is below the limit.
-  local epoch = grant(holder, slot, tonumber(cfg[2]) or 0, limit, declared_limit, ttl, meta,
+  local epoch = grant(holder, slot, last_epoch, limit, declared_limit, ttl, meta,
     queued, round, count, touched, tr, fair)
   wake(before)
   -- the units still free that nobody waits for: a hint for callers that take slots ahead (the

@@ -1,7 +1,7 @@
 -- Several semaphores at once (base.py's Backend.acquire_all, model.py's acquire_all): admitted
 -- to all of them in this one script, or holding none of them and, with wait, queued in the
 -- first listed one that refuses and in no other.
--- KEYS: the seven keys of each semaphore in turn (so this script never runs on a Redis
+-- KEYS: the nine keys of each semaphore in turn (so this script never runs on a Redis
 -- Cluster, where they hash to different slots: the backend uses the generic protocol there).
 -- ARGV[4] holder, [5] ttl (us), [6] meta JSON, [7] wait (0/1), [8] client id,
 -- [9] waiter ttl (us), [10] fair-share key ('' for none), [11] n; then for semaphore i:
@@ -18,9 +18,10 @@ local n = tonumber(ARGV[11])
 
 -- Point the prelude's per-semaphore locals (its functions' upvalues) at semaphore i.
 local function use(i)
-  local k = (i - 1) * 7
-  config, holders, hinfo, queue, wexp, winfo, wfair =
-    KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], KEYS[k + 4], KEYS[k + 5], KEYS[k + 6], KEYS[k + 7]
+  local k = (i - 1) * 9
+  config, holders, hinfo, queue, wexp, winfo, wfair, slots, htask =
+    KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], KEYS[k + 4], KEYS[k + 5], KEYS[k + 6], KEYS[k + 7],
+    KEYS[k + 8], KEYS[k + 9]
   name = ARGV[10 + 2 * i]
 end
 
@@ -48,7 +49,8 @@ for i = 1, n do
   local st = {declared = tonumber(ARGV[11 + 2 * i])}
   st.before = begin()
   local twin
-  st.count, st.slot, st.mine, twin = read_holders(holder)
+  st.count = redis.call('ZCARD', holders)
+  st.slot, st.mine, twin = read_holders(holder, st.count)
   st.limit = declare(st.declared, tonumber(ARGV[#ARGV]), adaptive)
   local cfg = redis.call('HMGET', config, 'touched', 'e:' .. st.slot, 'xh', 'xw', 'ri', 'rb', 'tat',
     'pu', 'xu', 'rn', 'qd', 'ku')
@@ -98,6 +100,7 @@ for i = 1, n do
   if st.mine then
     redis.call('ZREM', holders, holder)
     redis.call('HDEL', hinfo, holder)
+    index_remove(holder, st.mine)
     if cost_in(st.mine) > 1 then redis.call('HINCRBY', config, 'xh', 1 - cost_in(st.mine)) end
     observe('hold', now - tonumber(string.match(st.mine, '^%d+\n%d+\n(%d+)')))
   end

@@ -1,5 +1,5 @@
 -- Shared by every script (prepended at load time). The rules are model.py's State, in Lua.
--- KEYS: the seven keys of one semaphore, all under one hash tag:
+-- KEYS: the nine keys of one semaphore, all under one hash tag:
 --   config  hash  limit, ticket (last issued), touched (last TTL refresh), e:<slot> (fencing
 --                 epoch), d:<limit> (declared limit, last seen), pinned ('1': resize pinned
 --                 the limit), dl and ds (the newest declaration: its limit, and the start of
@@ -9,6 +9,14 @@
 --   winfo   hash  holder -> client\nsince\nmeta
 --   wfair   hash  holder -> round\nfair key, for waiters queued while the semaphore is fair
 --                 (base.py, "Fair shares"); config's 'round' is the highest round admitted
+--   slots   string  bit s set while a holder holds slot s        htask hash  'o:' .. the task
+--                 a holder holds (task_of), or 'h:' .. the holder id when it names no task
+--                 -> holder: the holders' index, so that an acquire finds the lowest free slot
+--                 and a twin without reading every holder. Kept by every grant and removal
+--                 while others hold (a first holder starts none, the last one's going drops
+--                 it); check_index builds it from hinfo when it disagrees with holders, and
+--                 both keys expire idle_ms after that (keep leaves them: an index that expires
+--                 in use is built again).
 -- Costs, priorities and rates (base.py): a queue score is ticket - priority * PRIO (- HALF for a
 -- waiter at the front of its priority), so the queue is in (-priority, not front, ticket)
 -- order; a caller's cost k > 1 is the first field of its meta JSON ('{"cost":k,...'), its units
@@ -31,8 +39,8 @@
 -- ARGV[1] idle TTL (ms), ARGV[2] wake channel prefix, ARGV[3] semaphore name; then per script.
 -- (acquire_all.lua gets the keys of several semaphores and points these locals at each in turn.)
 -- Time is the server's, in microseconds; every score of holders and wexp is an absolute expiry.
-local config, holders, hinfo, queue, wexp, winfo, wfair =
-  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
+local config, holders, hinfo, queue, wexp, winfo, wfair, slots, htask =
+  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9]
 local idle_ms, channel_prefix, name = tonumber(ARGV[1]), ARGV[2], ARGV[3]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
@@ -81,6 +89,65 @@ local function observe(histogram, us)
   redis.call('HINCRBY', config, 's:' .. histogram .. '_sum', int(us))
 end
 
+-- The task a holder id names ('<task id>:<random>'), or nil.
+local function task_of(h) return string.match(h, '^(.*):') end
+
+-- The holders' index (htask and slots, see KEYS): a holder's field in htask is its task's, or
+-- its own when its id names no task (a task has one holder at most: a twin is not admitted).
+local function task_field(h)
+  local task = task_of(h)
+  if task then return 'o:' .. task end
+  return 'h:' .. h
+end
+-- Semaphores (their slots key) whose index this script call has checked (check_index).
+local index_checked = {}
+-- The index goes (to be built again by the next check_index).
+local function drop_index()
+  redis.call('DEL', slots, htask)
+  index_checked[slots] = nil
+end
+-- The index learns that holder `h` holds `slot`...
+local function index_add(h, slot)
+  redis.call('SETBIT', slots, slot, 1)
+  redis.call('HSET', htask, task_field(h), h)
+end
+-- ...and forgets holder `h` of hinfo entry `info`. A slot it did not have set means the index
+-- disagreed with the holders: it is dropped, to be built again by the next check_index.
+local function index_remove(h, info)
+  redis.call('HDEL', htask, task_field(h))
+  if redis.call('SETBIT', slots, tonumber(string.match(info, '^%d+')), 0) == 0 then
+    drop_index()
+  end
+end
+-- The index agrees with the holders (one slot bit set per holder) or is built again from hinfo
+-- (O(holders), once: a semaphore's first holder starts no index, its last one drops it; or an
+-- index that expired or was evicted apart from its holders, or state written before the index
+-- existed). Called once per semaphore and script (until the index is dropped or a grant to an
+-- empty semaphore leaves it behind), after the pruning and before any grant but the first,
+-- with the holders' count.
+local function check_index(count)
+  if index_checked[slots] then return end
+  index_checked[slots] = true
+  if redis.call('BITCOUNT', slots) == count then return end
+  drop_index()
+  index_checked[slots] = true
+  local infos = redis.call('HGETALL', hinfo)
+  for i = 1, #infos, 2 do index_add(infos[i], tonumber(string.match(infos[i + 1], '^%d+'))) end
+  if #infos > 0 then  -- both to the same millisecond: neither is ever there without the other
+    local at = math.floor(now / 1000) + idle_ms
+    redis.call('PEXPIREAT', slots, at)
+    redis.call('PEXPIREAT', htask, at)
+  end
+end
+-- Whether `h` holds (the index names a twin: it is trusted only while that twin holds).
+local function holds(h) return redis.call('ZSCORE', holders, h) ~= false end
+-- The lowest slot none of `count` holders holds.
+local function free_slot(count)
+  if count == 0 then return 0 end
+  check_index(count)
+  return redis.call('BITPOS', slots, 0)
+end
+
 -- Run a variadic command over many members without overflowing Lua's stack.
 local function each_chunk(command, key, members, out)
   for i = 1, #members, 500 do
@@ -94,8 +161,12 @@ local function prune_holders()
   local dead = redis.call('ZRANGEBYSCORE', holders, '-inf', int(now))
   if #dead > 0 then
     each_chunk('ZREM', holders, dead)
+    local infos = each_chunk('HMGET', hinfo, dead, {})
+    for i, h in ipairs(dead) do
+      if infos[i] then index_remove(h, infos[i]) end
+    end
     if tonumber(redis.call('HGET', config, 'xh') or 0) > 0 then
-      local extra = extra_in(each_chunk('HMGET', hinfo, dead, {}))
+      local extra = extra_in(infos)
       if extra > 0 then redis.call('HINCRBY', config, 'xh', -extra) end
     end
     each_chunk('HDEL', hinfo, dead)
@@ -271,31 +342,25 @@ local function quota_wait(quotas, ahead, units)
   return wait
 end
 
--- The task a holder id names ('<task id>:<random>'), or nil.
-local function task_of(h) return string.match(h, '^(.*):') end
-
--- One read of the holders (hinfo, O(holders)) for an acquire of `holder`: their count, the
--- lowest slot none of them uses, `holder`'s own entry (nil: it holds nothing) and whether
--- another holder holds its task (a twin: task_of equal, tested as a prefix with no ':' after
--- it, without building each holder's task).
-local function read_holders(holder)
-  local infos = redis.call('HGETALL', hinfo)
-  local used, mine, twin = {}, nil, false
-  local task = task_of(holder)
-  local prefix = task and task .. ':'
-  local after = prefix and #prefix + 1
-  for i = 1, #infos, 2 do
-    local h = infos[i]
-    used[tonumber(string.match(infos[i + 1], '^%d+'))] = true
-    if h == holder then mine = infos[i + 1]
-    elseif prefix and string.find(h, prefix, 1, true) == 1
-        and not string.find(h, ':', after, true) then
-      twin = true
-    end
+-- The holders as an acquire of `holder` needs them, from their index (a few commands, however
+-- many hold), given their `count`: the lowest slot none of them uses, `holder`'s own hinfo
+-- entry (nil: it holds nothing) and whether another holder holds its task (a twin).
+local function read_holders(holder, count)
+  local mine, twin = nil, false
+  if count > 0 then
+    check_index(count)
+    local held_by = redis.call('HGET', htask, task_field(holder))
+    if held_by == holder then mine = redis.call('HGET', hinfo, holder)
+    elseif held_by then twin = holds(held_by) end
   end
-  local slot = 0
-  while used[slot] do slot = slot + 1 end
-  return #infos / 2, slot, mine, twin
+  return free_slot(count), mine, twin
+end
+-- Whether another of `count` holders holds the task of `holder`, who does not hold.
+local function read_twin(holder, count)
+  if count == 0 or not task_of(holder) then return false end
+  check_index(count)
+  local held_by = redis.call('HGET', htask, task_field(holder))
+  return held_by ~= false and held_by ~= holder and holds(held_by)
 end
 
 -- The waiters the rules admit now (model.py's State.admissible): none while a pause is in
@@ -303,8 +368,8 @@ end
 -- try); else the longest prefix of the queue whose costs fit in the free units and whose units
 -- fit in every quota, but those whose task another holder holds (they keep their place until
 -- that twin goes). `view` (optional, wake's): filled with what was read on the way, for the
--- grants that follow in the same script: config's fields `c`, the holders' `count`, whether
--- the semaphore is `fair` and the slots `used` (nil when hinfo was not read).
+-- grants that follow in the same script: config's fields `c`, the holders' `count` and whether
+-- the semaphore is `fair`.
 local function admissible(view)
   local c = redis.call('HMGET', config, 'limit', 'xh', 'xw', 'ri', 'rb', 'tat', 'pu', 'xu', 'rn',
     'qd')
@@ -342,26 +407,22 @@ local function admissible(view)
       if quota_wait(quotas, i - 1, 1) > 0 then first = {unpack(first, 1, i - 1)} break end
     end
   end
-  for _, h in ipairs(first) do
-    local task = task_of(h)
-    if task and not held then
-      held = {}
-      if view then  -- one read gives the grants their free slots too
-        local infos, used = redis.call('HGETALL', hinfo), {}
-        for j = 1, #infos, 2 do
-          local t = task_of(infos[j])
-          if t then held[t] = true end
-          used[tonumber(string.match(infos[j + 1], '^%d+'))] = true
-        end
-        view.used = used
-      else
-        for _, k in ipairs(redis.call('HKEYS', hinfo)) do
-          local t = task_of(k)
-          if t then held[t] = true end
-        end
-      end
+  -- those whose task another holder holds wait for that twin (htask: one read for them all)
+  local fields, tasked = {}, {}
+  held = {}
+  for i, h in ipairs(first) do
+    if task_of(h) then
+      table.insert(fields, task_field(h))
+      tasked[i] = #fields
     end
-    if not (task and held[task]) then table.insert(out, h) end
+  end
+  if #fields > 0 and count > 0 then  -- (nobody holds: no twin)
+    check_index(count)
+    held = each_chunk('HMGET', htask, fields, {})
+  end
+  for i, h in ipairs(first) do
+    local twin = tasked[i] and held[tasked[i]]
+    if not (twin and holds(twin)) then table.insert(out, h) end
   end
   return out
 end
@@ -438,10 +499,16 @@ end
 -- for EMPTY_MS only (base.py's EMPTY_TTL), or until its rates' next start is due if later, at
 -- most idle_ms, and in any case until 'ku' (a pause's end, a quota window's); 'touched' goes,
 -- so that the next use gives every key idle_ms again (keep). The other keys are empty, so Redis
--- has deleted them, but wfair, which keeps its TTL.
-local function forget_if_empty()
-  if redis.call('ZCARD', holders) > 0 or redis.call('ZCARD', queue) > 0
-      or redis.call('HGET', config, 'pinned') == '1' then
+-- has deleted them, but wfair, which keeps its TTL, and slots (a string of clear bits once
+-- nobody holds: deleted here, or by the caller that passes the holders' `count`).
+local function forget_if_empty(count)
+  if count == nil then
+    if redis.call('ZCARD', holders) > 0 then return end
+    drop_index()  -- (its bits all clear: Redis deletes an emptied hash, not a string)
+  elseif count > 0 then
+    return
+  end
+  if redis.call('ZCARD', queue) > 0 or redis.call('HGET', config, 'pinned') == '1' then
     return
   end
   local c = redis.call('HMGET', config, 'tat', 'ku', 'ac', 'rn', 'ri', 'rb')
@@ -674,6 +741,11 @@ local function grant(holder, slot, last_epoch, limit, declared_limit, ttl, meta,
   redis.call('ZADD', holders, int(now + ttl), holder)
   redis.call('HSET', hinfo, holder,
     slot .. '\n' .. int(epoch) .. '\n' .. int(now) .. '\n' .. acct .. meta)
+  if count > 0 then
+    index_add(holder, slot)
+  else  -- the first holder: no index yet (check_index builds it when it is needed)
+    index_checked[slots] = nil
+  end
   -- the wait: from the caller's first wait (meta), else from its entry in the queue
   local since = tonumber(string.match(meta, '"first_wait":([%d%.]+)') or '')
   if since then since = since * 1000000
@@ -692,18 +764,9 @@ end
 -- A pushed grant (wake): waiter `h` (its winfo entry `info`, the lease TTL it asked for, the
 -- client id of its process) is admissible: grant it the lowest free slot as acquire.lua would,
 -- and publish 'name\nholder\nslot\nepoch\nexpires\nnow\nlimit' on its channel. `view`:
--- admissible()'s, kept current here (the slot and the holder this grant adds).
+-- admissible()'s, kept current here (the holder this grant adds).
 push_grant = function(h, info, ttl, client, view)
-  local used = view.used
-  if not used then
-    used = {}
-    for _, held in ipairs(redis.call('HVALS', hinfo)) do
-      used[tonumber(string.match(held, '^%d+'))] = true
-    end
-    view.used = used
-  end
-  local slot = 0
-  while used[slot] do slot = slot + 1 end
+  local slot = free_slot(view.count)
   local c = redis.call('HMGET', config, 'limit', 'touched', 'e:' .. slot, 'xh', 'xw', 'ri', 'rb',
     'tat', 'xu', 'rn', 'qd', 'ku')
   local tr = {cost = cost_in(info), units = units_in(info), xh = tonumber(c[4]) or 0,
@@ -714,7 +777,7 @@ push_grant = function(h, info, ttl, client, view)
   local meta = string.match(info, '^[^\n]*\n[^\n]*\n(.*)$') or '{}'
   local epoch = grant(h, slot, tonumber(c[3]) or 0, tonumber(c[1]), nil, ttl, meta, true, round,
     view.count, c[2], tr, view.fair, info)
-  used[slot], view.count = true, view.count + 1
+  view.count = view.count + 1
   redis.call('PUBLISH', channel_prefix .. client, name .. '\n' .. h .. '\n' .. slot .. '\n' ..
     int(epoch) .. '\n' .. int(now + ttl) .. '\n' .. int(now) .. '\n' .. c[1])
 end

@@ -3,9 +3,13 @@
 -- lease, else 0. An outcome moves an adaptive limit (model.py's State.adapt) in this step.
 local before = begin()
 local removed = redis.call('ZREM', holders, ARGV[4])
+local left = nil  -- the holders' count after this release, when it released
 if removed == 1 then
+  left = redis.call('ZCARD', holders)
   local info = redis.call('HGET', hinfo, ARGV[4])
   redis.call('HDEL', hinfo, ARGV[4])
+  if left == 0 then drop_index()  -- the last holder: no index left
+  elseif info then index_remove(ARGV[4], info) end
   -- config's limit: its presence says that config exists (every script that creates config
   -- gives it one); then the adaptive limit's fields
   local c = info and redis.call('HMGET', config, 'limit', 'ac', 'am', 'aM', 'ad', 'ai', 'at',
@@ -27,7 +31,7 @@ if removed == 1 then
         local ceiling = tonumber(c[9]) or 0
         if outcome == 'ok' then
           -- the units held before this release, its own included
-          local held = redis.call('ZCARD', holders) + xh + cost_in(info)
+          local held = left + xh + cost_in(info)
           if held >= current / 2 then
             local step = tonumber(c[5]) / current
             -- probing the limit that last overloaded: base.ADAPTIVE_PROBE_SLOWER times slower
@@ -49,5 +53,5 @@ if removed == 1 then
   end
 end
 -- (a grant the wake pushed holds: the semaphore is not empty)
-if not wake(before) then forget_if_empty() end
+if not wake(before) then forget_if_empty(left) end
 return removed

@@ -2,5 +2,5 @@
 -- when it existed. Epochs go with config and restart from the server's clock (microseconds),
 -- so fencing tokens still increase.
 local existed = redis.call('EXISTS', config)
-redis.call('DEL', config, holders, hinfo, queue, wexp, winfo, wfair)
+redis.call('DEL', config, holders, hinfo, queue, wexp, winfo, wfair, slots, htask)
 return existed
