@@ -51,9 +51,13 @@ def wheel(tmp_path_factory):
 
 
 def make_venv(path, requirement):
-    subprocess.run([sys.executable, "-m", "venv", str(path)], check=True, timeout=120)
-    done = subprocess.run([str(path / "bin" / "pip"), "install", "-q", requirement],
-                          capture_output=True, text=True, timeout=600)
+    # A venv without pip of its own, filled by this interpreter's pip (``--python``), with no
+    # bytecode compiled ahead: what lands in it is the same, in a fifth of the time.
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True,
+                   timeout=120)
+    done = subprocess.run([sys.executable, "-m", "pip", "--python", str(path / "bin" / "python"),
+                           "install", "-q", "--no-compile", "--disable-pip-version-check",
+                           requirement], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return path
 
@@ -92,10 +96,17 @@ def test_each_extra_alone_starts_a_worker(wheel, tmp_path, redis_url, amqp_url):
             lambda extra: make_venv(tmp_path / f"venv-{extra or 'base'}",
                                     f"{wheel}[{extra}]" if extra else str(wheel)),
             cases)))
-    for extra, (broker, backend, shown) in cases.items():
+
+    def start(extra):
+        broker, backend, _ = cases[extra]
         workdir = tmp_path / f"app-{extra or 'base'}"
         workdir.mkdir()
-        exited, output = start_worker(venvs[extra], workdir, broker, backend)
+        return start_worker(venvs[extra], workdir, broker, backend)
+
+    with ThreadPoolExecutor(len(cases)) as pool:
+        started = dict(zip(cases, pool.map(start, cases)))
+    for extra, (_, _, shown) in cases.items():
+        exited, output = started[extra]
         assert exited is None and " ready." in output, (extra, output[-3000:])
         assert "gate on" in output and shown in output, (extra, output[-3000:])
         assert "extra_app.guarded (semaphore 'extra', limit 1)" in output
