@@ -139,11 +139,11 @@ def redis_pair_cost(pairs: int = 5000) -> Dict[str, Any]:
                     f"trip, on a redis-server of its own"}
 
 
-def redis_holders_cost(sizes: Sequence[int] = (1, 16, 64, 256, 1024),
+def redis_holders_cost(sizes: Sequence[int] = (1, 16, 64, 256, 400, 1024),
                        pairs: int = 2000) -> Dict[str, Any]:
     """What an acquire costs a Redis server as holders grow (a limit that never binds, with
-    many workers): ``pairs`` acquire and release pairs beside 1, 16, 64, 256 and 1,024 other
-    holders, the ids and meta a worker gives them, on a ``redis-server`` of its own; the
+    many workers): ``pairs`` acquire and release pairs beside 1, 16, 64, 256, 400 and 1,024
+    other holders, the ids and meta a worker gives them, on a ``redis-server`` of its own; the
     server's time per script call (``INFO commandstats``, the two scripts' mean). The lowest
     free slot and a twin come from the holders' index (``scripts/prelude.lua``), not from
     reading every holder: the cost should not grow with the holders."""

@@ -21,7 +21,8 @@ Guarantees:
 * An acquire and a release make the same commands however many hold: the lowest free slot and
   a task's twin come from an index of the holders (``slots``, ``htask``: scripts/prelude.lua),
   never from reading every holder; an index that disagrees with the holders is built again
-  from them before it is used.
+  from them before it is used. Fencing epochs increase for the whole semaphore (so for each
+  slot): ``config`` keeps the last one issued, one field however many slots are used.
 * Wake-ups: a script that makes waiters admissible publishes ``name\\nholder`` on the channel
   ``<prefix>wake:<client id>`` of each waiter's process; one daemon thread per backend instance
   listens, resubscribing after connection loss (with Sentinel, to the current master) within

@@ -31,7 +31,7 @@ end
 -- One read of config: what declare() needs, then the rest (declare writes none of the rest),
 -- then when this declared limit was last seen.
 local all = redis.call('HMGET', config, 'limit', 'pinned', 'dl', 'ds', 'ac', 'am', 'aM', 'ad',
-  'ai', 'touched', 'e:' .. (slot or 0), 'xh', 'xw', 'ri', 'rb', 'tat', 'pu', 'xu', 'rn', 'qd', 'ku',
+  'ai', 'touched', 'e', 'xh', 'xw', 'ri', 'rb', 'tat', 'pu', 'xu', 'rn', 'qd', 'ku',
   'd:' .. declared_limit)
 -- The limit in force (the newest declaration's unless pinned); a new semaphore's is ours.
 local limit, ceiling = declare(declared_limit, tonumber(ARGV[#ARGV]), ARGV[21],
@@ -58,21 +58,19 @@ end
 
 local rank, queued, round, ahead, spend, fair = place(holder, fair_key, before, tr)
 local admitted, waits, due = verdict(tr, count, rank, ahead, limit, twin or false, spend)
-local last_epoch = tonumber(cfg[2]) or 0
-if admitted and not slot then  -- read now: the twin, then the slot and its last epoch
+if admitted and not slot then  -- read now: the twin, then the slot
   twin = read_twin(holder, count)
   if twin then
     admitted, waits, due = verdict(tr, count, rank, ahead, limit, twin, spend)
   else
     slot = free_slot(count)
-    last_epoch = tonumber(redis.call('HGET', config, 'e:' .. slot)) or 0
   end
 end
 
 if admitted then
   -- count < limit, so the lowest free slot is below the limit.
-  local epoch = grant(holder, slot, last_epoch, limit, declared_limit, ttl, meta,
-    queued, round, count, touched, tr, fair)
+  local epoch = grant(holder, slot, issued_epoch(cfg[2], not all[1]), limit, declared_limit,
+    ttl, meta, queued, round, count, touched, tr, fair)
   wake(before)
   -- the units still free that nobody waits for: a hint for callers that take slots ahead (the
   -- queue was empty when this call began, before == nil, and it queued nobody)

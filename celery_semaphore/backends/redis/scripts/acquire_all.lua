@@ -52,10 +52,10 @@ for i = 1, n do
   st.count = redis.call('ZCARD', holders)
   st.slot, st.mine, twin = read_holders(holder, st.count)
   st.limit = declare(st.declared, tonumber(ARGV[#ARGV]), adaptive)
-  local cfg = redis.call('HMGET', config, 'touched', 'e:' .. st.slot, 'xh', 'xw', 'ri', 'rb', 'tat',
+  local cfg = redis.call('HMGET', config, 'touched', 'e', 'xh', 'xw', 'ri', 'rb', 'tat',
     'pu', 'xu', 'rn', 'qd', 'ku')
   st.touched = cfg[1]
-  st.last_epoch = tonumber(cfg[2]) or 0
+  st.epoch = cfg[2]
   local refused
   st.tr, refused = traffic(12 + 2 * n, {cfg[3], cfg[4], cfg[5], cfg[6], cfg[7], cfg[8], cfg[9],
     cfg[10], cfg[11], cfg[12]})
@@ -81,8 +81,8 @@ if not blocking then  -- admitted to every one: grant them all
       keep(st.touched, st.tr.ku)
       out[i + 2] = {tonumber(held_slot), tonumber(epoch), expires, st.limit}
     else
-      local epoch = grant(holder, st.slot, st.last_epoch, st.limit, st.declared, ttl, meta,
-        st.queued, st.round, st.count, st.touched, st.tr)
+      local epoch = grant(holder, st.slot, issued_epoch(st.epoch, false), st.limit, st.declared,
+        ttl, meta, st.queued, st.round, st.count, st.touched, st.tr)
       out[i + 2] = {st.slot, epoch, now + ttl, st.limit}
     end
     wake(st.before)

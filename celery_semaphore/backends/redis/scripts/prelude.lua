@@ -1,9 +1,12 @@
 -- Shared by every script (prepended at load time). The rules are model.py's State, in Lua.
 -- KEYS: the nine keys of one semaphore, all under one hash tag:
---   config  hash  limit, ticket (last issued), touched (last TTL refresh), e:<slot> (fencing
---                 epoch), d:<limit> (declared limit, last seen), pinned ('1': resize pinned
---                 the limit), dl and ds (the newest declaration: its limit, and the start of
---                 the process that made it, us; ds alone, 0: nobody declared yet)
+--   config  hash  limit, ticket (last issued), touched (last TTL refresh), e (the last fencing
+--                 epoch issued, whatever the slot: one field, so that config stays small
+--                 however many slots are used; before, one 'e:<slot>' per slot, taken over
+--                 by issued_epoch), d:<limit> (declared limit, last seen), pinned ('1':
+--                 resize pinned the limit), dl and ds (the newest declaration: its limit,
+--                 and the start of the process that made it, us; ds alone, 0: nobody
+--                 declared yet)
 --   holders zset  holder -> lease expiry          hinfo hash  holder -> slot\nepoch\nsince\nmeta
 --   queue   zset  holder -> ticket (FIFO order)   wexp  zset  holder -> waiter expiry
 --   winfo   hash  holder -> client\nsince\nmeta
@@ -696,18 +699,36 @@ local function verdict(tr, count, rank, ahead, limit, twin, spend)
   return false, 0, -1
 end
 
--- Give `holder` the lowest free `slot` (whose last epoch was `last_epoch`), leaving the queue;
--- `count` holders held before. Its start spends its units of every rate and quota. `fair`
+-- The last fencing epoch this semaphore issued, from config's 'e' as read (`e`; `fresh`: config
+-- did not exist before this call). A config written before 'e' existed kept one 'e:<slot>' per
+-- slot used (a hash that Redis keeps as a list, slow to read, up to 512 fields): the first
+-- grant takes the greatest of them and deletes them all. Epochs then increase per semaphore,
+-- which is more than per slot (base.py's FencingToken).
+local function issued_epoch(e, fresh)
+  if e then return tonumber(e) end
+  if fresh then return 0 end
+  local fields, most, old = redis.call('HGETALL', config), 0, {}
+  for i = 1, #fields, 2 do
+    if string.sub(fields[i], 1, 2) == 'e:' then
+      most = math.max(most, tonumber(fields[i + 1]) or 0)
+      table.insert(old, fields[i])
+    end
+  end
+  if #old > 0 then each_chunk('HDEL', config, old) end
+  return most
+end
+
+-- Give `holder` the lowest free `slot` (the semaphore's last epoch: `last_epoch`), leaving the
+-- queue; `count` holders held before. Its start spends its units of every rate and quota. `fair`
 -- (false: wfair does not exist) and `entry` (its winfo entry, when queued and known) spare
 -- reads. Returns the new epoch.
 local function grant(holder, slot, last_epoch, limit, declared_limit, ttl, meta, queued, round,
                      count, touched, tr, fair, entry)
   local epoch = math.max(last_epoch + 1, now)
   if declared_limit then
-    redis.call('HSET', config, 'limit', limit, 'd:' .. declared_limit, int(now),
-      'e:' .. slot, int(epoch))
+    redis.call('HSET', config, 'limit', limit, 'd:' .. declared_limit, int(now), 'e', int(epoch))
   else  -- a pushed grant: the waiter declared its limit when it queued
-    redis.call('HSET', config, 'e:' .. slot, int(epoch))
+    redis.call('HSET', config, 'e', int(epoch))
   end
   if tr.cost > 1 then redis.call('HINCRBY', config, 'xh', tr.cost - 1) end
   if tr.rates then  -- a start: each rate's next one is units * interval later
@@ -767,7 +788,7 @@ end
 -- admissible()'s, kept current here (the holder this grant adds).
 push_grant = function(h, info, ttl, client, view)
   local slot = free_slot(view.count)
-  local c = redis.call('HMGET', config, 'limit', 'touched', 'e:' .. slot, 'xh', 'xw', 'ri', 'rb',
+  local c = redis.call('HMGET', config, 'limit', 'touched', 'e', 'xh', 'xw', 'ri', 'rb',
     'tat', 'xu', 'rn', 'qd', 'ku')
   local tr = {cost = cost_in(info), units = units_in(info), xh = tonumber(c[4]) or 0,
               xw = tonumber(c[5]) or 0, xu = tonumber(c[9]) or 0,
@@ -775,8 +796,8 @@ push_grant = function(h, info, ttl, client, view)
   local round = 0
   if view.fair then round = fair_entry(redis.call('HGET', wfair, h)) end
   local meta = string.match(info, '^[^\n]*\n[^\n]*\n(.*)$') or '{}'
-  local epoch = grant(h, slot, tonumber(c[3]) or 0, tonumber(c[1]), nil, ttl, meta, true, round,
-    view.count, c[2], tr, view.fair, info)
+  local epoch = grant(h, slot, issued_epoch(c[3], false), tonumber(c[1]), nil, ttl, meta, true,
+    round, view.count, c[2], tr, view.fair, info)
   view.count = view.count + 1
   redis.call('PUBLISH', channel_prefix .. client, name .. '\n' .. h .. '\n' .. slot .. '\n' ..
     int(epoch) .. '\n' .. int(now + ttl) .. '\n' .. int(now) .. '\n' .. c[1])
