@@ -202,9 +202,9 @@ def test_the_scripts_calendar_is_base_pys(redis_url, prefix):
     check = source + """
 local out = {}
 for days = -25567, 84000, 13 do
-  local y, m = civil(days)
+  local y, m = P.civil(days)
   table.insert(out, y * 100 + m)
-  table.insert(out, days_of(y, m))
+  table.insert(out, P.days_of(y, m))
 end
 return out
 """

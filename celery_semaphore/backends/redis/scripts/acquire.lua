@@ -13,7 +13,7 @@ local holder, declared_limit, ttl = ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6]
 local meta, wait, client, waiter_ttl = ARGV[7], ARGV[8] == '1', ARGV[9], tonumber(ARGV[10])
 local fair_key = ARGV[11] or ''
 
-local before = begin()
+local before = P.begin()
 
 -- The holders' count, the re-acquire check, the lowest free slot and any twin (another
 -- holder of this holder's task: while it holds, this one is not admitted), from their index;
@@ -23,7 +23,7 @@ local before = begin()
 local count = redis.call('ZCARD', holders)
 local slot, mine, twin
 if count < declared_limit then
-  slot, mine, twin = read_holders(holder, count)
+  slot, mine, twin = P.read_holders(holder, count)
 else
   mine = redis.call('HGET', hinfo, holder)
 end
@@ -34,7 +34,7 @@ local all = redis.call('HMGET', config, 'limit', 'pinned', 'dl', 'ds', 'ac', 'am
   'ai', 'touched', 'e', 'xh', 'xw', 'ri', 'rb', 'tat', 'pu', 'xu', 'rn', 'qd', 'ku',
   'd:' .. declared_limit)
 -- The limit in force (the newest declaration's unless pinned); a new semaphore's is ours.
-local limit, ceiling = declare(declared_limit, tonumber(ARGV[#ARGV]), ARGV[21],
+local limit, ceiling = P.declare(declared_limit, tonumber(ARGV[#ARGV]), ARGV[21],
   {unpack(all, 1, 9)})
 local cfg = {unpack(all, 10, 21)}
 local touched = cfg[1]
@@ -42,7 +42,7 @@ local touched = cfg[1]
 if (tonumber(ARGV[12]) or 1) > ceiling then
   return redis.error_reply('COST ' .. ARGV[12] .. ' ' .. ceiling)
 end
-local tr, refused = traffic(12, {cfg[3], cfg[4], cfg[5], cfg[6], cfg[7], cfg[8], cfg[9], cfg[10],
+local tr, refused = P.traffic(12, {cfg[3], cfg[4], cfg[5], cfg[6], cfg[7], cfg[8], cfg[9], cfg[10],
   cfg[11], cfg[12]})
 if not tr then return redis.error_reply(refused) end
 
@@ -50,28 +50,28 @@ if mine then  -- a current holder gets its grant back unchanged
   local held_slot, epoch = string.match(mine, '^(%d+)\n(%d+)\n')
   local expires = tonumber(redis.call('ZSCORE', holders, holder))
   -- the limit too: a config that expired on its own must not come back without one
-  redis.call('HSET', config, 'limit', limit, 'd:' .. declared_limit, int(now))
-  keep(touched, tr.ku)
-  wake(before)
+  redis.call('HSET', config, 'limit', limit, 'd:' .. declared_limit, P.int(now))
+  P.keep(touched, tr.ku)
+  P.wake(before)
   return {1, tonumber(held_slot), tonumber(epoch), expires, now, limit}
 end
 
-local rank, queued, round, ahead, spend, fair = place(holder, fair_key, before, tr)
-local admitted, waits, due = verdict(tr, count, rank, ahead, limit, twin or false, spend)
+local rank, queued, round, ahead, spend, fair = P.place(holder, fair_key, before, tr)
+local admitted, waits, due = P.verdict(tr, count, rank, ahead, limit, twin or false, spend)
 if admitted and not slot then  -- read now: the twin, then the slot
-  twin = read_twin(holder, count)
+  twin = P.read_twin(holder, count)
   if twin then
-    admitted, waits, due = verdict(tr, count, rank, ahead, limit, twin, spend)
+    admitted, waits, due = P.verdict(tr, count, rank, ahead, limit, twin, spend)
   else
-    slot = free_slot(count)
+    slot = P.free_slot(count)
   end
 end
 
 if admitted then
   -- count < limit, so the lowest free slot is below the limit.
-  local epoch = grant(holder, slot, issued_epoch(cfg[2], not all[1]), limit, declared_limit,
+  local epoch = P.grant(holder, slot, P.issued_epoch(cfg[2], not all[1]), limit, declared_limit,
     ttl, meta, queued, round, count, touched, tr, fair)
-  wake(before)
+  P.wake(before)
   -- the units still free that nobody waits for: a hint for callers that take slots ahead (the
   -- queue was empty when this call began, before == nil, and it queued nobody)
   local waiting = 0
@@ -84,21 +84,21 @@ end
 -- without one), unless config has a limit and dated it less than a second ago: status says
 -- when each declared limit was last seen to within a second.
 if not all[1] or not all[22] or now - tonumber(all[22]) > 1000000 then
-  redis.call('HSET', config, 'limit', limit, 'd:' .. declared_limit, int(now))
+  redis.call('HSET', config, 'limit', limit, 'd:' .. declared_limit, P.int(now))
 end
 local position = -1
 if wait then
-  queue_up(holder, queued, round, fair_key, meta, client, waiter_ttl, tr)
+  P.queue_up(holder, queued, round, fair_key, meta, client, waiter_ttl, tr)
   position = rank
 end
 -- A waiter added to an empty queue created the queue's keys.
 if wait and not queued and rank == 0 then
-  keep(touched, tr.ku, queue, wexp, winfo)
+  P.keep(touched, tr.ku, queue, wexp, winfo)
 else
-  keep(touched, tr.ku)
+  P.keep(touched, tr.ku)
 end
-local retry = retry_after()
+local retry = P.retry_after()
 -- Nobody can be admitted while the units held fill the limit (admissible()'s first test; this
 -- call changed neither), so the wake is spared then.
-if limit - count - tr.xh > 0 then wake(before) end
+if limit - count - tr.xh > 0 then P.wake(before) end
 return {0, position, retry, now, limit, waits, due}

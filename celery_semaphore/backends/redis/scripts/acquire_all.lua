@@ -47,23 +47,23 @@ local blocking = nil
 for i = 1, n do
   use(i)
   local st = {declared = tonumber(ARGV[11 + 2 * i])}
-  st.before = begin()
+  st.before = P.begin()
   local twin
   st.count = redis.call('ZCARD', holders)
-  st.slot, st.mine, twin = read_holders(holder, st.count)
-  st.limit = declare(st.declared, tonumber(ARGV[#ARGV]), adaptive)
+  st.slot, st.mine, twin = P.read_holders(holder, st.count)
+  st.limit = P.declare(st.declared, tonumber(ARGV[#ARGV]), adaptive)
   local cfg = redis.call('HMGET', config, 'touched', 'e', 'xh', 'xw', 'ri', 'rb', 'tat',
     'pu', 'xu', 'rn', 'qd', 'ku')
   st.touched = cfg[1]
   st.epoch = cfg[2]
   local refused
-  st.tr, refused = traffic(12 + 2 * n, {cfg[3], cfg[4], cfg[5], cfg[6], cfg[7], cfg[8], cfg[9],
+  st.tr, refused = P.traffic(12 + 2 * n, {cfg[3], cfg[4], cfg[5], cfg[6], cfg[7], cfg[8], cfg[9],
     cfg[10], cfg[11], cfg[12]})
   if not st.tr then return redis.error_reply(refused) end
-  local rank, queued, round, ahead, spend = place(holder, fair_key, st.before, st.tr)
+  local rank, queued, round, ahead, spend = P.place(holder, fair_key, st.before, st.tr)
   st.rank, st.queued, st.round = rank, queued, round
   local admitted
-  admitted, st.waits, st.due = verdict(st.tr, st.count, rank, ahead, st.limit, twin, spend)
+  admitted, st.waits, st.due = P.verdict(st.tr, st.count, rank, ahead, st.limit, twin, spend)
   st.ok = st.mine ~= nil or admitted
   if not st.ok and not blocking then blocking = i end
   s[i] = st
@@ -77,15 +77,15 @@ if not blocking then  -- admitted to every one: grant them all
     if st.mine then
       local held_slot, epoch = string.match(st.mine, '^(%d+)\n(%d+)\n')
       local expires = tonumber(redis.call('ZSCORE', holders, holder))
-      redis.call('HSET', config, 'limit', st.limit, 'd:' .. st.declared, int(now))
-      keep(st.touched, st.tr.ku)
+      redis.call('HSET', config, 'limit', st.limit, 'd:' .. st.declared, P.int(now))
+      P.keep(st.touched, st.tr.ku)
       out[i + 2] = {tonumber(held_slot), tonumber(epoch), expires, st.limit}
     else
-      local epoch = grant(holder, st.slot, issued_epoch(st.epoch, false), st.limit, st.declared,
+      local epoch = P.grant(holder, st.slot, P.issued_epoch(st.epoch, false), st.limit, st.declared,
         ttl, meta, st.queued, st.round, st.count, st.touched, st.tr)
       out[i + 2] = {st.slot, epoch, now + ttl, st.limit}
     end
-    wake(st.before)
+    P.wake(st.before)
   end
   return out
 end
@@ -96,31 +96,31 @@ local position, retry = -1, -1
 for i = 1, n do
   use(i)
   local st = s[i]
-  redis.call('HSET', config, 'limit', st.limit, 'd:' .. st.declared, int(now))
+  redis.call('HSET', config, 'limit', st.limit, 'd:' .. st.declared, P.int(now))
   if st.mine then
     redis.call('ZREM', holders, holder)
     redis.call('HDEL', hinfo, holder)
-    index_remove(holder, st.mine)
-    if cost_in(st.mine) > 1 then redis.call('HINCRBY', config, 'xh', 1 - cost_in(st.mine)) end
-    observe('hold', now - tonumber(string.match(st.mine, '^%d+\n%d+\n(%d+)')))
+    P.index_remove(holder, st.mine)
+    if P.cost_in(st.mine) > 1 then redis.call('HINCRBY', config, 'xh', 1 - P.cost_in(st.mine)) end
+    P.observe('hold', now - tonumber(string.match(st.mine, '^%d+\n%d+\n(%d+)')))
   end
   if i == blocking then
     if wait then
-      queue_up(holder, st.queued, st.round, fair_key, meta, client, waiter_ttl, st.tr)
+      P.queue_up(holder, st.queued, st.round, fair_key, meta, client, waiter_ttl, st.tr)
       position = st.rank
     end
     if wait and not st.queued and st.rank == 0 then
-      keep(st.touched, st.tr.ku, queue, wexp, winfo)
+      P.keep(st.touched, st.tr.ku, queue, wexp, winfo)
     else
-      keep(st.touched, st.tr.ku)
+      P.keep(st.touched, st.tr.ku)
     end
-    retry = retry_after()
+    retry = P.retry_after()
   else
     if wait and st.queued then  -- waits elsewhere now: out of this queue
-      unqueue(holder, st.tr.xw, st.tr.xu)
+      P.unqueue(holder, st.tr.xw, st.tr.xu)
     end
-    keep(st.touched, st.tr.ku)
+    P.keep(st.touched, st.tr.ku)
   end
-  wake(st.before)
+  P.wake(st.before)
 end
 return {0, blocking, position, retry, s[blocking].limit, s[blocking].waits, s[blocking].due}

@@ -1,8 +1,8 @@
 -- ARGV[4] holder: leave the waiter queue (nothing to do when nobody waits).
-local before = begin()
+local before = P.begin()
 if before then
-  unqueue(ARGV[4], nil)
+  P.unqueue(ARGV[4], nil)
 end
-wake(before)
-forget_if_empty()
+P.wake(before)
+P.forget_if_empty()
 return 0

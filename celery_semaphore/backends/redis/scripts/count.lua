@@ -4,7 +4,7 @@ if redis.call('EXISTS', config) == 0 then return 0 end
 for i = 4, #ARGV, 2 do
   local field = ARGV[i]
   if field == 'requeued' or field == 'parked_worker' or field == 'parked_send' then
-    stat(field, tonumber(ARGV[i + 1]))
+    P.stat(field, tonumber(ARGV[i + 1]))
   end
 end
 return 1

@@ -48,32 +48,40 @@ local idle_ms, channel_prefix, name = tonumber(ARGV[1]), ARGV[2], ARGV[3]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 
+-- The shared functions below are fields of P (P.grant, P.wake, ...), not locals: Redis runs
+-- the whole prelude again at every call, and Lua 5.1 links each closure to the locals it uses
+-- by walking a list of every local some closure uses so far. With some fifty functions as
+-- locals, each calling the others, defining them took 13-19 us of a call's server time
+-- against 7-9 us as fields of one table (docs/benchmarks.md, "The prelude's functions in one
+-- table").
+local P = {}
+
 -- Lua formats numbers with 14 significant digits; microsecond times need 16.
-local function int(x) return string.format('%d', x) end
+function P.int(x) return string.format('%d', x) end
 
 -- Priorities live in the queue's scores: ticket - priority * PRIO, less HALF for a waiter at the
 -- front of its priority (tickets stay below HALF).
 local PRIO = 68719476736
 local HALF = 34359738368
-local function prio_of(score) return math.floor(-tonumber(score) / PRIO + 0.5) end
-local function front_score(score)
-  return -tonumber(score) - prio_of(score) * PRIO > 0
+function P.prio_of(score) return math.floor(-tonumber(score) / PRIO + 0.5) end
+function P.front_score(score)
+  return -tonumber(score) - P.prio_of(score) * PRIO > 0
 end
 -- The cost a hinfo or winfo entry's meta carries (1 when none; false: a missing entry).
-local function cost_in(info)
+function P.cost_in(info)
   if not info then return 1 end
   return tonumber(string.match(info, '\n{"cost":(%d+)') or 1)
 end
 -- The units (of the rates and quotas) a hinfo or winfo entry's meta carries (1 when none).
-local function units_in(info)
+function P.units_in(info)
   if not info then return 1 end
   return tonumber(string.match(info, '\n{"cost":%d+,"units":(%d+)')
     or string.match(info, '\n{"units":(%d+)') or 1)
 end
 -- Sum of (cost - 1) over the hinfo or winfo entries `infos`.
-local function extra_in(infos)
+function P.extra_in(infos)
   local extra = 0
-  for _, info in ipairs(infos) do extra = extra + cost_in(info) - 1 end
+  for _, info in ipairs(infos) do extra = extra + P.cost_in(info) - 1 end
   return extra
 end
 
@@ -81,45 +89,45 @@ end
 -- the same script as what they count. STAT_BUCKETS (bucket bounds, us) is prepended at load
 -- time from stats.BUCKETS. Only called where config exists (a HINCRBY would create it with
 -- no TTL).
-local function stat(field, n) redis.call('HINCRBY', config, 's:' .. field, n) end
-local function observe(histogram, us)
+function P.stat(field, n) redis.call('HINCRBY', config, 's:' .. field, n) end
+function P.observe(histogram, us)
   if us < 0 then us = 0 end
   local index = #STAT_BUCKETS
   for i, bound in ipairs(STAT_BUCKETS) do
     if us <= bound then index = i - 1 break end
   end
   redis.call('HINCRBY', config, 's:' .. histogram .. ':' .. index, 1)
-  redis.call('HINCRBY', config, 's:' .. histogram .. '_sum', int(us))
+  redis.call('HINCRBY', config, 's:' .. histogram .. '_sum', P.int(us))
 end
 
 -- The task a holder id names ('<task id>:<random>'), or nil.
-local function task_of(h) return string.match(h, '^(.*):') end
+function P.task_of(h) return string.match(h, '^(.*):') end
 
 -- The holders' index (htask and slots, see KEYS): a holder's field in htask is its task's, or
 -- its own when its id names no task (a task has one holder at most: a twin is not admitted).
-local function task_field(h)
-  local task = task_of(h)
+function P.task_field(h)
+  local task = P.task_of(h)
   if task then return 'o:' .. task end
   return 'h:' .. h
 end
 -- Semaphores (their slots key) whose index this script call has checked (check_index).
 local index_checked = {}
 -- The index goes (to be built again by the next check_index).
-local function drop_index()
+function P.drop_index()
   redis.call('DEL', slots, htask)
   index_checked[slots] = nil
 end
 -- The index learns that holder `h` holds `slot`...
-local function index_add(h, slot)
+function P.index_add(h, slot)
   redis.call('SETBIT', slots, slot, 1)
-  redis.call('HSET', htask, task_field(h), h)
+  redis.call('HSET', htask, P.task_field(h), h)
 end
 -- ...and forgets holder `h` of hinfo entry `info`. A slot it did not have set means the index
 -- disagreed with the holders: it is dropped, to be built again by the next check_index.
-local function index_remove(h, info)
-  redis.call('HDEL', htask, task_field(h))
+function P.index_remove(h, info)
+  redis.call('HDEL', htask, P.task_field(h))
   if redis.call('SETBIT', slots, tonumber(string.match(info, '^%d+')), 0) == 0 then
-    drop_index()
+    P.drop_index()
   end
 end
 -- The index agrees with the holders (one slot bit set per holder) or is built again from hinfo
@@ -128,14 +136,14 @@ end
 -- existed). Called once per semaphore and script (until the index is dropped or a grant to an
 -- empty semaphore leaves it behind), after the pruning and before any grant but the first,
 -- with the holders' count.
-local function check_index(count)
+function P.check_index(count)
   if index_checked[slots] then return end
   index_checked[slots] = true
   if redis.call('BITCOUNT', slots) == count then return end
-  drop_index()
+  P.drop_index()
   index_checked[slots] = true
   local infos = redis.call('HGETALL', hinfo)
-  for i = 1, #infos, 2 do index_add(infos[i], tonumber(string.match(infos[i + 1], '^%d+'))) end
+  for i = 1, #infos, 2 do P.index_add(infos[i], tonumber(string.match(infos[i + 1], '^%d+'))) end
   if #infos > 0 then  -- both to the same millisecond: neither is ever there without the other
     local at = math.floor(now / 1000) + idle_ms
     redis.call('PEXPIREAT', slots, at)
@@ -143,16 +151,16 @@ local function check_index(count)
   end
 end
 -- Whether `h` holds (the index names a twin: it is trusted only while that twin holds).
-local function holds(h) return redis.call('ZSCORE', holders, h) ~= false end
+function P.holds(h) return redis.call('ZSCORE', holders, h) ~= false end
 -- The lowest slot none of `count` holders holds.
-local function free_slot(count)
+function P.free_slot(count)
   if count == 0 then return 0 end
-  check_index(count)
+  P.check_index(count)
   return redis.call('BITPOS', slots, 0)
 end
 
 -- Run a variadic command over many members without overflowing Lua's stack.
-local function each_chunk(command, key, members, out)
+function P.each_chunk(command, key, members, out)
   for i = 1, #members, 500 do
     local reply = redis.call(command, key, unpack(members, i, math.min(i + 499, #members)))
     if out then for _, v in ipairs(reply) do table.insert(out, v) end end
@@ -160,45 +168,45 @@ local function each_chunk(command, key, members, out)
   return out
 end
 
-local function prune_holders()
-  local dead = redis.call('ZRANGEBYSCORE', holders, '-inf', int(now))
+function P.prune_holders()
+  local dead = redis.call('ZRANGEBYSCORE', holders, '-inf', P.int(now))
   if #dead > 0 then
-    each_chunk('ZREM', holders, dead)
-    local infos = each_chunk('HMGET', hinfo, dead, {})
+    P.each_chunk('ZREM', holders, dead)
+    local infos = P.each_chunk('HMGET', hinfo, dead, {})
     for i, h in ipairs(dead) do
-      if infos[i] then index_remove(h, infos[i]) end
+      if infos[i] then P.index_remove(h, infos[i]) end
     end
     if tonumber(redis.call('HGET', config, 'xh') or 0) > 0 then
-      local extra = extra_in(infos)
+      local extra = P.extra_in(infos)
       if extra > 0 then redis.call('HINCRBY', config, 'xh', -extra) end
     end
-    each_chunk('HDEL', hinfo, dead)
-    if redis.call('EXISTS', config) == 1 then stat('expired', #dead) end
+    P.each_chunk('HDEL', hinfo, dead)
+    if redis.call('EXISTS', config) == 1 then P.stat('expired', #dead) end
   end
 end
 
-local function prune_waiters()
-  local gone = redis.call('ZRANGEBYSCORE', wexp, '-inf', int(now))
+function P.prune_waiters()
+  local gone = redis.call('ZRANGEBYSCORE', wexp, '-inf', P.int(now))
   if #gone > 0 then
-    each_chunk('ZREM', wexp, gone)
+    P.each_chunk('ZREM', wexp, gone)
     local x = redis.call('HMGET', config, 'xw', 'xu')
     if tonumber(x[1] or 0) > 0 or tonumber(x[2] or 0) > 0 then
-      local infos = each_chunk('HMGET', winfo, gone, {})
+      local infos = P.each_chunk('HMGET', winfo, gone, {})
       local extra, more = 0, 0
       for _, info in ipairs(infos) do
-        extra, more = extra + cost_in(info) - 1, more + units_in(info) - 1
+        extra, more = extra + P.cost_in(info) - 1, more + P.units_in(info) - 1
       end
       if extra > 0 then redis.call('HINCRBY', config, 'xw', -extra) end
       if more > 0 then redis.call('HINCRBY', config, 'xu', -more) end
     end
-    each_chunk('ZREM', queue, gone)
-    each_chunk('HDEL', winfo, gone)
-    each_chunk('HDEL', wfair, gone)
+    P.each_chunk('ZREM', queue, gone)
+    P.each_chunk('HDEL', winfo, gone)
+    P.each_chunk('HDEL', wfair, gone)
   end
 end
 
 -- Fair shares (model.py's State.queue, fair, next_round). A wfair entry: round, fair key.
-local function fair_entry(info)
+function P.fair_entry(info)
   if not info then return 0, '' end
   local r, k = string.match(info, '^(%d+)\n(.*)$')
   return tonumber(r), k
@@ -206,14 +214,15 @@ end
 
 -- The queue's members with their priority, round, place and front flag, in the queue's (score)
 -- order.
-local function entries()
+function P.entries()
   local scored = redis.call('ZRANGE', queue, 0, -1, 'WITHSCORES')
   local members = {}
   for i = 1, #scored, 2 do members[#members + 1] = scored[i] end
-  local infos = each_chunk('HMGET', wfair, members, {})
+  local infos = P.each_chunk('HMGET', wfair, members, {})
   local out = {}
   for i, h in ipairs(members) do
-    out[i] = {prio_of(scored[2 * i]), (fair_entry(infos[i])), i, h, front_score(scored[2 * i])}
+    out[i] = {P.prio_of(scored[2 * i]), (P.fair_entry(infos[i])), i, h,
+              P.front_score(scored[2 * i])}
   end
   return out
 end
@@ -221,9 +230,9 @@ end
 -- The waiters in admission order: by (-priority, not front, ticket) (the queue's order), or by
 -- (-priority, not front, round, ticket) while wfair exists (a front waiter's round is 0, and it
 -- comes before the others of its priority in the queue's order).
-local function in_order()
+function P.in_order()
   if redis.call('EXISTS', wfair) == 0 then return redis.call('ZRANGE', queue, 0, -1) end
-  local ranked = entries()
+  local ranked = P.entries()
   table.sort(ranked, function(a, b)
     if a[1] ~= b[1] then return a[1] > b[1] end
     if a[2] ~= b[2] then return a[2] < b[2] end
@@ -236,11 +245,11 @@ end
 
 -- The round a waiter of fair key `key` ('' for none) and fair weight `weight` that queues
 -- now gets (base.py, "Weights").
-local function next_round(key, weight)
+function P.next_round(key, weight)
   local r = tonumber(redis.call('HGET', config, 'round') or 0)
   local last, n = 0, 0
   for _, info in ipairs(redis.call('HVALS', wfair)) do
-    local wr, wk = fair_entry(info)
+    local wr, wk = P.fair_entry(info)
     if wk == key then
       if wr > last then last, n = wr, 1 elseif wr == last then n = n + 1 end
     end
@@ -252,7 +261,7 @@ end
 -- Calendar windows (base.py's window_of): days from 1970-01-01 to the first of a month, and the
 -- year and month of a day.
 local DAY = 86400000000
-local function days_of(y, m)
+function P.days_of(y, m)
   if m <= 2 then y = y - 1 end
   local era = math.floor(y / 400)
   local yoe = y - era * 400
@@ -262,7 +271,7 @@ local function days_of(y, m)
     + math.floor((153 * mp + 2) / 5)
   return era * 146097 + doe - 719468
 end
-local function civil(days)
+function P.civil(days)
   local z = days + 719468
   local era = math.floor(z / 146097)
   local doe = z - era * 146097
@@ -277,21 +286,21 @@ local function civil(days)
   return y, m
 end
 -- The window of quota (period p, offset o; us) holding now: start, end.
-local function window_of(p, o)
+function P.window_of(p, o)
   if p > 0 then
     local s = math.floor((now + o) / p) * p - o
     return s, s + p
   end
-  local y, m = civil(math.floor((now + o) / DAY))
+  local y, m = P.civil(math.floor((now + o) / DAY))
   local ny, nm = y, m + 1
   if nm == 13 then ny, nm = y + 1, 1 end
-  return days_of(y, m) * DAY - o, days_of(ny, nm) * DAY - o
+  return P.days_of(y, m) * DAY - o, P.days_of(ny, nm) * DAY - o
 end
 
 -- The rates and quotas of the semaphore (tr.rates: {interval, burst, tat} each; tr.quotas:
 -- {count, period, offset, start, end, used in the current window} each) from config's fields
 -- ri, rb, tat, rn and qd (the values given: read already), or nil for none.
-local function rates_of(ri, rb, tat, rn)
+function P.rates_of(ri, rb, tat, rn)
   if not ri then return nil end
   local rates = {{tonumber(ri), tonumber(rb), tonumber(tat) or 0}}
   rn = tonumber(rn) or 1
@@ -309,12 +318,12 @@ local function rates_of(ri, rb, tat, rn)
   end
   return rates
 end
-local function quotas_of(qd)
+function P.quotas_of(qd)
   if not qd or qd == '' then return nil end
   local quotas, fields = {}, {}
   for c, p, o in string.gmatch(qd, '(%d+) (%d+) (%-?%d+)') do
     local q = {tonumber(c), tonumber(p), tonumber(o)}
-    q[4], q[5] = window_of(q[2], q[3])
+    q[4], q[5] = P.window_of(q[2], q[3])
     table.insert(quotas, q)
     table.insert(fields, 'qs:' .. p .. ':' .. o) table.insert(fields, 'qu:' .. p .. ':' .. o)
   end
@@ -328,7 +337,7 @@ end
 
 -- Seconds (us) until every rate allows the start of `units` units by a caller with `ahead`
 -- units of waiters before it (<= 0: now); rates nil: no rate.
-local function rates_wait(rates, ahead, units)
+function P.rates_wait(rates, ahead, units)
   local wait = 0
   for _, r in ipairs(rates or {}) do
     wait = math.max(wait, math.max(r[3], now) + (ahead - math.max(0, r[2] - units)) * r[1] - now)
@@ -337,7 +346,7 @@ local function rates_wait(rates, ahead, units)
 end
 -- Seconds (us) until the last quota window without room for `units` units after `ahead` turns
 -- (0: room in every one).
-local function quota_wait(quotas, ahead, units)
+function P.quota_wait(quotas, ahead, units)
   local wait = 0
   for _, q in ipairs(quotas or {}) do
     if q[6] + ahead + units > q[1] then wait = math.max(wait, q[5] - now) end
@@ -348,22 +357,22 @@ end
 -- The holders as an acquire of `holder` needs them, from their index (a few commands, however
 -- many hold), given their `count`: the lowest slot none of them uses, `holder`'s own hinfo
 -- entry (nil: it holds nothing) and whether another holder holds its task (a twin).
-local function read_holders(holder, count)
+function P.read_holders(holder, count)
   local mine, twin = nil, false
   if count > 0 then
-    check_index(count)
-    local held_by = redis.call('HGET', htask, task_field(holder))
+    P.check_index(count)
+    local held_by = redis.call('HGET', htask, P.task_field(holder))
     if held_by == holder then mine = redis.call('HGET', hinfo, holder)
-    elseif held_by then twin = holds(held_by) end
+    elseif held_by then twin = P.holds(held_by) end
   end
-  return free_slot(count), mine, twin
+  return P.free_slot(count), mine, twin
 end
 -- Whether another of `count` holders holds the task of `holder`, who does not hold.
-local function read_twin(holder, count)
-  if count == 0 or not task_of(holder) then return false end
-  check_index(count)
-  local held_by = redis.call('HGET', htask, task_field(holder))
-  return held_by ~= false and held_by ~= holder and holds(held_by)
+function P.read_twin(holder, count)
+  if count == 0 or not P.task_of(holder) then return false end
+  P.check_index(count)
+  local held_by = redis.call('HGET', htask, P.task_field(holder))
+  return held_by ~= false and held_by ~= holder and P.holds(held_by)
 end
 
 -- The waiters the rules admit now (model.py's State.admissible): none while a pause is in
@@ -373,7 +382,7 @@ end
 -- that twin goes). `view` (optional, wake's): filled with what was read on the way, for the
 -- grants that follow in the same script: config's fields `c`, the holders' `count` and whether
 -- the semaphore is `fair`.
-local function admissible(view)
+function P.admissible(view)
   local c = redis.call('HMGET', config, 'limit', 'xh', 'xw', 'ri', 'rb', 'tat', 'pu', 'xu', 'rn',
     'qd')
   local limit = tonumber(c[1])
@@ -382,70 +391,69 @@ local function admissible(view)
   local count = redis.call('ZCARD', holders)
   local free = limit - count - (tonumber(c[2]) or 0)
   if free <= 0 then return {} end
-  local rates, quotas = rates_of(c[4], c[5], c[6], c[9]), quotas_of(c[10])
+  local rates, quotas = P.rates_of(c[4], c[5], c[6], c[9]), P.quotas_of(c[10])
   local first, out, held = nil, {}, nil
   local fair = redis.call('EXISTS', wfair) == 1
   if view then view.c, view.count, view.fair = c, count, fair end
   if fair then
-    first = {unpack(in_order(), 1, free)}
+    first = {unpack(P.in_order(), 1, free)}
   else
     first = redis.call('ZRANGE', queue, 0, free - 1)
   end
   local costly, more = (tonumber(c[3]) or 0) > 0, (tonumber(c[8]) or 0) > 0
   if (costly or ((rates or quotas) and more)) and #first > 0 then
     -- costs: as many as fit, in order; units: as many as every quota has room for
-    local infos = each_chunk('HMGET', winfo, first, {})
+    local infos = P.each_chunk('HMGET', winfo, first, {})
     local ahead = 0
     for i = 1, #first do
-      local units = more and units_in(infos[i]) or 1
-      free = free - (costly and cost_in(infos[i]) or 1)
+      local units = more and P.units_in(infos[i]) or 1
+      free = free - (costly and P.cost_in(infos[i]) or 1)
       if free < 0 then first = {unpack(first, 1, i - 1)} break end
-      if i == 1 and rates_wait(rates, 0, units) > 0 then return {} end
-      if quota_wait(quotas, ahead, units) > 0 then first = {unpack(first, 1, i - 1)} break end
+      if i == 1 and P.rates_wait(rates, 0, units) > 0 then return {} end
+      if P.quota_wait(quotas, ahead, units) > 0 then first = {unpack(first, 1, i - 1)} break end
       ahead = ahead + units
     end
   elseif (rates or quotas) and #first > 0 then  -- every waiter spends 1 unit
-    if rates_wait(rates, 0, 1) > 0 then return {} end
+    if P.rates_wait(rates, 0, 1) > 0 then return {} end
     for i = 1, #first do
-      if quota_wait(quotas, i - 1, 1) > 0 then first = {unpack(first, 1, i - 1)} break end
+      if P.quota_wait(quotas, i - 1, 1) > 0 then first = {unpack(first, 1, i - 1)} break end
     end
   end
   -- those whose task another holder holds wait for that twin (htask: one read for them all)
   local fields, tasked = {}, {}
   held = {}
   for i, h in ipairs(first) do
-    if task_of(h) then
-      table.insert(fields, task_field(h))
+    if P.task_of(h) then
+      table.insert(fields, P.task_field(h))
       tasked[i] = #fields
     end
   end
   if #fields > 0 and count > 0 then  -- (nobody holds: no twin)
-    check_index(count)
-    held = each_chunk('HMGET', htask, fields, {})
+    P.check_index(count)
+    held = P.each_chunk('HMGET', htask, fields, {})
   end
   for i, h in ipairs(first) do
     local twin = tasked[i] and held[tasked[i]]
-    if not (twin and holds(twin)) then table.insert(out, h) end
+    if not (twin and P.holds(twin)) then table.insert(out, h) end
   end
   return out
 end
 
 -- Every script that changes state starts here: remember which waiters were admissible before
 -- anything changes (nil when nobody waits, so the fast path costs one ZCARD), then prune.
-local function begin()
+function P.begin()
   local before = nil
   if redis.call('ZCARD', queue) > 0 then
     before = {}
-    for _, h in ipairs(admissible()) do before[h] = true end
-    prune_waiters()
+    for _, h in ipairs(P.admissible()) do before[h] = true end
+    P.prune_waiters()
   end
-  prune_holders()
+  P.prune_holders()
   return before
 end
 
--- Defined below (it grants, which needs what follows): grants an admissible waiter that asked
--- for pushed grants, and announces the grant on its channel.
-local push_grant
+-- (P.push_grant, defined below since it grants, which needs what follows: grants an
+-- admissible waiter that asked for pushed grants, and announces the grant on its channel.)
 
 -- ...and ends here: every waiter admissible now that asked for pushed grants (winfo's client
 -- field 'client ttl', ttl in us) is granted at once (base.py, "Pushed grants"), and each other
@@ -454,19 +462,19 @@ local push_grant
 -- before (before == nil) there is nobody to wake. With a rate, one grant at most is pushed per
 -- operation (each start moves the rate's next one); the others are woken and try.
 -- Returns whether it granted anyone.
-local function wake(before)
+function P.wake(before)
   if not before then return false end
   local view, pushed_tasks, granted = {}, {}, false
-  for i, h in ipairs(admissible(view)) do
+  for i, h in ipairs(P.admissible(view)) do
     local info = redis.call('HGET', winfo, h)
     if info then
       local client, pushed = string.match(info, '^([^\n ]*) ?(%d*)')
       local rated = view.c[4] ~= false  -- config's 'ri': a rate
-      local task = task_of(h)
+      local task = P.task_of(h)
       -- (two queued deliveries of one task: the second waits for its twin)
       if pushed ~= '' and (i == 1 or not rated) and not (task and pushed_tasks[task]) then
         if task then pushed_tasks[task] = true end
-        push_grant(h, info, tonumber(pushed), client, view)
+        P.push_grant(h, info, tonumber(pushed), client, view)
         granted = true
       elseif not before[h] then
         redis.call('PUBLISH', channel_prefix .. client, name .. '\n' .. h)
@@ -483,9 +491,9 @@ end
 -- idle_ms; an idle one is gone within idle_ms. Removing members never needs a TTL: a key keeps
 -- its own, and an emptied key is deleted by Redis. `ku` (config's, us; nil: none): config is
 -- kept at least until then (a pause, a quota window), even beyond idle_ms.
-local function keep(touched, ku, ...)
+function P.keep(touched, ku, ...)
   if not touched or now - tonumber(touched) > idle_ms * 1000 / 16 then
-    redis.call('HSET', config, 'touched', int(now))
+    redis.call('HSET', config, 'touched', P.int(now))
     for _, key in ipairs({config, holders, hinfo, queue, wexp, winfo, wfair}) do
       redis.call('PEXPIRE', key, idle_ms)
     end
@@ -504,10 +512,10 @@ end
 -- so that the next use gives every key idle_ms again (keep). The other keys are empty, so Redis
 -- has deleted them, but wfair, which keeps its TTL, and slots (a string of clear bits once
 -- nobody holds: deleted here, or by the caller that passes the holders' `count`).
-local function forget_if_empty(count)
+function P.forget_if_empty(count)
   if count == nil then
     if redis.call('ZCARD', holders) > 0 then return end
-    drop_index()  -- (its bits all clear: Redis deletes an emptied hash, not a string)
+    P.drop_index()  -- (its bits all clear: Redis deletes an emptied hash, not a string)
   elseif count > 0 then
     return
   end
@@ -518,7 +526,7 @@ local function forget_if_empty(count)
   if c[3] then return end  -- adaptive: its learned limit is kept for idle_ms, as a pinned one
   local ms = EMPTY_MS
   local tat = nil
-  for _, r in ipairs(rates_of(c[5], c[6], c[1], c[4]) or {}) do tat = math.max(tat or 0, r[3]) end
+  for _, r in ipairs(P.rates_of(c[5], c[6], c[1], c[4]) or {}) do tat = math.max(tat or 0, r[3]) end
   if tat then ms = math.max(ms, math.ceil((tat - now) / 1000) + 1000) end
   ms = math.min(ms, idle_ms)
   if c[2] then ms = math.max(ms, math.ceil((tonumber(c[2]) - now) / 1000) + 1000) end
@@ -528,7 +536,7 @@ local function forget_if_empty(count)
 end
 
 -- Declared limits not seen for idle_ms are forgotten (status also hides them).
-local function prune_declared()
+function P.prune_declared()
   local fields = redis.call('HGETALL', config)
   for i = 1, #fields, 2 do
     if string.sub(fields[i], 1, 2) == 'd:' and tonumber(fields[i + 1]) < now - idle_ms * 1000 then
@@ -541,14 +549,14 @@ end
 
 -- Take `holder` out of the queue (`xw`, `xu`: config's, nil: read them; `fair`: false when the
 -- caller knows that wfair does not exist).
-local function unqueue(holder, xw, xu, fair)
+function P.unqueue(holder, xw, xu, fair)
   if not xw then
     local x = redis.call('HMGET', config, 'xw', 'xu')
     xw, xu = tonumber(x[1] or 0), tonumber(x[2] or 0)
   end
   if xw > 0 or (xu or 0) > 0 then
     local info = redis.call('HGET', winfo, holder)
-    local cost, units = cost_in(info), units_in(info)
+    local cost, units = P.cost_in(info), P.units_in(info)
     if cost > 1 then redis.call('HINCRBY', config, 'xw', 1 - cost) end
     if units > 1 then redis.call('HINCRBY', config, 'xu', 1 - units) end
   end
@@ -563,7 +571,7 @@ end
 -- ahead of it need, the units of the rates and quotas they spend, and whether the semaphore is
 -- fair (wfair exists). `before` is begin()'s;
 -- `tr` the caller's traffic (priority, weight, front) and config's xw and xu.
-local function place(holder, fair_key, before, tr)
+function P.place(holder, fair_key, before, tr)
   local rank, queued, round = 0, false, 0
   if before then
     rank = redis.call('ZRANK', queue, holder)
@@ -573,7 +581,7 @@ local function place(holder, fair_key, before, tr)
     if not queued then
       local bound = -tr.priority * PRIO
       if not tr.front then bound = bound + HALF end
-      rank = redis.call('ZCOUNT', queue, '-inf', '(' .. int(bound))
+      rank = redis.call('ZCOUNT', queue, '-inf', '(' .. P.int(bound))
     end
   end
   -- Fair shares (base.py): a queued waiter keeps its round; a newcomer gets one while fair
@@ -581,16 +589,16 @@ local function place(holder, fair_key, before, tr)
   local fair = redis.call('EXISTS', wfair) == 1
   if queued then
     if fair then
-      round = fair_entry(redis.call('HGET', wfair, holder))
-      for i, h in ipairs(in_order()) do
+      round = P.fair_entry(redis.call('HGET', wfair, holder))
+      for i, h in ipairs(P.in_order()) do
         if h == holder then rank = i - 1 break end
       end
     end
   elseif (fair or fair_key ~= '') and not tr.front then
-    round = next_round(fair_key, tr.weight)
+    round = P.next_round(fair_key, tr.weight)
     if before then
       rank = 0
-      for _, e in ipairs(entries()) do
+      for _, e in ipairs(P.entries()) do
         if e[1] > tr.priority or (e[1] == tr.priority and (e[5] or e[2] <= round)) then
           rank = rank + 1
         end
@@ -601,12 +609,12 @@ local function place(holder, fair_key, before, tr)
   if (tr.xw > 0 or (tr.xu > 0 and (tr.rates or tr.quotas))) and rank > 0 then
     -- costs: the units of the waiters ahead; units: what they spend
     local first
-    if fair then first = {unpack(in_order(), 1, rank)}
+    if fair then first = {unpack(P.in_order(), 1, rank)}
     else first = redis.call('ZRANGE', queue, 0, rank - 1) end
-    local infos = each_chunk('HMGET', winfo, first, {})
-    ahead = rank + extra_in(infos)
+    local infos = P.each_chunk('HMGET', winfo, first, {})
+    ahead = rank + P.extra_in(infos)
     if tr.xu > 0 then
-      for _, info in ipairs(infos) do spend = spend + units_in(info) - 1 end
+      for _, info in ipairs(infos) do spend = spend + P.units_in(info) - 1 end
     end
   end
   return rank, queued, round, ahead, spend, fair
@@ -615,7 +623,7 @@ end
 -- Rates and quotas as a call declares them (traffic()'s ARGV): rates 'interval burst;...' (us)
 -- from the first one's two ARGV and the others' one, quotas 'count period offset;...' (us);
 -- '-': it declares none (removes them); nil: it declares nothing.
-local function declared_rates(first, burst, more)
+function P.declared_rates(first, burst, more)
   if first == '-' then return {} end
   if not first or first == '' then return nil end
   local rates = {{tonumber(first), tonumber(burst)}}
@@ -631,16 +639,16 @@ end
 -- ku} as acquire.lua read them; declared rates and quotas become the semaphore's (base.py,
 -- "Rate", "Quotas": a rate keeps the tat of the rate in its place). Returns the table, or nil
 -- and the error of units a quota could never admit (then nothing is written).
-local function traffic(at, c)
+function P.traffic(at, c)
   local tr = {cost = tonumber(ARGV[at]) or 1, priority = tonumber(ARGV[at + 1]) or 0,
               weight = tonumber(ARGV[at + 2]) or 1, units = tonumber(ARGV[at + 5]) or 1,
               front = ARGV[at + 8] == '1', xh = tonumber(c[1]) or 0,
               xw = tonumber(c[2]) or 0, xu = tonumber(c[7]) or 0, pu = tonumber(c[6]),
               ku = c[10]}
-  local rates = declared_rates(ARGV[at + 3], ARGV[at + 4], ARGV[at + 6])
+  local rates = P.declared_rates(ARGV[at + 3], ARGV[at + 4], ARGV[at + 6])
   local qd = ARGV[at + 7] or ''
   if qd == '' then qd = c[9] elseif qd == '-' then qd = nil end
-  tr.quotas = quotas_of(qd)
+  tr.quotas = P.quotas_of(qd)
   for _, q in ipairs(tr.quotas or {}) do
     if tr.units > q[1] then
       return nil, 'UNITS ' .. tr.units .. ' ' .. q[1] .. ' ' .. q[2]
@@ -649,7 +657,7 @@ local function traffic(at, c)
   if (ARGV[at + 7] or '') ~= '' and qd ~= c[9] then
     if qd then redis.call('HSET', config, 'qd', qd) else redis.call('HDEL', config, 'qd') end
   end
-  local stored = rates_of(c[3], c[4], c[5], c[8])
+  local stored = P.rates_of(c[3], c[4], c[5], c[8])
   if rates then
     local changed = #rates ~= #(stored or {})
     local set, gone = {}, {}
@@ -685,12 +693,12 @@ end
 -- `spend` units of the rates and quotas before its own, with `count` holders: admitted (true),
 -- else what it waits for (0 slots, 1 units, 2 rate, 3 pause, 4 quota) and, when time alone can
 -- let it start, when (us, else -1).
-local function verdict(tr, count, rank, ahead, limit, twin, spend)
+function P.verdict(tr, count, rank, ahead, limit, twin, spend)
   if tr.pu and tr.pu > now then return false, 3, tr.pu - now end
   local fits = count + tr.xh + ahead + tr.cost <= limit
   if fits and not twin then
-    local quota = quota_wait(tr.quotas, spend, tr.units)
-    local rate = rates_wait(tr.rates, spend, tr.units)
+    local quota = P.quota_wait(tr.quotas, spend, tr.units)
+    local rate = P.rates_wait(tr.rates, spend, tr.units)
     if quota > 0 then return false, 4, math.max(quota, rate) end
     if rate > 0 then return false, 2, rate end
     return true, 0, -1
@@ -704,7 +712,7 @@ end
 -- slot used (a hash that Redis keeps as a list, slow to read, up to 512 fields): the first
 -- grant takes the greatest of them and deletes them all. Epochs then increase per semaphore,
 -- which is more than per slot (base.py's FencingToken).
-local function issued_epoch(e, fresh)
+function P.issued_epoch(e, fresh)
   if e then return tonumber(e) end
   if fresh then return 0 end
   local fields, most, old = redis.call('HGETALL', config), 0, {}
@@ -714,7 +722,7 @@ local function issued_epoch(e, fresh)
       table.insert(old, fields[i])
     end
   end
-  if #old > 0 then each_chunk('HDEL', config, old) end
+  if #old > 0 then P.each_chunk('HDEL', config, old) end
   return most
 end
 
@@ -722,20 +730,21 @@ end
 -- queue; `count` holders held before. Its start spends its units of every rate and quota. `fair`
 -- (false: wfair does not exist) and `entry` (its winfo entry, when queued and known) spare
 -- reads. Returns the new epoch.
-local function grant(holder, slot, last_epoch, limit, declared_limit, ttl, meta, queued, round,
+function P.grant(holder, slot, last_epoch, limit, declared_limit, ttl, meta, queued, round,
                      count, touched, tr, fair, entry)
   local epoch = math.max(last_epoch + 1, now)
   if declared_limit then
-    redis.call('HSET', config, 'limit', limit, 'd:' .. declared_limit, int(now), 'e', int(epoch))
+    redis.call('HSET', config, 'limit', limit, 'd:' .. declared_limit, P.int(now), 'e',
+      P.int(epoch))
   else  -- a pushed grant: the waiter declared its limit when it queued
-    redis.call('HSET', config, 'e', int(epoch))
+    redis.call('HSET', config, 'e', P.int(epoch))
   end
   if tr.cost > 1 then redis.call('HINCRBY', config, 'xh', tr.cost - 1) end
   if tr.rates then  -- a start: each rate's next one is units * interval later
     local set = {}
     for i, r in ipairs(tr.rates) do
       r[3] = math.max(r[3], now) + tr.units * r[1]
-      table.insert(set, i == 1 and 'tat' or 'tat' .. i) table.insert(set, int(r[3]))
+      table.insert(set, i == 1 and 'tat' or 'tat' .. i) table.insert(set, P.int(r[3]))
     end
     redis.call('HSET', config, unpack(set))
   end
@@ -746,24 +755,24 @@ local function grant(holder, slot, last_epoch, limit, declared_limit, ttl, meta,
     for _, q in ipairs(tr.quotas) do
       local key = q[2] .. ':' .. q[3]
       q[6] = q[6] + tr.units
-      table.insert(set, 'qs:' .. key) table.insert(set, int(q[4]))
-      table.insert(set, 'qu:' .. key) table.insert(set, int(q[6]))
+      table.insert(set, 'qs:' .. key) table.insert(set, P.int(q[4]))
+      table.insert(set, 'qu:' .. key) table.insert(set, P.int(q[6]))
       ku = math.max(ku, q[5])
-      acct = acct .. ';' .. key .. ':' .. int(q[4])
+      acct = acct .. ';' .. key .. ':' .. P.int(q[4])
     end
     acct = acct .. '\n'
-    table.insert(set, 'ku') table.insert(set, int(ku))
+    table.insert(set, 'ku') table.insert(set, P.int(ku))
     redis.call('HSET', config, unpack(set))
     if ku > (tonumber(tr.ku) or 0) and ku - now > idle_ms * 1000 then  -- a long window's first
       redis.call('PEXPIRE', config, math.ceil((ku - now) / 1000) + 1000)
     end
-    tr.ku = int(ku)
+    tr.ku = P.int(ku)
   end
-  redis.call('ZADD', holders, int(now + ttl), holder)
+  redis.call('ZADD', holders, P.int(now + ttl), holder)
   redis.call('HSET', hinfo, holder,
-    slot .. '\n' .. int(epoch) .. '\n' .. int(now) .. '\n' .. acct .. meta)
+    slot .. '\n' .. P.int(epoch) .. '\n' .. P.int(now) .. '\n' .. acct .. meta)
   if count > 0 then
-    index_add(holder, slot)
+    P.index_add(holder, slot)
   else  -- the first holder: no index yet (check_index builds it when it is needed)
     index_checked[slots] = nil
   end
@@ -773,12 +782,12 @@ local function grant(holder, slot, last_epoch, limit, declared_limit, ttl, meta,
   elseif queued then
     since = tonumber(string.match(entry or redis.call('HGET', winfo, holder), '\n(%d+)'))
   else since = now end
-  observe('wait', now - since)
-  if queued then unqueue(holder, tr.xw, tr.xu, fair) end
+  P.observe('wait', now - since)
+  if queued then P.unqueue(holder, tr.xw, tr.xu, fair) end
   if round > 0 and round > tonumber(redis.call('HGET', config, 'round') or 0) then
     redis.call('HSET', config, 'round', round)
   end
-  if count == 0 then keep(touched, tr.ku, holders, hinfo) else keep(touched, tr.ku) end
+  if count == 0 then P.keep(touched, tr.ku, holders, hinfo) else P.keep(touched, tr.ku) end
   return epoch
 end
 
@@ -786,50 +795,50 @@ end
 -- client id of its process) is admissible: grant it the lowest free slot as acquire.lua would,
 -- and publish 'name\nholder\nslot\nepoch\nexpires\nnow\nlimit' on its channel. `view`:
 -- admissible()'s, kept current here (the holder this grant adds).
-push_grant = function(h, info, ttl, client, view)
-  local slot = free_slot(view.count)
+function P.push_grant(h, info, ttl, client, view)
+  local slot = P.free_slot(view.count)
   local c = redis.call('HMGET', config, 'limit', 'touched', 'e', 'xh', 'xw', 'ri', 'rb',
     'tat', 'xu', 'rn', 'qd', 'ku')
-  local tr = {cost = cost_in(info), units = units_in(info), xh = tonumber(c[4]) or 0,
+  local tr = {cost = P.cost_in(info), units = P.units_in(info), xh = tonumber(c[4]) or 0,
               xw = tonumber(c[5]) or 0, xu = tonumber(c[9]) or 0,
-              rates = rates_of(c[6], c[7], c[8], c[10]), quotas = quotas_of(c[11]), ku = c[12]}
+              rates = P.rates_of(c[6], c[7], c[8], c[10]), quotas = P.quotas_of(c[11]), ku = c[12]}
   local round = 0
-  if view.fair then round = fair_entry(redis.call('HGET', wfair, h)) end
+  if view.fair then round = P.fair_entry(redis.call('HGET', wfair, h)) end
   local meta = string.match(info, '^[^\n]*\n[^\n]*\n(.*)$') or '{}'
-  local epoch = grant(h, slot, issued_epoch(c[3], false), tonumber(c[1]), nil, ttl, meta, true,
+  local epoch = P.grant(h, slot, P.issued_epoch(c[3], false), tonumber(c[1]), nil, ttl, meta, true,
     round, view.count, c[2], tr, view.fair, info)
   view.count = view.count + 1
   redis.call('PUBLISH', channel_prefix .. client, name .. '\n' .. h .. '\n' .. slot .. '\n' ..
-    int(epoch) .. '\n' .. int(now + ttl) .. '\n' .. int(now) .. '\n' .. c[1])
+    P.int(epoch) .. '\n' .. P.int(now + ttl) .. '\n' .. P.int(now) .. '\n' .. c[1])
 end
 
 -- Queue `holder` (or refresh its entry) at the place place() found.
-local function queue_up(holder, queued, round, fair_key, meta, client, waiter_ttl, tr)
+function P.queue_up(holder, queued, round, fair_key, meta, client, waiter_ttl, tr)
   if not queued then
     local ticket = redis.call('HINCRBY', config, 'ticket', 1)
     local score = ticket - tr.priority * PRIO
     if tr.front then score = score - HALF end
-    redis.call('ZADD', queue, int(score), holder)
+    redis.call('ZADD', queue, P.int(score), holder)
     if tr.cost > 1 then redis.call('HINCRBY', config, 'xw', tr.cost - 1) end
     if tr.units > 1 then redis.call('HINCRBY', config, 'xu', tr.units - 1) end
-    redis.call('HSET', winfo, holder, client .. '\n' .. int(now) .. '\n' .. meta)
+    redis.call('HSET', winfo, holder, client .. '\n' .. P.int(now) .. '\n' .. meta)
     if round > 0 then
       redis.call('HSET', wfair, holder, round .. '\n' .. fair_key)
       redis.call('PEXPIRE', wfair, idle_ms)
     end
   end
-  redis.call('ZADD', wexp, int(now + waiter_ttl), holder)
+  redis.call('ZADD', wexp, P.int(now + waiter_ttl), holder)
 end
 
 -- Seconds (us) until the earliest lease expires, -1 when nobody holds.
-local function retry_after()
+function P.retry_after()
   local first = redis.call('ZRANGE', holders, 0, 0, 'WITHSCORES')
   if #first > 0 then return math.max(0, tonumber(first[2]) - now) end
   return -1
 end
 
 -- Lua prints 14 significant digits; an adaptive limit's learned value keeps all 17.
-local function real(x) return string.format('%.17g', x) end
+function P.real(x) return string.format('%.17g', x) end
 
 -- Limits follow the code (model.py's State.declare, in_force, make_adaptive): the newest
 -- declaration (latest process start `stamp`, us, clamped to now; between equal stamps the
@@ -841,7 +850,7 @@ local function real(x) return string.format('%.17g', x) end
 -- followed the code (no 'ds') keeps its limit pinned when no caller declared it: an upgrade
 -- undoes no operator's resize. `cfg` (optional): config's DECLARE_FIELDS, read by the caller.
 local DECLARE_FIELDS = {'limit', 'pinned', 'dl', 'ds', 'ac', 'am', 'aM', 'ad', 'ai'}
-local function declare(declared, stamp, adaptive, cfg)
+function P.declare(declared, stamp, adaptive, cfg)
   cfg = cfg or redis.call('HMGET', config, unpack(DECLARE_FIELDS))
   local limit, pinned, wanted, since = tonumber(cfg[1]), cfg[2] == '1', tonumber(cfg[3]),
     tonumber(cfg[4])
@@ -855,7 +864,7 @@ local function declare(declared, stamp, adaptive, cfg)
     local set = {}
     if not wanted or stamp > since or declared ~= wanted then
       wanted, since = declared, stamp
-      set = {'dl', wanted, 'ds', int(since)}
+      set = {'dl', wanted, 'ds', P.int(since)}
     end
     local low, high, down, up = string.match(adaptive or '', '^(%S+) (%S+) (%S+) (%S+)$')
     if low then
@@ -864,7 +873,7 @@ local function declare(declared, stamp, adaptive, cfg)
       if not current then current = low else current = math.min(math.max(current, low), high) end
       if current ~= was or low ~= tonumber(cfg[6]) or high ~= tonumber(cfg[7])
           or tonumber(down) ~= tonumber(cfg[8]) or tonumber(up) ~= tonumber(cfg[9]) then
-        for _, v in ipairs({'ac', real(current), 'am', low, 'aM', high, 'ad', down, 'ai', up}) do
+        for _, v in ipairs({'ac', P.real(current), 'am', low, 'aM', high, 'ad', down, 'ai', up}) do
           table.insert(set, v)
         end
       end

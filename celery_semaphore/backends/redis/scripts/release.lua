@@ -1,15 +1,15 @@
 -- ARGV[4] holder, [5] the outcome of its call ('ok', 'overload', 'error'; absent or '': none),
 -- [6] its latency (us; kept for a later rule). Returns 1 when the holder held an unexpired
 -- lease, else 0. An outcome moves an adaptive limit (model.py's State.adapt) in this step.
-local before = begin()
+local before = P.begin()
 local removed = redis.call('ZREM', holders, ARGV[4])
 local left = nil  -- the holders' count after this release, when it released
 if removed == 1 then
   left = redis.call('ZCARD', holders)
   local info = redis.call('HGET', hinfo, ARGV[4])
   redis.call('HDEL', hinfo, ARGV[4])
-  if left == 0 then drop_index()  -- the last holder: no index left
-  elseif info then index_remove(ARGV[4], info) end
+  if left == 0 then P.drop_index()  -- the last holder: no index left
+  elseif info then P.index_remove(ARGV[4], info) end
   -- config's limit: its presence says that config exists (every script that creates config
   -- gives it one); then the adaptive limit's fields
   local c = info and redis.call('HMGET', config, 'limit', 'ac', 'am', 'aM', 'ad', 'ai', 'at',
@@ -17,11 +17,11 @@ if removed == 1 then
   if info and c[1] then
     table.remove(c, 1)
     local since = tonumber(string.match(info, '^%d+\n%d+\n(%d+)'))
-    observe('hold', now - since)
+    P.observe('hold', now - since)
     local xh = tonumber(c[8]) or 0  -- after this release
-    if cost_in(info) > 1 then
-      redis.call('HINCRBY', config, 'xh', 1 - cost_in(info))
-      xh = xh + 1 - cost_in(info)
+    if P.cost_in(info) > 1 then
+      redis.call('HINCRBY', config, 'xh', 1 - P.cost_in(info))
+      xh = xh + 1 - P.cost_in(info)
     end
     local outcome = ARGV[5] or ''
     if outcome == 'ok' or outcome == 'overload' then
@@ -31,7 +31,7 @@ if removed == 1 then
         local ceiling = tonumber(c[9]) or 0
         if outcome == 'ok' then
           -- the units held before this release, its own included
-          local held = left + xh + cost_in(info)
+          local held = left + xh + P.cost_in(info)
           if held >= current / 2 then
             local step = tonumber(c[5]) / current
             -- probing the limit that last overloaded: base.ADAPTIVE_PROBE_SLOWER times slower
@@ -42,10 +42,10 @@ if removed == 1 then
             end
           end
         elseif since >= (tonumber(c[6]) or 0) then  -- once per round trip of work
-          set = {'at', int(now), 'ak', math.floor(current)}
+          set = {'at', P.int(now), 'ak', math.floor(current)}
           current = math.max(tonumber(c[2]), current * tonumber(c[4]))
         end
-        table.insert(set, 'ac') table.insert(set, real(current))
+        table.insert(set, 'ac') table.insert(set, P.real(current))
         table.insert(set, 'limit') table.insert(set, math.floor(current))
         redis.call('HSET', config, unpack(set))
       end
@@ -53,5 +53,5 @@ if removed == 1 then
   end
 end
 -- (a grant the wake pushed holds: the semaphore is not empty)
-if not wake(before) then forget_if_empty(left) end
+if not P.wake(before) then P.forget_if_empty(left) end
 return removed

@@ -3,17 +3,17 @@
 -- turned (never below 0) and every rate's tat (a refund never before now; an overdraft from
 -- max(tat, now)); its hinfo entry then says what is counted ('@counted;p:o:start;...' before
 -- its meta). Returns 1 when the holder holds (also when nothing changed), else 0.
-local before = begin()
+local before = P.begin()
 local holder, units = ARGV[4], tonumber(ARGV[5])
 local info = redis.call('HGET', hinfo, holder)
 if not info then
-  wake(before)
+  P.wake(before)
   return 0
 end
 local head, rest = string.match(info, '^(%d+\n%d+\n%d+\n)(.*)$')
 local acct, meta = string.match(rest, '^@([^\n]*)\n(.*)$')
 if not acct then acct, meta = '', rest end
-local counted = tonumber(string.match(acct, '^(%d+)')) or units_in('\n' .. meta)
+local counted = tonumber(string.match(acct, '^(%d+)')) or P.units_in('\n' .. meta)
 local change = units - counted
 if change ~= 0 then
   local windows = {}
@@ -23,24 +23,24 @@ if change ~= 0 then
   for _, w in ipairs(windows) do  -- its window, unless it turned
     local key = w[1] .. ':' .. w[2]
     local c = redis.call('HMGET', config, 'qs:' .. key, 'qu:' .. key)
-    if tonumber(c[1]) == w[3] and window_of(tonumber(w[1]), tonumber(w[2])) == w[3] then
-      redis.call('HSET', config, 'qu:' .. key, int(math.max(0, (tonumber(c[2]) or 0) + change)))
+    if tonumber(c[1]) == w[3] and P.window_of(tonumber(w[1]), tonumber(w[2])) == w[3] then
+      redis.call('HSET', config, 'qu:' .. key, P.int(math.max(0, (tonumber(c[2]) or 0) + change)))
     end
   end
   local c = redis.call('HMGET', config, 'ri', 'rb', 'tat', 'rn')
-  local rates = rates_of(c[1], c[2], c[3], c[4])
+  local rates = P.rates_of(c[1], c[2], c[3], c[4])
   if rates then
     local set = {}
     for i, r in ipairs(rates) do
       local tat
       if change < 0 then tat = math.max(now, r[3] + change * r[1])
       else tat = math.max(r[3], now) + change * r[1] end
-      table.insert(set, i == 1 and 'tat' or 'tat' .. i) table.insert(set, int(tat))
+      table.insert(set, i == 1 and 'tat' or 'tat' .. i) table.insert(set, P.int(tat))
     end
     redis.call('HSET', config, unpack(set))
   end
   acct = units .. (string.match(acct, '^%d*(.*)$') or '')
   redis.call('HSET', hinfo, holder, head .. '@' .. acct .. '\n' .. meta)
 end
-wake(before)
+P.wake(before)
 return 1

@@ -22,10 +22,10 @@ if not limit then return false end
 if not since and not seen[limit] then pinned = 1 end
 
 local holder_list = {}
-local live = redis.call('ZRANGEBYSCORE', holders, '(' .. int(now), '+inf', 'WITHSCORES')
+local live = redis.call('ZRANGEBYSCORE', holders, '(' .. P.int(now), '+inf', 'WITHSCORES')
 local names = {}
 for i = 1, #live, 2 do table.insert(names, live[i]) end
-local infos = each_chunk('HMGET', hinfo, names, {})
+local infos = P.each_chunk('HMGET', hinfo, names, {})
 for i, h in ipairs(names) do
   table.insert(holder_list, h)
   table.insert(holder_list, live[2 * i])
@@ -33,10 +33,10 @@ for i, h in ipairs(names) do
 end
 
 local waiter_list = {}
-names = in_order()
-local tickets = each_chunk('ZMSCORE', queue, names, {})
-local expiries = each_chunk('ZMSCORE', wexp, names, {})
-infos = each_chunk('HMGET', winfo, names, {})
+names = P.in_order()
+local tickets = P.each_chunk('ZMSCORE', queue, names, {})
+local expiries = P.each_chunk('ZMSCORE', wexp, names, {})
+infos = P.each_chunk('HMGET', winfo, names, {})
 for i, h in ipairs(names) do
   if tonumber(expiries[i] or 0) > now then
     table.insert(waiter_list, h)
@@ -46,18 +46,18 @@ for i, h in ipairs(names) do
 end
 -- counters: the 's:' fields of config, with the leases expired but not pruned yet
 local stat_list = {}
-local expired = redis.call('ZCOUNT', holders, '-inf', int(now))
+local expired = redis.call('ZCOUNT', holders, '-inf', P.int(now))
 for i = 1, #fields, 2 do
   if string.sub(fields[i], 1, 2) == 's:' then
     local value = fields[i + 1]
-    if fields[i] == 's:expired' then value = int(tonumber(value) + expired); expired = 0 end
+    if fields[i] == 's:expired' then value = P.int(tonumber(value) + expired); expired = 0 end
     table.insert(stat_list, string.sub(fields[i], 3))
     table.insert(stat_list, value)
   end
 end
 if expired > 0 then
   table.insert(stat_list, 'expired')
-  table.insert(stat_list, int(expired))
+  table.insert(stat_list, P.int(expired))
 end
 -- the first rate: {interval us, burst, tat us}, '' for each without one
 local f = {}
@@ -78,12 +78,12 @@ if f['ri'] then
 end
 local quotas = {}
 for c, p, o in string.gmatch(f['qd'] or '', '(%d+) (%d+) (%-?%d+)') do
-  local start, finish = window_of(tonumber(p), tonumber(o))
+  local start, finish = P.window_of(tonumber(p), tonumber(o))
   local used = '0'
   if tonumber(f['qs:' .. p .. ':' .. o]) == start then used = f['qu:' .. p .. ':' .. o] or '0' end
-  for _, v in ipairs({c, p, o, int(start), int(finish), used}) do table.insert(quotas, v) end
+  for _, v in ipairs({c, p, o, P.int(start), P.int(finish), used}) do table.insert(quotas, v) end
 end
 local adaptive = {}
 if f['ac'] then adaptive = {f['am'], f['aM'], f['ac']} end
-return {int(now), limit, declared_list, holder_list, waiter_list, stat_list, pinned, wanted,
+return {P.int(now), limit, declared_list, holder_list, waiter_list, stat_list, pinned, wanted,
   rate, {paused, reason, rates, quotas, adaptive}}
