@@ -247,3 +247,24 @@ def test_epochs_kept_per_slot_by_an_older_version_are_taken_over_and_dropped(pri
     assert epoch > ahead
     fields = client.hgetall(config)
     assert not [f for f in fields if f.startswith(b"e:")] and int(fields[b"e"]) == epoch
+
+
+def test_epochs_an_older_version_writes_after_the_takeover_go_at_the_next_refresh(private_redis):
+    """In a rolling upgrade an older version goes on writing 'e:<slot>' after the first grant
+    took the others over: the call that refreshes the keys' TTLs (every idle_ttl / 16) deletes
+    them, and the next epoch is above every one of them."""
+    url, client = private_redis
+    backend = get_backend(url, key_prefix="ix:")
+    for i in range(2):
+        assert backend.acquire("mixed", f"o{i}:1", limit=4, ttl=60, meta={}, wait=True).grant
+    config = backend._keys("mixed")[0]
+    ahead = int(client.time()[0] + 10) * 1_000_000
+    client.hset(config, mapping={"e:2": ahead, "e:3": 5})  # an older worker's grants
+    assert backend.acquire("mixed", "n:1", limit=4, ttl=60, meta={}, wait=True).grant
+    assert client.hexists(config, "e:2")  # (no refresh due yet: they stay)
+    client.hset(config, "touched", 1)  # the last refresh long ago
+    assert backend.release("mixed", "n:1")
+    assert backend.acquire("mixed", "p:1", limit=4, ttl=60, meta={}, wait=True).grant
+    assert not [f for f in client.hkeys(config) if f.startswith(b"e:")]
+    epoch = backend.acquire("mixed", "q:1", limit=4, ttl=60, meta={}, wait=True).grant.epoch
+    assert epoch > ahead

@@ -501,6 +501,12 @@ function P.keep(touched, ku, ...)
     if ku and ku - now > idle_ms * 1000 then
       redis.call('PEXPIRE', config, math.ceil((ku - now) / 1000) + 1000)
     end
+    if touched then  -- (an existing config) per-slot epochs an earlier version wrote go
+      local most = P.take_slot_epochs()
+      if most > 0 and most > (tonumber(redis.call('HGET', config, 'e')) or 0) then
+        redis.call('HSET', config, 'e', P.int(most))
+      end
+    end
   else
     for _, key in ipairs({...}) do redis.call('PEXPIRE', key, idle_ms) end
   end
@@ -707,14 +713,11 @@ function P.verdict(tr, count, rank, ahead, limit, twin, spend)
   return false, 0, -1
 end
 
--- The last fencing epoch this semaphore issued, from config's 'e' as read (`e`; `fresh`: config
--- did not exist before this call). A config written before 'e' existed kept one 'e:<slot>' per
--- slot used (a hash that Redis keeps as a list, slow to read, up to 512 fields): the first
--- grant takes the greatest of them and deletes them all. Epochs then increase per semaphore,
--- which is more than per slot (base.py's FencingToken).
-function P.issued_epoch(e, fresh)
-  if e then return tonumber(e) end
-  if fresh then return 0 end
+-- A config written by a version before config's 'e' kept one 'e:<slot>' epoch per slot used (a
+-- hash that Redis keeps as a list, slow to read, up to 512 fields), and such a version still
+-- writes them while a rolling upgrade runs: they are deleted, and the greatest returned (0:
+-- none).
+function P.take_slot_epochs()
   local fields, most, old = redis.call('HGETALL', config), 0, {}
   for i = 1, #fields, 2 do
     if string.sub(fields[i], 1, 2) == 'e:' then
@@ -724,6 +727,15 @@ function P.issued_epoch(e, fresh)
   end
   if #old > 0 then P.each_chunk('HDEL', config, old) end
   return most
+end
+-- The last fencing epoch this semaphore issued, from config's 'e' as read (`e`; `fresh`: config
+-- did not exist before this call). Without 'e', the first grant takes the earlier version's
+-- per-slot epochs over (and keep() those written after it, within idle_ms / 16). Epochs
+-- increase per semaphore, which is more than per slot (base.py's FencingToken).
+function P.issued_epoch(e, fresh)
+  if e then return tonumber(e) end
+  if fresh then return 0 end
+  return P.take_slot_epochs()
 end
 
 -- Give `holder` the lowest free `slot` (the semaphore's last epoch: `last_epoch`), leaving the
