@@ -217,6 +217,16 @@ def test_config_keeps_one_epoch_however_many_slots_are_used(private_redis):
     assert pushed.epoch > max(e for e, in epochs.values()) and again.epoch > pushed.epoch
 
 
+def _held(url, client, name, holders, limit=None):
+    """A backend, semaphore `name` with `holders` holders (o0:1, o1:1, ...), its config key,
+    and an epoch 10 s ahead of the server's clock (as if the clock had stepped back)."""
+    backend = get_backend(url, key_prefix="ix:")
+    for i in range(holders):
+        assert backend.acquire(name, f"o{i}:1", limit=limit or holders, ttl=60, meta={},
+                               wait=True).grant
+    return backend, backend._keys(name)[0], int(client.time()[0] + 10) * 1_000_000
+
+
 @pytest.mark.parametrize("way", ["acquire", "pushed", "acquire_all"])
 def test_epochs_kept_per_slot_by_an_older_version_are_taken_over_and_dropped(private_redis,
                                                                            way):
@@ -224,11 +234,7 @@ def test_epochs_kept_per_slot_by_an_older_version_are_taken_over_and_dropped(pri
     an epoch above every one of them (here 10 s ahead of the server's clock, as if the clock
     had stepped back), whichever way it grants, and deletes them."""
     url, client = private_redis
-    backend = get_backend(url, key_prefix="ix:")
-    for i in range(3):
-        assert backend.acquire("old", f"o{i}:1", limit=3, ttl=60, meta={}, wait=True).grant
-    config = backend._keys("old")[0]
-    ahead = int(client.time()[0] + 10) * 1_000_000
+    backend, config, ahead = _held(url, client, "old", 3)
     client.hdel(config, "e")
     client.hset(config, mapping={"e:0": ahead - 5, "e:1": ahead, "e:2": ahead - 9})
     if way == "acquire":
@@ -254,11 +260,7 @@ def test_epochs_an_older_version_writes_after_the_takeover_go_at_the_next_refres
     took the others over: the call that refreshes the keys' TTLs (every idle_ttl / 16) deletes
     them, and the next epoch is above every one of them."""
     url, client = private_redis
-    backend = get_backend(url, key_prefix="ix:")
-    for i in range(2):
-        assert backend.acquire("mixed", f"o{i}:1", limit=4, ttl=60, meta={}, wait=True).grant
-    config = backend._keys("mixed")[0]
-    ahead = int(client.time()[0] + 10) * 1_000_000
+    backend, config, ahead = _held(url, client, "mixed", 2, limit=4)
     client.hset(config, mapping={"e:2": ahead, "e:3": 5})  # an older worker's grants
     assert backend.acquire("mixed", "n:1", limit=4, ttl=60, meta={}, wait=True).grant
     assert client.hexists(config, "e:2")  # (no refresh due yet: they stay)
