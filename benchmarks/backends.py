@@ -183,6 +183,62 @@ def redis_holders_cost(sizes: Sequence[int] = (1, 16, 64, 256, 400, 1024),
                     f"redis-server of its own"}
 
 
+def redis_handoff_cost(cycles: int = 3000, queued: int = 4) -> Dict[str, Any]:
+    """What a handoff on a hot semaphore costs a Redis server (W2's and W11's case): on a
+    semaphore of limit 1 with ``queued`` waiters that asked for pushed grants, ``cycles``
+    times the holder's release, which grants the head of the queue and announces it, then a
+    new waiter's queue entry, on a ``redis-server`` of its own. Per cycle: the server's CPU
+    (from /proc), its time inside the two scripts and the commands they run (``INFO
+    commandstats``, those inside the scripts included)."""
+    from celery_semaphore.backends.redis import backend as redis_backend
+    from tests.servers import command_calls, free_port, start_redis
+
+    workdir = tempfile.mkdtemp(prefix="bench-handoff-")
+    proc, client = start_redis(free_port(), workdir)
+    meta = {"task_id": "t", "task": "tasks.resize_image", "worker": "celery@worker-1",
+            "first_wait": None}
+
+    def server_cpu() -> float:
+        fields = open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    try:
+        port = client.connection_pool.connection_kwargs["port"]
+        backend = redis_backend.RedisBackend(f"redis://127.0.0.1:{port}/0")
+        line = [f"h{i}:1" for i in range(queued + 1)]
+        for i, holder in enumerate(line):
+            answer = backend.acquire("hot", holder, limit=1, ttl=600, meta=meta, wait=True,
+                                     push=i > 0)
+            assert (answer.grant is not None) == (i == 0), answer
+        client.config_resetstat()
+        commands_before, cpu_before = command_calls(client), server_cpu()
+        for i in range(cycles):
+            assert backend.release("hot", line.pop(0))
+            holder = f"n{i}:1"
+            backend.acquire("hot", holder, limit=1, ttl=600, meta=meta, wait=True, push=True)
+            line.append(holder)
+        cpu_us = (server_cpu() - cpu_before) * 1e6 / cycles
+        stats = client.info("commandstats")
+        commands = command_calls(client)
+        status = backend.status("hot")
+        assert [h.holder for h in status.holders] == line[:1], status.holders
+        assert [w.holder for w in status.waiters] == line[1:], status.waiters
+    finally:
+        client.close()
+        proc.terminate()
+        proc.wait(10)
+    script_us = stats["cmdstat_evalsha"]["usec"] / cycles
+    per_cycle = (sum(commands.values()) - sum(commands_before.values())
+                 - (commands.get("info", 0) - commands_before.get("info", 0))) / cycles
+    return {"backend": "redis (one handoff's server CPU)", "processes": 1,
+            "server_us_per_cycle": round(cpu_us), "in_scripts_us": round(script_us),
+            "commands_per_cycle": round(per_cycle, 1),
+            "note": f"{cpu_us:.0f} us of server CPU per handoff (a release that pushes the "
+                    f"head's grant, then a queue entry): {script_us:.0f} inside the two "
+                    f"scripts, {per_cycle:.1f} commands; {cycles} cycles beside {queued} "
+                    f"waiters, on a redis-server of its own"}
+
+
 CONSUL_NOTE = "measured against the test double (says nothing about a real Consul's speed)"
 
 
@@ -239,7 +295,8 @@ def run(redis_url: str, amqp_url: str, more: Dict[str, str]) -> List[Dict[str, A
             row = {"backend": name, **measure(url, processes)}
             print(f"  {row}", flush=True)
             rows.append(row)
-    for row in (redis_server_cost(redis_url), redis_pair_cost(), redis_holders_cost()):
+    for row in (redis_server_cost(redis_url), redis_pair_cost(), redis_holders_cost(),
+                redis_handoff_cost()):
         print(f"  {row}", flush=True)
         rows.append(row)
     rows.extend(consul_rows())

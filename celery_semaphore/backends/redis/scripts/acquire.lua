@@ -13,14 +13,16 @@ local holder, declared_limit, ttl = ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6]
 local meta, wait, client, waiter_ttl = ARGV[7], ARGV[8] == '1', ARGV[9], tonumber(ARGV[10])
 local fair_key = ARGV[11] or ''
 
-local before = P.begin()
+-- (begin's view: the holders' count it read when somebody waits and the pruning changed none)
+local view = {}
+local before = P.begin(view)
 
 -- The holders' count, the re-acquire check, the lowest free slot and any twin (another
 -- holder of this holder's task: while it holds, this one is not admitted), from their index;
 -- with at least as many holders as the caller's declared limit (most likely full: a queue
 -- entry) only the count and the re-acquire check, the rest read if it is admitted after all
 -- (slot nil: not read yet).
-local count = redis.call('ZCARD', holders)
+local count = view.count or redis.call('ZCARD', holders)
 local slot, mine, twin
 if count < declared_limit then
   slot, mine, twin = P.read_holders(holder, count)

@@ -168,6 +168,7 @@ function P.each_chunk(command, key, members, out)
   return out
 end
 
+-- Both prunes return how many they took out.
 function P.prune_holders()
   local dead = redis.call('ZRANGEBYSCORE', holders, '-inf', P.int(now))
   if #dead > 0 then
@@ -183,6 +184,7 @@ function P.prune_holders()
     P.each_chunk('HDEL', hinfo, dead)
     if redis.call('EXISTS', config) == 1 then P.stat('expired', #dead) end
   end
+  return #dead
 end
 
 function P.prune_waiters()
@@ -203,6 +205,7 @@ function P.prune_waiters()
     P.each_chunk('HDEL', winfo, gone)
     P.each_chunk('HDEL', wfair, gone)
   end
+  return #gone
 end
 
 -- Fair shares (model.py's State.queue, fair, next_round). A wfair entry: round, fair key.
@@ -379,22 +382,27 @@ end
 -- force or while the rates allow the head no start (a waiter held back by time is told when to
 -- try); else the longest prefix of the queue whose costs fit in the free units and whose units
 -- fit in every quota, but those whose task another holder holds (they keep their place until
--- that twin goes). `view` (optional, wake's): filled with what was read on the way, for the
--- grants that follow in the same script: config's fields `c`, the holders' `count` and whether
--- the semaphore is `fair`.
+-- that twin goes). `view` (optional): filled with what was read on the way, for the grants
+-- that follow in the same script: config's fields `c` (VIEW_FIELDS), the holders' `count` and
+-- whether the semaphore is `fair`. A view that has `c` (and `count`) already is taken as
+-- current instead of reading them again: its owner keeps it so (begin, release.lua).
+local VIEW_FIELDS = {'limit', 'xh', 'xw', 'ri', 'rb', 'tat', 'pu', 'xu', 'rn', 'qd', 'touched',
+  'e', 'ku'}
 function P.admissible(view)
-  local c = redis.call('HMGET', config, 'limit', 'xh', 'xw', 'ri', 'rb', 'tat', 'pu', 'xu', 'rn',
-    'qd')
+  view = view or {}
+  local c = view.c or redis.call('HMGET', config, unpack(VIEW_FIELDS))
+  view.c = c
   local limit = tonumber(c[1])
   if not limit then return {} end
   if c[7] and tonumber(c[7]) > now then return {} end
-  local count = redis.call('ZCARD', holders)
+  local count = view.count or redis.call('ZCARD', holders)
+  view.count = count
   local free = limit - count - (tonumber(c[2]) or 0)
   if free <= 0 then return {} end
   local rates, quotas = P.rates_of(c[4], c[5], c[6], c[9]), P.quotas_of(c[10])
   local first, out, held = nil, {}, nil
   local fair = redis.call('EXISTS', wfair) == 1
-  if view then view.c, view.count, view.fair = c, count, fair end
+  view.fair = fair
   if fair then
     first = {unpack(P.in_order(), 1, free)}
   else
@@ -441,14 +449,16 @@ end
 
 -- Every script that changes state starts here: remember which waiters were admissible before
 -- anything changes (nil when nobody waits, so the fast path costs one ZCARD), then prune.
-function P.begin()
+-- `view` (optional): admissible()'s, left with what it read of config and the holders' count
+-- when the pruning changed neither, for the caller to reuse (and to keep current).
+function P.begin(view)
   local before = nil
   if redis.call('ZCARD', queue) > 0 then
     before = {}
-    for _, h in ipairs(P.admissible()) do before[h] = true end
-    P.prune_waiters()
+    for _, h in ipairs(P.admissible(view)) do before[h] = true end
+    if P.prune_waiters() > 0 and view then view.c, view.count = nil, nil end
   end
-  P.prune_holders()
+  if P.prune_holders() > 0 and view then view.c, view.count = nil, nil end
   return before
 end
 
@@ -460,11 +470,13 @@ end
 -- waiter this operation made admissible is notified, on the channel of the process that
 -- queued it. A waiter queued by this very operation is never admissible, so when nobody waited
 -- before (before == nil) there is nobody to wake. With a rate, one grant at most is pushed per
--- operation (each start moves the rate's next one); the others are woken and try.
+-- operation (each start moves the rate's next one); the others are woken and try. `view`
+-- (optional): begin()'s, kept current by the caller since (release.lua).
 -- Returns whether it granted anyone.
-function P.wake(before)
+function P.wake(before, view)
   if not before then return false end
-  local view, pushed_tasks, granted = {}, {}, false
+  local pushed_tasks, granted = {}, false
+  view = view or {}
   for i, h in ipairs(P.admissible(view)) do
     local info = redis.call('HGET', winfo, h)
     if info then
@@ -806,20 +818,26 @@ end
 -- A pushed grant (wake): waiter `h` (its winfo entry `info`, the lease TTL it asked for, the
 -- client id of its process) is admissible: grant it the lowest free slot as acquire.lua would,
 -- and publish 'name\nholder\nslot\nepoch\nexpires\nnow\nlimit' on its channel. `view`:
--- admissible()'s, kept current here (the holder this grant adds).
+-- admissible()'s, kept current here (the holder this grant adds and the fields of config it
+-- writes), so that the next grant of the same wake reads nothing again.
 function P.push_grant(h, info, ttl, client, view)
   local slot = P.free_slot(view.count)
-  local c = redis.call('HMGET', config, 'limit', 'touched', 'e', 'xh', 'xw', 'ri', 'rb',
-    'tat', 'xu', 'rn', 'qd', 'ku')
-  local tr = {cost = P.cost_in(info), units = P.units_in(info), xh = tonumber(c[4]) or 0,
-              xw = tonumber(c[5]) or 0, xu = tonumber(c[9]) or 0,
-              rates = P.rates_of(c[6], c[7], c[8], c[10]), quotas = P.quotas_of(c[11]), ku = c[12]}
+  local c = view.c
+  local tr = {cost = P.cost_in(info), units = P.units_in(info), xh = tonumber(c[2]) or 0,
+              xw = tonumber(c[3]) or 0, xu = tonumber(c[8]) or 0,
+              rates = P.rates_of(c[4], c[5], c[6], c[9]), quotas = P.quotas_of(c[10]), ku = c[13]}
   local round = 0
   if view.fair then round = P.fair_entry(redis.call('HGET', wfair, h)) end
   local meta = string.match(info, '^[^\n]*\n[^\n]*\n(.*)$') or '{}'
-  local epoch = P.grant(h, slot, P.issued_epoch(c[3], false), tonumber(c[1]), nil, ttl, meta, true,
-    round, view.count, c[2], tr, view.fair, info)
+  local epoch = P.grant(h, slot, P.issued_epoch(c[12], false), tonumber(c[1]), nil, ttl, meta, true,
+    round, view.count, c[11], tr, view.fair, info)
   view.count = view.count + 1
+  -- config as the grant left it: its epoch, costs held and waiting, the first rate's next start
+  -- (the others' are read again by rates_of), 'ku', and 'touched' (now, or fresh already)
+  c[12], c[11], c[13] = P.int(epoch), P.int(now), tr.ku
+  c[2] = tr.xh + tr.cost - 1
+  c[3], c[8] = tr.xw - (tr.cost - 1), tr.xu - (tr.units - 1)
+  if tr.rates then c[6] = P.int(tr.rates[1][3]) end
   redis.call('PUBLISH', channel_prefix .. client, name .. '\n' .. h .. '\n' .. slot .. '\n' ..
     P.int(epoch) .. '\n' .. P.int(now + ttl) .. '\n' .. P.int(now) .. '\n' .. c[1])
 end

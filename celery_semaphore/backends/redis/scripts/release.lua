@@ -1,11 +1,15 @@
 -- ARGV[4] holder, [5] the outcome of its call ('ok', 'overload', 'error'; absent or '': none),
 -- [6] its latency (us; kept for a later rule). Returns 1 when the holder held an unexpired
 -- lease, else 0. An outcome moves an adaptive limit (model.py's State.adapt) in this step.
-local before = P.begin()
+-- `view`: what begin read of config and the holders' count when somebody waits, kept current
+-- below for the wake (which then reads neither again).
+local view = {}
+local before = P.begin(view)
 local removed = redis.call('ZREM', holders, ARGV[4])
 local left = nil  -- the holders' count after this release, when it released
 if removed == 1 then
-  left = redis.call('ZCARD', holders)
+  if view.count then left = view.count - 1 else left = redis.call('ZCARD', holders) end
+  view.count = left
   local info = redis.call('HGET', hinfo, ARGV[4])
   redis.call('HDEL', hinfo, ARGV[4])
   if left == 0 then P.drop_index()  -- the last holder: no index left
@@ -22,6 +26,7 @@ if removed == 1 then
     if P.cost_in(info) > 1 then
       redis.call('HINCRBY', config, 'xh', 1 - P.cost_in(info))
       xh = xh + 1 - P.cost_in(info)
+      if view.c then view.c[2] = xh end
     end
     local outcome = ARGV[5] or ''
     if outcome == 'ok' or outcome == 'overload' then
@@ -48,10 +53,11 @@ if removed == 1 then
         table.insert(set, 'ac') table.insert(set, P.real(current))
         table.insert(set, 'limit') table.insert(set, math.floor(current))
         redis.call('HSET', config, unpack(set))
+        if view.c then view.c[1] = math.floor(current) end
       end
     end
   end
 end
 -- (a grant the wake pushed holds: the semaphore is not empty)
-if not P.wake(before) then P.forget_if_empty(left) end
+if not P.wake(before, view) then P.forget_if_empty(left) end
 return removed
