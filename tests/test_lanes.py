@@ -284,3 +284,42 @@ def test_a_copy_parked_here_makes_the_held_lane_prove_itself_empty_anew():
     book.pull_landed(LANE, 8)
     assert book.pulled(bell, 0, True, 130.0, LANE) == [Recheck(bell, RECHECK_AFTER)]
     assert book.rung_here(lane_of("t", None, "celery")) == []  # a lane it holds no bell of
+
+
+def test_a_doorbell_the_broker_does_not_take_resets_the_parking_connection(caplog):
+    """The I/O thread's ring of a lane fails on the broker: the lane's parked tasks wait for
+    the next doorbell, and the parking connection is dropped, as after any failed call on it,
+    so that the next park or pull opens a new one instead of meeting the closed channel (whose
+    ``AttributeError`` was logged as a bug). One warning for the ring, one for the outage."""
+    import logging
+    from types import SimpleNamespace
+
+    import redis
+
+    from celery_semaphore.worker.parking import ParkingLot
+
+    posted, closed, detached = [], [], []
+    channel = SimpleNamespace()
+    connection = SimpleNamespace(
+        connection_errors=(redis.ConnectionError,), channel_errors=(),
+        default_channel=channel, close=lambda: closed.append(True))
+    lot = ParkingLot.__new__(ParkingLot)
+    lot.ctx = SimpleNamespace(loop=SimpleNamespace(post=lambda fn, *a: posted.append(fn)))
+    lot.book = SimpleNamespace(ring_failed=lambda lane: None)
+    lot.settlements = SimpleNamespace(detach=lambda ch, keep: detached.append(ch))
+    lot.guards = SimpleNamespace(forget_all=lambda: None)
+    lot._unsettled, lot._faults_seen, lot._unavailable_since = set(), set(), None
+    lot._connection = connection
+
+    def refused(lane):
+        raise redis.ConnectionError("Error 111 connecting to 127.0.0.1:1. Connection refused.")
+
+    lot._publish_doorbell = refused
+    with caplog.at_level(logging.WARNING, logger="celery_semaphore"):
+        lot._ring(LANE)
+    assert lot._connection is None and closed == [True], "the parking connection stays"
+    assert lot.book.ring_failed in posted and lot._let_go_of_pulled in posted
+    said = [r.getMessage() for r in caplog.records]
+    assert any("ringing the doorbell of" in m and "failed" in m for m in said), said
+    assert sum("broker unavailable" in m for m in said) == 1, said
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], said

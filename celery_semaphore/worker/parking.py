@@ -581,13 +581,20 @@ class ParkingLot:
              connection=self._connection)
 
     def _ring(self, lane: str) -> None:
-        """Publish a doorbell of ``lane`` to its task queue (I/O thread)."""
+        """Publish a doorbell of ``lane`` to its task queue (I/O thread). A doorbell the broker
+        does not take leaves the lane's parked tasks for the next one, and the parking
+        connection is reset as after any failed call on it (:meth:`_lost`): a channel the
+        failure closed is never used again (the next park met it closed, and its
+        ``AttributeError`` was logged as a bug)."""
         try:
             self._publish_doorbell(lane)
         except Exception as exc:
             logger.warning("celery-semaphore: ringing the doorbell of %r failed (its parked "
                            "tasks wait for the next one): %s", semaphore_of(lane), exc)
+            self._lost(exc, f"ringing the doorbell of {semaphore_of(lane)!r}")
             self.ctx.loop.post(self.book.ring_failed, lane)
+            return
+        self._answered()
 
     def _pull(self, lane: str, want: int, began: float) -> None:
         messages: List[Any] = []
