@@ -14,6 +14,7 @@ from celery_semaphore.backends.base import Release, _civil, _days
 from celery_semaphore.backends.redis.backend import KEY_SUFFIXES, _sources
 from tests import servers
 from tests.test_redis_backend import _wakes
+from tests.util import wait_until
 
 META = {"task_id": "t", "task": "x"}
 
@@ -78,9 +79,13 @@ def test_a_call_that_uses_none_of_the_new_options_costs_the_same_commands(privat
 def test_a_queue_entry_and_a_pushed_handoff_cost_what_they_did_after_w11(private_redis):
     """W11's cost per queued task is one queue entry (an acquire that waits, asking for a
     pushed grant) and one handoff (the release ahead of it, which grants it and announces the
-    grant): 17 and 28 commands on a semaphore of limit 1 (EVALSHA, TIME and the handoff's two
-    PEXPIREs included; 18 and 32 before the release handed what its start had read of config
-    and of the holders' count to its wake and pushed grant, and the queue entry its count; 21
+    grant): 14 and 26 commands on a semaphore of limit 1 (EVALSHA, TIME and the handoff's two
+    PEXPIREs included). 17 and 28 before config's ``wn`` spared the pruning of waiters until
+    one may have expired, the queue entry's start took config's fields from its one read, its
+    reply the first lease from the pruning of holders, and the release read config once for
+    itself and its start; 18 and 32 before the release handed what its start had read of
+    config and of the holders' count to its wake and pushed grant, and the queue entry its
+    count; 21
     and 40 before the W11 work: the wake's second reads of config, of the holders and of the
     waiter's entry, the wfair reads and deletes of a semaphore with no fair
     shares, and the queued acquire's wake where the holders fill the limit; 32 before the
@@ -97,15 +102,17 @@ def test_a_queue_entry_and_a_pushed_handoff_cost_what_they_did_after_w11(private
         assert backend.acquire("h", "a:1", limit=1, ttl=30, meta=META, wait=True).grant
         entries = [counted(client, lambda i=i: backend.acquire(
             "h", f"q:{i}", limit=1, ttl=30, meta=META, wait=True, push=True)) for i in range(4)]
-        # (the first finds the queue empty: nobody to prune or to wake)
-        assert [sum(e.values()) for e in entries] == [16, 17, 17, 17], entries
+        # (the first finds the queue empty: nobody to prune or to wake; it sets config's wn,
+        # and its reply reads the first lease)
+        assert [sum(e.values()) for e in entries] == [17, 14, 14, 14], entries
         assert entries[-1] == {"evalsha": 1, "exists": 1, "hget": 1, "hincrby": 1,
-                               "hmget": 2, "hset": 1, "time": 1, "zadd": 2, "zcard": 2,
-                               "zcount": 1, "zrange": 1, "zrangebyscore": 2, "zrank": 1}
+                               "hmget": 1, "hset": 1, "time": 1, "zadd": 2, "zcard": 2,
+                               "zcount": 1, "zrangebyscore": 1, "zrank": 1}
         for ahead, head in (("a:1", "q:0"), ("q:0", "q:1")):
             handoff = counted(client, lambda ahead=ahead: backend.release("h", ahead))
-            assert sum(handoff.values()) - handoff.get("pexpire", 0) == 26, handoff
-            assert handoff["hmget"] == 2 and handoff["zcard"] == 2, handoff
+            assert sum(handoff.values()) - handoff.get("pexpire", 0) == 24, handoff
+            assert handoff["hmget"] == 1 and handoff["zcard"] == 2, handoff
+            assert handoff["zrangebyscore"] == 1, handoff  # the holders' pruning only
             assert handoff["publish"] == 1 and handoff["hincrby"] == 4, handoff
             assert wait_until_pushed(read, head)
             status = backend.status("h")
@@ -153,8 +160,6 @@ def test_no_grant_is_pushed_while_paused_and_the_resume_pushes_it(redis_url, pre
 
 
 def wait_until_pushed(read, holder):
-    from tests.util import wait_until
-
     return wait_until(lambda: any(h == holder and pushed is not None
                                   for _, h, pushed in read()))
 
@@ -414,6 +419,7 @@ def test_pushed_grants_agree_with_the_model_on_random_traffic(redis_url):
             assert [q.used for q in mine.quotas] == [q.used for q in theirs.quotas], step
             slots = [h.slot for h in theirs.holders]
             assert len(set(slots)) == len(slots) and all(0 <= s < 6 for s in slots), slots
+            _assert_wn_precedes_every_waiter(redis_backend, name)
             for h in theirs.holders:
                 if h.holder not in epochs:
                     assert all(h.epoch > e for e in epochs.values()), (h, epochs)
@@ -421,3 +427,64 @@ def test_pushed_grants_agree_with_the_model_on_random_traffic(redis_url):
         redis_backend.reset(name)
     # the test saw many pushed grants, several of them more than one in one operation
     assert pushes > 40 and several > 5, (pushes, several)
+
+
+def _assert_wn_precedes_every_waiter(backend, name):
+    """config's ``wn`` (prelude's prune_waiters) is at or before every waiter's expiry."""
+    keys = backend.key_names(name)
+    wn = backend.client.hget(keys["config"], "wn")
+    first = backend.client.zrange(keys["wexp"], 0, 0, withscores=True)
+    if first and wn is not None:
+        assert int(wn) <= first[0][1], (wn, first)
+
+
+def test_a_waiter_that_expires_first_is_pruned_when_it_expires(redis_url, prefix):
+    """The pruning of waiters runs once config's ``wn`` has passed: a waiter queued behind
+    others with a shorter waiter TTL lowers it, and is pruned as soon as it expires; a config
+    without ``wn`` (written by an earlier version) prunes at every call."""
+    long_lived = get_backend(redis_url, key_prefix=prefix, waiter_ttl=60.0)
+    short_lived = get_backend(redis_url, key_prefix=prefix, waiter_ttl=1.0)
+    keys = long_lived.key_names("x")
+    client = long_lived.client
+    try:
+        assert long_lived.acquire("x", "h:1", limit=1, ttl=30, meta=META, wait=True).grant
+        long_lived.acquire("x", "w1:1", limit=1, ttl=30, meta=META, wait=True)
+        short_lived.acquire("x", "w2:1", limit=1, ttl=30, meta=META, wait=True)
+        expires = client.zscore(keys["wexp"], "w2:1")
+        assert int(client.hget(keys["config"], "wn")) == expires
+
+        def pruned(holder):
+            long_lived.acquire("x", "w1:1", limit=1, ttl=30, meta=META, wait=True)  # a refresh
+            return client.zscore(keys["wexp"], holder) is None
+
+        assert wait_until(lambda: pruned("w2:1"), timeout=10)
+        assert [w.holder for w in long_lived.status("x").waiters] == ["w1:1"]
+        # the pruning moved wn to the next expiry (w1's, refreshed since: at or before it)
+        assert int(client.hget(keys["config"], "wn")) <= client.zscore(keys["wexp"], "w1:1")
+        short_lived.acquire("x", "w3:1", limit=1, ttl=30, meta=META, wait=True)
+        client.hdel(keys["config"], "wn")
+        assert wait_until(lambda: pruned("w3:1"), timeout=10)
+    finally:
+        long_lived.reset("x")
+
+
+def test_a_queued_reply_says_when_the_first_lease_ends(redis_url, prefix):
+    """retry_after is the first lease's remaining time, from the pruning's read of it."""
+    backend = get_backend(redis_url, key_prefix=prefix)
+    try:
+        assert backend.acquire("r", "a:1", limit=2, ttl=30, meta=META, wait=True).grant
+        assert backend.acquire("r", "b:1", limit=2, ttl=5, meta=META, wait=True).grant
+        queued = backend.acquire("r", "c:1", limit=2, ttl=30, meta=META, wait=True)
+        assert queued.grant is None and 4.0 < queued.retry_after <= 5.0, queued
+        backend.release("r", "b:1")  # (c is woken, not granted: d queues behind it)
+        queued = backend.acquire("r", "d:1", limit=2, ttl=30, meta=META, wait=True)
+        assert queued.grant is None and 25.0 < queued.retry_after <= 30.0, queued
+        # several semaphores at once: the blocking one's first lease, not the last one read
+        assert backend.acquire("s1", "e:1", limit=1, ttl=5, meta=META, wait=True).grant
+        assert backend.acquire("s2", "f:1", limit=2, ttl=30, meta=META, wait=True).grant
+        refused = backend.acquire_all([("s1", 1), ("s2", 2)], "g:1", ttl=30, meta=META,
+                                      wait=True)
+        assert refused.blocking == "s1" and 4.0 < refused.retry_after <= 5.0, refused
+    finally:
+        for name in ("r", "s1", "s2"):
+            backend.reset(name)

@@ -13,9 +13,19 @@ local holder, declared_limit, ttl = ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6]
 local meta, wait, client, waiter_ttl = ARGV[7], ARGV[8] == '1', ARGV[9], tonumber(ARGV[10])
 local fair_key = ARGV[11] or ''
 
--- (begin's view: the holders' count it read when somebody waits and the pruning changed none)
-local view = {}
+-- One read of config, before anything changes: the prelude's VIEW_FIELDS first (begin takes
+-- them as they are: config is read again only if the pruning changed it), then what declare()
+-- needs besides (declare writes none of the others), then when this declared limit was last
+-- seen. begin leaves the holders' count it read when somebody waits.
+local function read_config()
+  return redis.call('HMGET', config, 'limit', 'xh', 'xw', 'ri', 'rb', 'tat', 'pu', 'xu', 'rn',
+    'qd', 'touched', 'e', 'ku', 'wn', 'pinned', 'dl', 'ds', 'ac', 'am', 'aM', 'ad', 'ai',
+    'd:' .. declared_limit)
+end
+local all = read_config()
+local view = {c = all}
 local before = P.begin(view)
+all = view.c or read_config()  -- (view.c: all, its 'wn' kept current by the pruning)
 
 -- The holders' count, the re-acquire check, the lowest free slot and any twin (another
 -- holder of this holder's task: while it holds, this one is not admitted), from their index;
@@ -30,22 +40,16 @@ else
   mine = redis.call('HGET', hinfo, holder)
 end
 
--- One read of config: what declare() needs, then the rest (declare writes none of the rest),
--- then when this declared limit was last seen.
-local all = redis.call('HMGET', config, 'limit', 'pinned', 'dl', 'ds', 'ac', 'am', 'aM', 'ad',
-  'ai', 'touched', 'e', 'xh', 'xw', 'ri', 'rb', 'tat', 'pu', 'xu', 'rn', 'qd', 'ku',
-  'd:' .. declared_limit)
 -- The limit in force (the newest declaration's unless pinned); a new semaphore's is ours.
 local limit, ceiling = P.declare(declared_limit, tonumber(ARGV[#ARGV]), ARGV[21],
-  {unpack(all, 1, 9)})
-local cfg = {unpack(all, 10, 21)}
-local touched = cfg[1]
+  {all[1], all[15], all[16], all[17], all[18], all[19], all[20], all[21], all[22]})
+local touched = all[11]
 -- a cost the limit could never admit: refused before anything but the declaration is stored
 if (tonumber(ARGV[12]) or 1) > ceiling then
   return redis.error_reply('COST ' .. ARGV[12] .. ' ' .. ceiling)
 end
-local tr, refused = P.traffic(12, {cfg[3], cfg[4], cfg[5], cfg[6], cfg[7], cfg[8], cfg[9], cfg[10],
-  cfg[11], cfg[12]})
+local tr, refused = P.traffic(12, {all[2], all[3], all[4], all[5], all[6], all[7], all[8], all[9],
+  all[10], all[13]})
 if not tr then return redis.error_reply(refused) end
 
 if mine then  -- a current holder gets its grant back unchanged
@@ -71,7 +75,7 @@ end
 
 if admitted then
   -- count < limit, so the lowest free slot is below the limit.
-  local epoch = P.grant(holder, slot, P.issued_epoch(cfg[2], not all[1]), limit, declared_limit,
+  local epoch = P.grant(holder, slot, P.issued_epoch(all[12], not all[1]), limit, declared_limit,
     ttl, meta, queued, round, count, touched, tr, fair)
   P.wake(before)
   -- the units still free that nobody waits for: a hint for callers that take slots ahead (the
@@ -85,12 +89,12 @@ end
 -- The declaration is dated (the limit too: a config that expired on its own must not come back
 -- without one), unless config has a limit and dated it less than a second ago: status says
 -- when each declared limit was last seen to within a second.
-if not all[1] or not all[22] or now - tonumber(all[22]) > 1000000 then
+if not all[1] or not all[23] or now - tonumber(all[23]) > 1000000 then
   redis.call('HSET', config, 'limit', limit, 'd:' .. declared_limit, P.int(now))
 end
 local position = -1
 if wait then
-  P.queue_up(holder, queued, round, fair_key, meta, client, waiter_ttl, tr)
+  P.queue_up(holder, queued, round, fair_key, meta, client, waiter_ttl, tr, all[14])
   position = rank
 end
 -- A waiter added to an empty queue created the queue's keys.

@@ -53,9 +53,9 @@ for i = 1, n do
   st.slot, st.mine, twin = P.read_holders(holder, st.count)
   st.limit = P.declare(st.declared, tonumber(ARGV[#ARGV]), adaptive)
   local cfg = redis.call('HMGET', config, 'touched', 'e', 'xh', 'xw', 'ri', 'rb', 'tat',
-    'pu', 'xu', 'rn', 'qd', 'ku')
+    'pu', 'xu', 'rn', 'qd', 'ku', 'wn')
   st.touched = cfg[1]
-  st.epoch = cfg[2]
+  st.epoch, st.wn = cfg[2], cfg[13]
   local refused
   st.tr, refused = P.traffic(12 + 2 * n, {cfg[3], cfg[4], cfg[5], cfg[6], cfg[7], cfg[8], cfg[9],
     cfg[10], cfg[11], cfg[12]})
@@ -99,6 +99,7 @@ for i = 1, n do
   redis.call('HSET', config, 'limit', st.limit, 'd:' .. st.declared, P.int(now))
   if st.mine then
     redis.call('ZREM', holders, holder)
+    P.holders_changed()
     redis.call('HDEL', hinfo, holder)
     P.index_remove(holder, st.mine)
     if P.cost_in(st.mine) > 1 then redis.call('HINCRBY', config, 'xh', 1 - P.cost_in(st.mine)) end
@@ -106,7 +107,7 @@ for i = 1, n do
   end
   if i == blocking then
     if wait then
-      P.queue_up(holder, st.queued, st.round, fair_key, meta, client, waiter_ttl, st.tr)
+      P.queue_up(holder, st.queued, st.round, fair_key, meta, client, waiter_ttl, st.tr, st.wn)
       position = st.rank
     end
     if wait and not st.queued and st.rank == 0 then

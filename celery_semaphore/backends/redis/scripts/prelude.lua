@@ -6,7 +6,7 @@
 --                 by issued_epoch), d:<limit> (declared limit, last seen), pinned ('1':
 --                 resize pinned the limit), dl and ds (the newest declaration: its limit,
 --                 and the start of the process that made it, us; ds alone, 0: nobody
---                 declared yet)
+--                 declared yet), wn (no waiter expires before then: prune_waiters)
 --   holders zset  holder -> lease expiry          hinfo hash  holder -> slot\nepoch\nsince\nmeta
 --   queue   zset  holder -> ticket (FIFO order)   wexp  zset  holder -> waiter expiry
 --   winfo   hash  holder -> client\nsince\nmeta
@@ -168,8 +168,24 @@ function P.each_chunk(command, key, members, out)
   return out
 end
 
--- Both prunes return how many they took out.
-function P.prune_holders()
+-- Each semaphore's (holders key's) first lease {holder, expiry} as this call's pruning found
+-- it ({}: nobody holds), for retry_after, until this call adds or removes a holder
+-- (P.holders_changed).
+local first_lease = {}
+function P.holders_changed() first_lease[holders] = nil end
+
+-- Both prunes return how many they took out. Where somebody waits (`waited`: a queue entry
+-- needs retry_after), the holders' first lease says whether any has expired (one command
+-- either way; where nobody waits, the shorter reply of none).
+function P.prune_holders(waited)
+  first_lease[holders] = nil
+  if waited then
+    local first = redis.call('ZRANGEBYSCORE', holders, '-inf', '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+    if #first == 0 or tonumber(first[2]) > now then
+      first_lease[holders] = first
+      return 0
+    end
+  end
   local dead = redis.call('ZRANGEBYSCORE', holders, '-inf', P.int(now))
   if #dead > 0 then
     P.each_chunk('ZREM', holders, dead)
@@ -187,7 +203,11 @@ function P.prune_holders()
   return #dead
 end
 
-function P.prune_waiters()
+-- Waiters: config's 'wn' is at or before every waiter's expiry (queue_up lowers it for an
+-- earlier one; a waiter that leaves or expires later leaves it early), so begin prunes only
+-- once 'wn' has passed (or is unknown), and the pruning sets it to the next expiry (`write`:
+-- config exists, so that a 'wn' does not create it). Returns how many expired, and 'wn' now.
+function P.prune_waiters(write)
   local gone = redis.call('ZRANGEBYSCORE', wexp, '-inf', P.int(now))
   if #gone > 0 then
     P.each_chunk('ZREM', wexp, gone)
@@ -205,7 +225,10 @@ function P.prune_waiters()
     P.each_chunk('HDEL', winfo, gone)
     P.each_chunk('HDEL', wfair, gone)
   end
-  return #gone
+  local next = redis.call('ZRANGE', wexp, 0, 0, 'WITHSCORES')[2] or false
+  if next and write then redis.call('HSET', config, 'wn', next)
+  elseif not next then redis.call('HDEL', config, 'wn') end
+  return #gone, next
 end
 
 -- Fair shares (model.py's State.queue, fair, next_round). A wfair entry: round, fair key.
@@ -386,11 +409,13 @@ end
 -- that follow in the same script: config's fields `c` (VIEW_FIELDS), the holders' `count` and
 -- whether the semaphore is `fair`. A view that has `c` (and `count`) already is taken as
 -- current instead of reading them again: its owner keeps it so (begin, release.lua).
+-- (a caller that wants more of config in the same read names them all: `view.fields`, these
+-- first; a `c` it read itself starts with these too)
 local VIEW_FIELDS = {'limit', 'xh', 'xw', 'ri', 'rb', 'tat', 'pu', 'xu', 'rn', 'qd', 'touched',
-  'e', 'ku'}
+  'e', 'ku', 'wn'}
 function P.admissible(view)
   view = view or {}
-  local c = view.c or redis.call('HMGET', config, unpack(VIEW_FIELDS))
+  local c = view.c or redis.call('HMGET', config, unpack(view.fields or VIEW_FIELDS))
   view.c = c
   local limit = tonumber(c[1])
   if not limit then return {} end
@@ -450,15 +475,21 @@ end
 -- Every script that changes state starts here: remember which waiters were admissible before
 -- anything changes (nil when nobody waits, so the fast path costs one ZCARD), then prune.
 -- `view` (optional): admissible()'s, left with what it read of config and the holders' count
--- when the pruning changed neither, for the caller to reuse (and to keep current).
+-- when the pruning changed neither, for the caller to reuse (and to keep current); a caller
+-- that read config's VIEW_FIELDS already passes them as its `c`.
 function P.begin(view)
+  view = view or {}
   local before = nil
   if redis.call('ZCARD', queue) > 0 then
     before = {}
     for _, h in ipairs(P.admissible(view)) do before[h] = true end
-    if P.prune_waiters() > 0 and view then view.c, view.count = nil, nil end
+    local wn = tonumber(view.c[14])
+    if not wn or wn <= now then
+      local gone, next = P.prune_waiters(view.c[1] ~= false)
+      if gone > 0 then view.c, view.count = nil, nil else view.c[14] = next end
+    end
   end
-  if P.prune_holders() > 0 and view then view.c, view.count = nil, nil end
+  if P.prune_holders(before ~= nil) > 0 then view.c, view.count = nil, nil end
   return before
 end
 
@@ -793,6 +824,7 @@ function P.grant(holder, slot, last_epoch, limit, declared_limit, ttl, meta, que
     tr.ku = P.int(ku)
   end
   redis.call('ZADD', holders, P.int(now + ttl), holder)
+  P.holders_changed()
   redis.call('HSET', hinfo, holder,
     slot .. '\n' .. P.int(epoch) .. '\n' .. P.int(now) .. '\n' .. acct .. meta)
   if count > 0 then
@@ -842,8 +874,9 @@ function P.push_grant(h, info, ttl, client, view)
     P.int(epoch) .. '\n' .. P.int(now + ttl) .. '\n' .. P.int(now) .. '\n' .. c[1])
 end
 
--- Queue `holder` (or refresh its entry) at the place place() found.
-function P.queue_up(holder, queued, round, fair_key, meta, client, waiter_ttl, tr)
+-- Queue `holder` (or refresh its entry) at the place place() found; `wn`: config's (as read:
+-- false when absent), lowered to this waiter's expiry if that is earlier.
+function P.queue_up(holder, queued, round, fair_key, meta, client, waiter_ttl, tr, wn)
   if not queued then
     local ticket = redis.call('HINCRBY', config, 'ticket', 1)
     local score = ticket - tr.priority * PRIO
@@ -858,11 +891,14 @@ function P.queue_up(holder, queued, round, fair_key, meta, client, waiter_ttl, t
     end
   end
   redis.call('ZADD', wexp, P.int(now + waiter_ttl), holder)
+  if not tonumber(wn) or now + waiter_ttl < tonumber(wn) then
+    redis.call('HSET', config, 'wn', P.int(now + waiter_ttl))
+  end
 end
 
 -- Seconds (us) until the earliest lease expires, -1 when nobody holds.
 function P.retry_after()
-  local first = redis.call('ZRANGE', holders, 0, 0, 'WITHSCORES')
+  local first = first_lease[holders] or redis.call('ZRANGE', holders, 0, 0, 'WITHSCORES')
   if #first > 0 then return math.max(0, tonumber(first[2]) - now) end
   return -1
 end

@@ -1,11 +1,13 @@
 -- ARGV[4] holder, [5] the outcome of its call ('ok', 'overload', 'error'; absent or '': none),
 -- [6] its latency (us; kept for a later rule). Returns 1 when the holder held an unexpired
 -- lease, else 0. An outcome moves an adaptive limit (model.py's State.adapt) in this step.
--- `view`: what begin read of config and the holders' count when somebody waits, kept current
--- below for the wake (which then reads neither again).
-local view = {}
+-- `view`: what begin read of config (this script's fields too) and the holders' count when
+-- somebody waits, kept current below for the wake (which then reads neither again).
+local view = {fields = {'limit', 'xh', 'xw', 'ri', 'rb', 'tat', 'pu', 'xu', 'rn', 'qd', 'touched',
+  'e', 'ku', 'wn', 'ac', 'am', 'aM', 'ad', 'ai', 'at', 'pinned', 'ak'}}
 local before = P.begin(view)
 local removed = redis.call('ZREM', holders, ARGV[4])
+P.holders_changed()
 local left = nil  -- the holders' count after this release, when it released
 if removed == 1 then
   if view.count then left = view.count - 1 else left = redis.call('ZCARD', holders) end
@@ -16,8 +18,14 @@ if removed == 1 then
   elseif info then P.index_remove(ARGV[4], info) end
   -- config's limit: its presence says that config exists (every script that creates config
   -- gives it one); then the adaptive limit's fields
-  local c = info and redis.call('HMGET', config, 'limit', 'ac', 'am', 'aM', 'ad', 'ai', 'at',
-    'pinned', 'xh', 'ak')
+  local c = nil
+  if info and view.c then
+    local v = view.c
+    c = {v[1], v[15], v[16], v[17], v[18], v[19], v[20], v[21], v[2], v[22]}
+  elseif info then
+    c = redis.call('HMGET', config, 'limit', 'ac', 'am', 'aM', 'ad', 'ai', 'at', 'pinned', 'xh',
+      'ak')
+  end
   if info and c[1] then
     table.remove(c, 1)
     local since = tonumber(string.match(info, '^%d+\n%d+\n(%d+)'))

@@ -5,6 +5,7 @@ local result = -1
 if redis.call('ZSCORE', holders, ARGV[4]) then
   result = now + tonumber(ARGV[5])
   redis.call('ZADD', holders, 'XX', P.int(result), ARGV[4])
+  P.holders_changed()
   local c = redis.call('HMGET', config, 'touched', 'ku')
   P.keep(c[1], c[2])
 elseif redis.call('EXISTS', config) == 1 then
