@@ -79,8 +79,10 @@ def test_a_call_that_uses_none_of_the_new_options_costs_the_same_commands(privat
 def test_a_queue_entry_and_a_pushed_handoff_cost_what_they_did_after_w11(private_redis):
     """W11's cost per queued task is one queue entry (an acquire that waits, asking for a
     pushed grant) and one handoff (the release ahead of it, which grants it and announces the
-    grant): 14 and 26 commands on a semaphore of limit 1 (EVALSHA, TIME and the handoff's two
-    PEXPIREs included). 17 and 28 before config's ``wn`` spared the pruning of waiters until
+    grant): 13 and 26 commands on a semaphore of limit 1 (EVALSHA, TIME and the handoff's two
+    PEXPIREs included). 14 before config's ``pl`` (nobody waits at a lower priority) spared a
+    newcomer the count of the waiters ahead of it (ZCOUNT: begin's ZCARD is that count);
+    17 and 28 before config's ``wn`` spared the pruning of waiters until
     one may have expired, the queue entry's start took config's fields from its one read, its
     reply the first lease from the pruning of holders, and the release read config once for
     itself and its start; 18 and 32 before the release handed what its start had read of
@@ -102,12 +104,12 @@ def test_a_queue_entry_and_a_pushed_handoff_cost_what_they_did_after_w11(private
         assert backend.acquire("h", "a:1", limit=1, ttl=30, meta=META, wait=True).grant
         entries = [counted(client, lambda i=i: backend.acquire(
             "h", f"q:{i}", limit=1, ttl=30, meta=META, wait=True, push=True)) for i in range(4)]
-        # (the first finds the queue empty: nobody to prune or to wake; it sets config's wn,
-        # and its reply reads the first lease)
-        assert [sum(e.values()) for e in entries] == [17, 14, 14, 14], entries
+        # (the first finds the queue empty: nobody to prune or to wake; it sets config's wn
+        # and pl in one HSET, and its reply reads the first lease)
+        assert [sum(e.values()) for e in entries] == [17, 13, 13, 13], entries
         assert entries[-1] == {"evalsha": 1, "exists": 1, "hget": 1, "hincrby": 1,
                                "hmget": 1, "hset": 1, "time": 1, "zadd": 2, "zcard": 2,
-                               "zcount": 1, "zrangebyscore": 1, "zrank": 1}
+                               "zrangebyscore": 1, "zrank": 1}
         for ahead, head in (("a:1", "q:0"), ("q:0", "q:1")):
             handoff = counted(client, lambda ahead=ahead: backend.release("h", ahead))
             assert sum(handoff.values()) - handoff.get("pexpire", 0) == 24, handoff
@@ -121,6 +123,52 @@ def test_a_queue_entry_and_a_pushed_handoff_cost_what_they_did_after_w11(private
     finally:
         pubsub.close()
         backend.reset("h")
+
+
+def test_a_newcomer_counts_the_waiters_ahead_only_when_one_waits_at_a_lower_priority(
+        private_redis):
+    """Config's ``pl`` is the lowest priority anybody waits at: a newcomer at that priority or
+    a lower one goes behind every waiter without counting them (no ZCOUNT), a newcomer above it
+    counts those ahead; ``pl`` falls with a lower newcomer, starts again at the first waiter of
+    an empty queue, and a semaphore without it (a version before it) counts, with the same
+    positions throughout."""
+    url, client = private_redis
+    backend = get_backend(url, key_prefix="pl:")
+    config = backend._keys("p")[0]
+
+    def entry(holder, priority=0, front=False):
+        meta = {**META, "priority": priority, **({"front": True} if front else {})}
+        answer = {}
+        spent = counted(client, lambda: answer.setdefault("a", backend.acquire(
+            "p", holder, limit=1, ttl=30, meta=meta, wait=True)))
+        return answer["a"].position, spent.get("zcount", 0)
+
+    def lowest():
+        value = client.hget(config, "pl")
+        return None if value is None else int(value)
+
+    try:
+        assert backend.acquire("p", "a:1", limit=1, ttl=30, meta=META, wait=True).grant
+        assert entry("q:0") == (0, 0) and lowest() == 0  # the first of an empty queue
+        assert entry("q:1") == (1, 0)
+        assert entry("q:2", priority=-1) == (2, 0) and lowest() == -1
+        assert entry("q:3") == (2, 1)  # ahead of q:2: counted
+        assert entry("q:4", priority=2) == (0, 1)
+        assert entry("q:5", front=True) == (1, 1)  # a front one counts, whatever its priority
+        assert entry("q:6", priority=-1) == (6, 0) and lowest() == -1
+        assert [w.holder for w in backend.status("p").waiters] == [
+            "q:4", "q:5", "q:0", "q:1", "q:3", "q:2", "q:6"]
+        for holder in ("q:0", "q:1", "q:2", "q:3", "q:4", "q:5", "q:6"):
+            backend.cancel("p", holder)
+        assert entry("r:0", priority=1) == (0, 0) and lowest() == 1  # started again
+        assert entry("r:1", priority=1) == (1, 0)
+        assert entry("r:2") == (2, 0) and lowest() == 0
+        client.hdel(config, "pl")  # as a version before pl leaves config
+        assert entry("r:3", priority=1) == (2, 1)  # counted: nothing says who waits lower
+        assert lowest() is None  # (and nothing starts pl but an empty queue)
+        assert [w.holder for w in backend.status("p").waiters] == ["r:0", "r:1", "r:3", "r:2"]
+    finally:
+        backend.reset("p")
 
 
 def test_a_waiting_caller_dates_its_declaration_at_most_once_a_second(redis_url, prefix):

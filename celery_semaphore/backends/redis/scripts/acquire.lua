@@ -20,7 +20,7 @@ local fair_key = ARGV[11] or ''
 local function read_config()
   return redis.call('HMGET', config, 'limit', 'xh', 'xw', 'ri', 'rb', 'tat', 'pu', 'xu', 'rn',
     'qd', 'touched', 'e', 'ku', 'wn', 'pinned', 'dl', 'ds', 'ac', 'am', 'aM', 'ad', 'ai',
-    'd:' .. declared_limit)
+    'd:' .. declared_limit, 'pl')
 end
 local all = read_config()
 local view = {c = all}
@@ -62,7 +62,8 @@ if mine then  -- a current holder gets its grant back unchanged
   return {1, tonumber(held_slot), tonumber(epoch), expires, now, limit}
 end
 
-local rank, queued, round, ahead, spend, fair = P.place(holder, fair_key, before, tr)
+local rank, queued, round, ahead, spend, fair = P.place(holder, fair_key, before, tr,
+  view.waiting, all[24])
 local admitted, waits, due = P.verdict(tr, count, rank, ahead, limit, twin or false, spend)
 if admitted and not slot then  -- read now: the twin, then the slot
   twin = P.read_twin(holder, count)
@@ -94,7 +95,8 @@ if not all[1] or not all[23] or now - tonumber(all[23]) > 1000000 then
 end
 local position = -1
 if wait then
-  P.queue_up(holder, queued, round, fair_key, meta, client, waiter_ttl, tr, all[14])
+  P.queue_up(holder, queued, round, fair_key, meta, client, waiter_ttl, tr, all[14],
+    before == nil, all[24])
   position = rank
 end
 -- A waiter added to an empty queue created the queue's keys.

@@ -47,20 +47,22 @@ local blocking = nil
 for i = 1, n do
   use(i)
   local st = {declared = tonumber(ARGV[11 + 2 * i])}
-  st.before = P.begin()
+  local view = {}
+  st.before = P.begin(view)
   local twin
   st.count = redis.call('ZCARD', holders)
   st.slot, st.mine, twin = P.read_holders(holder, st.count)
   st.limit = P.declare(st.declared, tonumber(ARGV[#ARGV]), adaptive)
   local cfg = redis.call('HMGET', config, 'touched', 'e', 'xh', 'xw', 'ri', 'rb', 'tat',
-    'pu', 'xu', 'rn', 'qd', 'ku', 'wn')
+    'pu', 'xu', 'rn', 'qd', 'ku', 'wn', 'pl')
   st.touched = cfg[1]
-  st.epoch, st.wn = cfg[2], cfg[13]
+  st.epoch, st.wn, st.lowest = cfg[2], cfg[13], cfg[14]
   local refused
   st.tr, refused = P.traffic(12 + 2 * n, {cfg[3], cfg[4], cfg[5], cfg[6], cfg[7], cfg[8], cfg[9],
     cfg[10], cfg[11], cfg[12]})
   if not st.tr then return redis.error_reply(refused) end
-  local rank, queued, round, ahead, spend = P.place(holder, fair_key, st.before, st.tr)
+  local rank, queued, round, ahead, spend = P.place(holder, fair_key, st.before, st.tr,
+    view.waiting, st.lowest)
   st.rank, st.queued, st.round = rank, queued, round
   local admitted
   admitted, st.waits, st.due = P.verdict(st.tr, st.count, rank, ahead, st.limit, twin, spend)
@@ -107,7 +109,8 @@ for i = 1, n do
   end
   if i == blocking then
     if wait then
-      P.queue_up(holder, st.queued, st.round, fair_key, meta, client, waiter_ttl, st.tr, st.wn)
+      P.queue_up(holder, st.queued, st.round, fair_key, meta, client, waiter_ttl, st.tr, st.wn,
+        st.before == nil, st.lowest)
       position = st.rank
     end
     if wait and not st.queued and st.rank == 0 then

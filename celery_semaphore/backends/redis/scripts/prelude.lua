@@ -6,7 +6,8 @@
 --                 by issued_epoch), d:<limit> (declared limit, last seen), pinned ('1':
 --                 resize pinned the limit), dl and ds (the newest declaration: its limit,
 --                 and the start of the process that made it, us; ds alone, 0: nobody
---                 declared yet), wn (no waiter expires before then: prune_waiters)
+--                 declared yet), wn (no waiter expires before then: prune_waiters), pl (no
+--                 waiter has a lower priority: queue_up)
 --   holders zset  holder -> lease expiry          hinfo hash  holder -> slot\nepoch\nsince\nmeta
 --   queue   zset  holder -> ticket (FIFO order)   wexp  zset  holder -> waiter expiry
 --   winfo   hash  holder -> client\nsince\nmeta
@@ -475,17 +476,20 @@ end
 -- Every script that changes state starts here: remember which waiters were admissible before
 -- anything changes (nil when nobody waits, so the fast path costs one ZCARD), then prune.
 -- `view` (optional): admissible()'s, left with what it read of config and the holders' count
--- when the pruning changed neither, for the caller to reuse (and to keep current); a caller
--- that read config's VIEW_FIELDS already passes them as its `c`.
+-- when the pruning changed neither, for the caller to reuse (and to keep current), and with
+-- the number of waiters after the pruning (`waiting`); a caller that read config's
+-- VIEW_FIELDS already passes them as its `c`.
 function P.begin(view)
   view = view or {}
   local before = nil
-  if redis.call('ZCARD', queue) > 0 then
+  view.waiting = redis.call('ZCARD', queue)
+  if view.waiting > 0 then
     before = {}
     for _, h in ipairs(P.admissible(view)) do before[h] = true end
     local wn = tonumber(view.c[14])
     if not wn or wn <= now then
       local gone, next = P.prune_waiters(view.c[1] ~= false)
+      view.waiting = view.waiting - gone
       if gone > 0 then view.c, view.count = nil, nil else view.c[14] = next end
     end
   end
@@ -620,14 +624,19 @@ end
 -- ahead of it need, the units of the rates and quotas they spend, and whether the semaphore is
 -- fair (wfair exists). `before` is begin()'s;
 -- `tr` the caller's traffic (priority, weight, front) and config's xw and xu.
-function P.place(holder, fair_key, before, tr)
+function P.place(holder, fair_key, before, tr, waiting, lowest)
   local rank, queued, round = 0, false, 0
   if before then
     rank = redis.call('ZRANK', queue, holder)
     queued = rank ~= false
     -- a newcomer ranks behind every waiter of its priority or a higher one (a front one:
-    -- behind those of a higher priority and the front ones of its own)
-    if not queued then
+    -- behind those of a higher priority and the front ones of its own): behind them all when
+    -- none waits at a lower priority than its own (`lowest`: config's 'pl', see queue_up;
+    -- `waiting`: begin's count)
+    if not queued and waiting and not tr.front and tonumber(lowest)
+        and tr.priority <= tonumber(lowest) then
+      rank = waiting
+    elseif not queued then
       local bound = -tr.priority * PRIO
       if not tr.front then bound = bound + HALF end
       rank = redis.call('ZCOUNT', queue, '-inf', '(' .. P.int(bound))
@@ -875,8 +884,22 @@ function P.push_grant(h, info, ttl, client, view)
 end
 
 -- Queue `holder` (or refresh its entry) at the place place() found; `wn`: config's (as read:
--- false when absent), lowered to this waiter's expiry if that is earlier.
-function P.queue_up(holder, queued, round, fair_key, meta, client, waiter_ttl, tr, wn)
+-- false when absent), lowered to this waiter's expiry if that is earlier. Config's 'pl' (the
+-- lowest priority of a waiter: none waits at a lower one while it is there) is set to a
+-- newcomer's priority when the queue was empty (`empty`: begin found nobody waiting) or it is
+-- lower than 'pl' (`lowest`, as read), so that place() can rank a newcomer behind every waiter
+-- without counting them. A 'pl' that is too low (its waiters gone) or absent only costs that
+-- count. A version before 'pl' queues without keeping it (a rolling upgrade): a newcomer may
+-- then be ranked behind a waiter of a lower priority too, never ahead of one it should follow;
+-- it waits where it could have been admitted, and the wake at the end of its own call
+-- (acquire.lua) grants or wakes it.
+function P.queue_up(holder, queued, round, fair_key, meta, client, waiter_ttl, tr, wn, empty,
+                    lowest)
+  local set = {}
+  if not queued and (empty and tonumber(lowest) ~= tr.priority
+      or tonumber(lowest) and tr.priority < tonumber(lowest)) then
+    set = {'pl', P.int(tr.priority)}
+  end
   if not queued then
     local ticket = redis.call('HINCRBY', config, 'ticket', 1)
     local score = ticket - tr.priority * PRIO
@@ -892,8 +915,9 @@ function P.queue_up(holder, queued, round, fair_key, meta, client, waiter_ttl, t
   end
   redis.call('ZADD', wexp, P.int(now + waiter_ttl), holder)
   if not tonumber(wn) or now + waiter_ttl < tonumber(wn) then
-    redis.call('HSET', config, 'wn', P.int(now + waiter_ttl))
+    table.insert(set, 'wn') table.insert(set, P.int(now + waiter_ttl))
   end
+  if #set > 0 then redis.call('HSET', config, unpack(set)) end
 end
 
 -- Seconds (us) until the earliest lease expires, -1 when nobody holds.
